@@ -1,0 +1,69 @@
+"""Engine options, with defaults, validated on construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import ConfigError
+from .scheduler import BATCHING_MODES, POLICIES
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything an engine is built from. `model=None` means the default model."""
+
+    model: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_batch_size: int = 32
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    kv_cache_tokens: int | None = None  # pool size in tokens; else from kv_cache_bytes
+    kv_cache_bytes: int | None = None  # default DEFAULT_KV_CACHE_BYTES
+    policy: str = "paged"
+    batching: str = "iteration"
+    max_model_len: int | None = None  # cap on the model's context
+    seed: int = 0
+    keep_logits: bool = False  # return each iteration's logits (for tests)
+
+    def __post_init__(self) -> None:
+        _need(self.dtype in DTYPES, "dtype", self.dtype, f"one of {', '.join(DTYPES)}")
+        _need(self.device == "cpu" or self.device.startswith("cuda"), "device", self.device,
+              "'cpu' or 'cuda[:N]'")
+        if self.device == "cpu" and self.dtype != "float32":
+            raise ConfigError(f"dtype {self.dtype!r} is for GPUs; use 'float32' on cpu")
+        for name in ("max_batch_size", "max_num_batched_tokens", "block_size"):
+            value = getattr(self, name)
+            _need(isinstance(value, int) and value >= 1, name, value, "an integer >= 1")
+        for name in ("kv_cache_tokens", "kv_cache_bytes", "max_model_len"):
+            value = getattr(self, name)
+            _need(value is None or (isinstance(value, int) and value >= 1), name, value,
+                  "unset or an integer >= 1")
+        _need(self.policy in POLICIES, "policy", self.policy, f"one of {', '.join(POLICIES)}")
+        _need(self.batching in BATCHING_MODES, "batching", self.batching,
+              f"one of {', '.join(BATCHING_MODES)}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def num_kv_blocks(self, kv_elements_per_token: int) -> int:
+        """Pool size in blocks from kv_cache_tokens, else from the byte budget."""
+        tokens = self.kv_cache_tokens
+        if tokens is None:
+            bytes_per_token = kv_elements_per_token * self.torch_dtype.itemsize
+            tokens = (self.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // bytes_per_token
+        num_blocks = tokens // self.block_size
+        if num_blocks < 1:
+            raise ConfigError(f"the K/V pool holds {tokens} tokens, less than one block "
+                              f"of block_size {self.block_size}")
+        return num_blocks
+
+
+def _need(ok: bool, name: str, value, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"engine option {name!r} must be {allowed}, got {value!r}")

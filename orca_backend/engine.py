@@ -1,0 +1,171 @@
+"""The engine a server drives: add and abort requests, and `step()` one iteration at a time."""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer
+from .errors import ConfigError, InvalidRequestError
+from .kv_manager import BlockManager
+from .model_runner import ModelRunner
+from .model_store import prepare_default_model
+from .models import load_model
+from .request import Request, RequestStatus
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerConfig
+
+
+@dataclass(slots=True)
+class RequestDelta:
+    """What one iteration produced for one request."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int  # all generated so far
+    cumulative_logprob: float
+    logprobs: list[dict[int, tuple[float, int]]] | None = None  # one entry per new token
+    logits: torch.Tensor | None = None  # only with EngineConfig.keep_logits
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class _Tracked:
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    cumulative_logprob: float = 0.0
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_iterations: int = 0
+    step_seconds: float = 0.0  # whole step() time; the runner keeps the forward's share
+    batch_sizes: list[int] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.model_path = Path(config.model) if config.model else prepare_default_model()
+        if not (self.model_path / "tokenizer.json").exists():
+            raise ConfigError(f"model folder {self.model_path} has no tokenizer.json")
+        self.tokenizer = Tokenizer.from_file(str(self.model_path / "tokenizer.json"))
+        device = torch.device(config.device)
+        model = load_model(self.model_path, config.torch_dtype, device)
+        self.model_config = model.config
+        self.max_model_len = min(config.max_model_len or math.inf, model.config.max_model_len)
+        num_blocks = config.num_kv_blocks(model.config.kv_bytes_per_token)
+        self.kv = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(SchedulerConfig(
+            config.max_batch_size, config.max_num_batched_tokens, config.policy, config.batching),
+            self.kv)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, device,
+                                  config.torch_dtype, config.seed, config.keep_logits)
+        self.stats = EngineStats()
+        self._tracked: dict[str, _Tracked] = {}
+        self._num_added = 0
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | None = None) -> Request:
+        """Validate and queue a request; raises InvalidRequestError naming what is wrong."""
+        params = params or SamplingParams()
+        if request_id in self._tracked:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        token_ids = self.encode(prompt)
+        self._check_lengths(len(token_ids), params)
+        req = Request(request_id, token_ids, params, arrival_index=self._num_added)
+        self._num_added += 1
+        self._tracked[request_id] = _Tracked(req, IncrementalDetokenizer(self.tokenizer, token_ids, params))
+        self.scheduler.add(req)
+        return req
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt).ids if prompt else []
+        else:
+            token_ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
+                raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
+        if not token_ids:
+            raise InvalidRequestError("prompt is empty")
+        return token_ids
+
+    def _check_lengths(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        limit = self.max_model_len
+        if num_prompt_tokens >= limit:
+            raise InvalidRequestError(f"prompt has {num_prompt_tokens} tokens, the model's context "
+                                      f"is {limit} tokens (room is needed for one output token)")
+        if num_prompt_tokens + params.max_tokens > limit:
+            raise InvalidRequestError(
+                f"max_tokens {params.max_tokens} plus the prompt's {num_prompt_tokens} tokens "
+                f"exceed the model's context of {limit} tokens")
+        need = self.kv.blocks_for(num_prompt_tokens + params.max_tokens - 1)
+        if need > self.kv.num_blocks:
+            raise InvalidRequestError(
+                f"prompt plus max_tokens needs {need} K/V blocks, the pool has {self.kv.num_blocks}")
+
+    def abort_request(self, request_id: str) -> bool:
+        """Drop a request now and free its K/V blocks; False if it is unknown or finished."""
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return False
+        self.scheduler.finish(tracked.request, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._tracked)
+
+    # -- one iteration ----------------------------------------------------------------------
+    def step(self) -> list[RequestDelta]:
+        """Schedule and run one iteration; return a delta per request that got a token."""
+        start = time.perf_counter()
+        batch, requests = self.scheduler.schedule()
+        if not requests:
+            return []
+        out = self.runner.execute(batch, requests)
+        self.scheduler.update(batch, requests, out)
+        deltas = [self._process(req, token_id, out.sampled_logprobs[i], out.logprobs[i],
+                                out.logits[i] if out.logits is not None else None)
+                  for i, (req, token_id) in enumerate(zip(requests, out.token_ids))
+                  if token_id is not None]
+        self.stats.num_iterations += 1
+        self.stats.batch_sizes.append(batch.num_requests)
+        self.stats.step_seconds += time.perf_counter() - start
+        return deltas
+
+    def _process(self, req: Request, token_id: int, logprob: float, top, logits) -> RequestDelta:
+        tracked = self._tracked[req.request_id]
+        tracked.cumulative_logprob += logprob
+        status = self._finish_status(req, tracked, token_id)
+        if status is not None:
+            self.scheduler.finish(req, status)
+            del self._tracked[req.request_id]
+        return RequestDelta(
+            req.request_id, [token_id], tracked.detokenizer.take_delta(final=status is not None),
+            req.finish_reason, req.num_prompt_tokens, req.num_output_tokens,
+            tracked.cumulative_logprob, [top] if top is not None else None, logits)
+
+    def _finish_status(self, req: Request, tracked: _Tracked, token_id: int) -> RequestStatus | None:
+        p = req.params
+        may_stop = req.num_output_tokens >= p.min_tokens
+        if tracked.detokenizer.append(token_id, check_stop=may_stop):
+            return RequestStatus.FINISHED_STOPPED
+        is_eos = token_id in self.model_config.eos_token_ids and not p.ignore_eos
+        if may_stop and (is_eos or token_id in p.stop_token_ids):
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,62 @@
+"""Offline API in the style of vLLM: `LLM(model).generate(prompts, params)`."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .config import EngineConfig
+from .engine import LLMEngine, RequestDelta
+from .sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, tuple[float, int]]] | None = None
+
+    def add(self, delta: RequestDelta) -> None:
+        self.token_ids += delta.token_ids
+        self.text += delta.text
+        self.finish_reason = delta.finish_reason
+        self.cumulative_logprob = delta.cumulative_logprob
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.logprobs
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_options) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+
+    @property
+    def model_path(self) -> Path:
+        """The Hugging Face-format folder the engine loaded."""
+        return self.engine.model_path
+
+    def generate(self, prompts: str | list[str] | list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Run every prompt to completion (batched by the scheduler); outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(sampling_params, list):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling_params")
+        outputs: dict[str, RequestOutput] = {}
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+                req = self.engine.add_request(f"offline-{id(outputs)}-{i}", prompt, params)
+                outputs[req.request_id] = RequestOutput(req.request_id, req.prompt_token_ids)
+            while self.engine.has_unfinished_requests():
+                for delta in self.engine.step():
+                    outputs[delta.request_id].add(delta)
+        except BaseException:
+            for request_id in outputs:
+                self.engine.abort_request(request_id)
+            raise
+        return list(outputs.values())

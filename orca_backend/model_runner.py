@@ -1,0 +1,69 @@
+"""Runs one iteration of a ScheduledBatch: selective batching over the paged K/V cache."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .batch import SampledTokens, ScheduledBatch
+from .models.attention import AttentionMetadata
+from .request import Request
+from .sampler import Sampler
+
+
+class ModelRunner:
+    def __init__(self, model, num_blocks: int, block_size: int, device: torch.device,
+                 dtype: torch.dtype, seed: int, keep_logits: bool = False) -> None:
+        cfg = model.config
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        num_slots = num_blocks * block_size
+        shape = (num_slots, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
+                           torch.zeros(shape, dtype=dtype, device=device))
+                          for _ in range(cfg.num_layers)]
+        self.sampler = Sampler(device, seed, cfg.eos_token_ids)
+        self.keep_logits = keep_logits
+        self.forward_seconds = 0.0  # time in the model forward, for the overhead benchmark
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, requests: list[Request]) -> SampledTokens:
+        meta = AttentionMetadata.build(batch, self.block_size, self.device)
+        input_ids = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
+        last_rows, sampling = [], []
+        row = 0
+        for n, sample, req in zip(batch.num_scheduled_tokens, batch.sample, requests):
+            row += n
+            if sample:
+                last_rows.append(row - 1)
+                sampling.append(req)
+        start = time.perf_counter()
+        h = self.model.embed_tokens(input_ids, meta)  # [num_tokens, hidden]
+        h = self.model.run_layers(h, meta, self.kv_caches, range(self.model.config.num_layers))
+        logits = self.model.logits(h[last_rows])  # [num_sampled, vocab]: LM head on sampled rows only
+        self.forward_seconds += time.perf_counter() - start
+        out = self.sampler(logits, sampling) if sampling else None
+        return _align(batch, out, logits if self.keep_logits else None)
+
+
+def _align(batch: ScheduledBatch, out, logits) -> SampledTokens:
+    """Spread the sampler's per-sampled-row results over all requests of the batch."""
+    result = SampledTokens(token_ids=[], logprobs=[], sampled_logprobs=[],
+                           logits=[] if logits is not None else None)
+    j = 0
+    for sample in batch.sample:
+        if sample:
+            result.token_ids.append(out.token_ids[j])
+            result.sampled_logprobs.append(out.sampled_logprobs[j])
+            result.logprobs.append(out.top_logprobs[j])
+            if logits is not None:
+                result.logits.append(logits[j])
+            j += 1
+        else:
+            result.token_ids.append(None)
+            result.sampled_logprobs.append(None)
+            result.logprobs.append(None)
+            if logits is not None:
+                result.logits.append(None)
+    return result

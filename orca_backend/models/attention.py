@@ -1,0 +1,102 @@
+"""Selective batching's one per-request op: attention over each request's paged K/V.
+
+Everything else in a layer runs on the flattened [num_tokens, hidden] tensor. Attention
+needs each request's own context, so `AttentionMetadata` describes request boundaries once
+per iteration (shared by all layers): single-token rows (decodes) are attended together in
+one padded call, longer spans (prompts and prompt chunks) one request at a time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..batch import ScheduledBatch
+
+
+@dataclass(slots=True)
+class PrefillSpan:
+    start_row: int
+    end_row: int
+    context_slots: torch.Tensor | None  # [context_len] when earlier K/V is cached, else None
+    mask: torch.Tensor | None  # [num_rows, context_len] bool, True = may attend
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    positions: torch.Tensor  # [num_tokens]
+    slot_mapping: torch.Tensor  # [num_tokens], where each new token's K/V is written
+    decode_rows: torch.Tensor | None = None  # [num_decodes]
+    decode_slots: torch.Tensor | None = None  # [num_decodes, max_context_len]
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_context_len]
+    prefills: list[PrefillSpan] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, batch: ScheduledBatch, block_size: int, device: torch.device) -> AttentionMetadata:
+        starts = np.asarray(batch.num_computed_tokens, dtype=np.int64)
+        counts = np.asarray(batch.num_scheduled_tokens, dtype=np.int64)
+        max_blocks = max(len(t) for t in batch.block_tables)
+        tables = np.zeros((batch.num_requests, max_blocks), dtype=np.int64)
+        for i, table in enumerate(batch.block_tables):
+            tables[i, :len(table)] = table
+        row_req = np.repeat(np.arange(batch.num_requests), counts)
+        first_row = np.cumsum(counts) - counts
+        positions = starts[row_req] + np.arange(len(row_req)) - first_row[row_req]
+        slots = tables[row_req, positions // block_size] * block_size + positions % block_size
+
+        def t(a):
+            return torch.from_numpy(a).to(device)
+
+        meta = cls(positions=t(positions), slot_mapping=t(slots))
+        is_decode = counts == 1
+        if is_decode.any():
+            ctx = starts[is_decode] + 1
+            pos = np.arange(ctx.max())
+            dec_tables = tables[is_decode]
+            meta.decode_rows = t(first_row[is_decode])
+            meta.decode_slots = t(dec_tables[:, pos // block_size] * block_size + pos % block_size)
+            meta.decode_mask = t((pos[None, :] < ctx[:, None])[:, None, None, :])
+        for i in np.flatnonzero(~is_decode):
+            start, n, row = int(starts[i]), int(counts[i]), int(first_row[i])
+            span = PrefillSpan(row, row + n, None, None)
+            if start > 0:
+                pos = np.arange(start + n)
+                span.context_slots = t(tables[i, pos // block_size] * block_size + pos % block_size)
+                span.mask = t(pos[None, :] <= (start + np.arange(n))[:, None])
+            meta.prefills.append(span)
+        return meta
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q [T, Hq, D], k/v [T, Hkv, D]; caches [num_slots, Hkv, D]. Returns [T, Hq * D]."""
+    k_cache[meta.slot_mapping] = k
+    v_cache[meta.slot_mapping] = v
+    out = torch.empty_like(q)
+    if meta.decode_rows is not None:
+        qd = q[meta.decode_rows].unsqueeze(2)  # [B, Hq, 1, D]
+        kd = k_cache[meta.decode_slots].transpose(1, 2)  # [B, Hkv, L, D]
+        vd = v_cache[meta.decode_slots].transpose(1, 2)
+        od = _sdpa(qd, kd, vd, meta.decode_mask, scale)  # [B, Hq, 1, D]
+        out[meta.decode_rows] = od.squeeze(2)
+    for span in meta.prefills:
+        rows = slice(span.start_row, span.end_row)
+        if span.context_slots is None:
+            kp, vp = k[rows], v[rows]
+        else:
+            kp, vp = k_cache[span.context_slots], v_cache[span.context_slots]
+        op = _sdpa(q[rows].transpose(0, 1), kp.transpose(0, 1), vp.transpose(0, 1),
+                   span.mask, scale, causal=span.mask is None)  # [Hq, n, D]
+        out[rows] = op.transpose(0, 1)
+    return out.flatten(1)
+
+
+def _sdpa(q, k, v, mask, scale, causal=False):
+    groups = q.shape[-3] // k.shape[-3]
+    if groups > 1:  # grouped-query attention: each K/V head serves `groups` query heads
+        k = k.repeat_interleave(groups, dim=-3)
+        v = v.repeat_interleave(groups, dim=-3)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)

@@ -1,0 +1,42 @@
+"""Checkpoint tensors from *.safetensors, handed out by name to the model that uses them."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..errors import ConfigError
+
+_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
+
+
+class Weights:
+    def __init__(self, folder: Path, dtype: torch.dtype, device: torch.device,
+                 strip_prefix: str = "") -> None:
+        files = sorted(Path(folder).glob("*.safetensors"))
+        if not files:
+            raise ConfigError(f"model folder {folder} has no *.safetensors files")
+        self.folder, self.dtype, self.device = folder, dtype, device
+        self._handles = {}
+        for f in files:
+            handle = safe_open(str(f), framework="pt")
+            for name in handle.keys():
+                if not name.endswith(_IGNORED_SUFFIXES):
+                    key = name[len(strip_prefix):] if strip_prefix and name.startswith(strip_prefix) else name
+                    self._handles[key] = (handle, name)
+
+    def take_optional(self, name: str) -> torch.Tensor | None:
+        if name not in self._handles:
+            return None
+        handle, stored = self._handles.pop(name)
+        return handle.get_tensor(stored).to(device=self.device, dtype=self.dtype)
+
+    def take(self, name: str) -> torch.Tensor:
+        t = self.take_optional(name)
+        if t is None:
+            raise ConfigError(f"model folder {self.folder} lacks tensor {name!r}")
+        return t
+
+    def leftover(self) -> list[str]:
+        return sorted(self._handles)

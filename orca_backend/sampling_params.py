@@ -1,0 +1,152 @@
+"""Per-request sampling parameters, with the vLLM names and defaults."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import InvalidRequestError
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How one request samples and when it stops. Validated on construction."""
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, _coerce(f.name, getattr(self, f.name)))
+        _check(self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be >= 1")
+        _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be >= 0")
+        _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+               f"must be <= max_tokens ({self.max_tokens})")
+        _check(self.temperature >= 0, "temperature", self.temperature, "must be >= 0")
+        _check(self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "must be -1 (off) or >= 1")
+        _check(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
+        _check(0 <= self.min_p <= 1, "min_p", self.min_p, "must be in [0, 1]")
+        _check(self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, "must be > 0")
+        _check(-2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty,
+               "must be in [-2, 2]")
+        _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty,
+               "must be in [-2, 2]")
+        _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", self.logprobs,
+               "must be in [0, 20]")
+        _check(all(s for s in self.stop), "stop", self.stop, "must not contain empty strings")
+        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids,
+               "must be non-negative token ids")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> SamplingParams:
+        """Build from a JSON-style mapping whose values may be strings ("0.1", "true")."""
+        if not isinstance(values, dict):
+            raise InvalidRequestError(
+                f"sampling_parameters must be a JSON object, got {type(values).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise InvalidRequestError(
+                f"unknown sampling parameter {unknown[0]!r}; supported: {', '.join(sorted(known))}")
+        return cls(**values)
+
+    @classmethod
+    def from_json(cls, text: str) -> SamplingParams:
+        try:
+            values = json.loads(text) if text.strip() else {}
+        except json.JSONDecodeError as e:
+            raise InvalidRequestError(f"sampling_parameters is not valid JSON: {e}") from None
+        return cls.from_dict(values)
+
+
+_TYPES: dict[str, type] = {
+    "max_tokens": int, "min_tokens": int, "top_k": int, "seed": int, "logprobs": int,
+    "temperature": float, "top_p": float, "min_p": float, "repetition_penalty": float,
+    "presence_penalty": float, "frequency_penalty": float,
+    "ignore_eos": bool, "include_stop_str_in_output": bool, "skip_special_tokens": bool,
+}
+_OPTIONAL = {"seed", "logprobs"}
+
+
+def _check(ok: bool, name: str, value: Any, rule: str) -> None:
+    if not ok:
+        raise InvalidRequestError(f"sampling parameter {name!r} {rule}, got {value!r}")
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Turn a JSON value (possibly a string) into the field's type, or raise naming the field."""
+    if name == "stop":
+        return _coerce_list(name, value, str)
+    if name == "stop_token_ids":
+        return [_scalar(name, v, int) for v in _coerce_list(name, value, (int, str))]
+    if value is None and name in _OPTIONAL:
+        return None
+    return _scalar(name, value, _TYPES[name])
+
+
+def _coerce_list(name: str, value: Any, item_type) -> list:
+    if value is None:
+        return []
+    if isinstance(value, str) and name == "stop_token_ids":
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise InvalidRequestError(f"sampling parameter {name!r} must be a list of ints, "
+                                      f"got {value!r}") from None
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, item_type) for v in value):
+        raise InvalidRequestError(f"sampling parameter {name!r} has the wrong type: {value!r}")
+    return list(value)
+
+
+def _scalar(name: str, value: Any, kind: type) -> Any:
+    noun = {int: "an integer", float: "a number", bool: "true or false"}[kind]
+    bad = InvalidRequestError(f"sampling parameter {name!r} must be {noun}, got {value!r}")
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+            return value.strip().lower() == "true"
+        raise bad
+    if isinstance(value, bool):
+        raise bad
+    if isinstance(value, str):
+        try:
+            value = float(value.strip()) if kind is float else int(value.strip())
+        except ValueError:
+            raise bad from None
+    if kind is int:
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if not isinstance(value, int):
+            raise bad
+        return value
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise bad
+    return float(value)
