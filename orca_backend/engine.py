@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -48,21 +48,31 @@ class _Tracked:
 
 
 @dataclass(slots=True)
+class IterationRecord:
+    """One iteration's shape, for traces and tests."""
+
+    num_requests: int
+    num_tokens: int
+    num_prefill_requests: int
+    num_decode_requests: int
+    num_used_blocks: int
+    num_waiting: int
+
+
+@dataclass(slots=True)
 class EngineStats:
     num_iterations: int = 0
     step_seconds: float = 0.0  # whole step() time; the runner keeps the forward's share
-    batch_sizes: list[int] = field(default_factory=list)
+    last_iteration: IterationRecord | None = None
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
         self.model_path = Path(config.model) if config.model else prepare_default_model()
-        if not (self.model_path / "tokenizer.json").exists():
-            raise ConfigError(f"model folder {self.model_path} has no tokenizer.json")
-        self.tokenizer = Tokenizer.from_file(str(self.model_path / "tokenizer.json"))
         device = torch.device(config.device)
         model = load_model(self.model_path, config.torch_dtype, device)
+        self.tokenizer = _load_tokenizer(self.model_path)
         self.model_config = model.config
         self.max_model_len = min(config.max_model_len or math.inf, model.config.max_model_len)
         num_blocks = config.num_kv_blocks(model.config.kv_bytes_per_token)
@@ -142,7 +152,9 @@ class LLMEngine:
                   for i, (req, token_id) in enumerate(zip(requests, out.token_ids))
                   if token_id is not None]
         self.stats.num_iterations += 1
-        self.stats.batch_sizes.append(batch.num_requests)
+        self.stats.last_iteration = IterationRecord(
+            batch.num_requests, batch.num_tokens, batch.num_prefill_requests,
+            batch.num_decode_requests, self.kv.num_used_blocks, len(self.scheduler.waiting))
         self.stats.step_seconds += time.perf_counter() - start
         return deltas
 
@@ -169,3 +181,13 @@ class LLMEngine:
         if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+
+def _load_tokenizer(folder: Path) -> Tokenizer:
+    path = folder / "tokenizer.json"
+    if not path.exists():
+        raise ConfigError(f"model folder {folder} has no tokenizer.json")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # the tokenizers library raises a bare Exception
+        raise ConfigError(f"cannot load {path}: {e}") from e

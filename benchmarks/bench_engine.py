@@ -1,0 +1,231 @@
+"""Benchmark orca_backend against Hugging Face transformers on the default model (fp32).
+
+Runs in one process, side by side, and prints markdown tables:
+
+1. Decode throughput: B greedy requests of equal length (prompt `--prompt-tokens`, output
+   `--max-tokens`, ignore_eos) through `LLM.generate` and through `model.generate` on one
+   static batch. Reported as generated tokens/s and the ratio ours / transformers.
+2. Varying output lengths: 2 x 32 requests whose max_tokens are drawn uniformly from
+   [1, M]. Our engine gets them all at once (max_batch_size 32, so finished requests are
+   retired and waiting ones admitted every iteration); transformers runs static batches of
+   32 in arrival order, each to its longest request, and only each request's own max_tokens
+   count as useful output. Our engine with batching="request" runs the same requests.
+3. Engine overhead at each batch size of part 1: the share of `LLMEngine.step` spent outside
+   the model forward (scheduling, metadata, sampling, detokenizing), and the share of the
+   whole `generate` spent outside `step` (LLM.generate's own loop).
+
+Wall times include prefill for both systems. Usage: python benchmarks/bench_engine.py [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+# `python benchmarks/bench_engine.py` puts benchmarks/ on the path, not the repo root.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from orca_backend import LLM, SamplingParams  # noqa: E402
+from orca_backend.model_store import prepare_default_model  # noqa: E402
+
+# Real English text, so prompts look like ordinary input rather than random token ids.
+TEXT = (
+    "The history of computing is a story of abstractions built on top of one another. Early "
+    "machines were programmed by rewiring panels and flipping switches, and every program was "
+    "tied to the exact hardware it ran on. The invention of stored programs changed that: "
+    "instructions became data, and a machine could load a new task as easily as it loaded new "
+    "numbers. Assemblers gave names to instructions, compilers translated whole languages into "
+    "machine code, and operating systems shared one computer among many users who never saw "
+    "each other. Each layer hid details from the layer above while adding costs of its own, and "
+    "engineers have argued ever since about when those costs are worth paying. Networks then "
+    "joined computers into systems that no single person could see in full. A request typed in "
+    "one city might be served by a machine on another continent, passing through routers, "
+    "caches and queues along the way. Making such systems fast meant measuring them carefully: "
+    "where does the time go, which resource is the bottleneck, and what happens when the load "
+    "doubles? The answers were rarely obvious, and intuition was often wrong. Today the same "
+    "questions are asked about serving large language models. A model answers one token at a "
+    "time, each step reading every weight from memory, so serving many users together is the "
+    "only way to keep the hardware busy. How requests are grouped, when new ones may join, and "
+    "how their memory is managed decide whether a server answers thousands of users or dozens."
+)
+VARY_BATCH = 32  # batch size of part 2 (our max_batch_size, transformers' static batch)
+VARY_REQUESTS = 2 * VARY_BATCH  # more requests than fit, so our scheduler must admit late ones
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch-sizes", default="1,8,32,64", help="comma-separated, part 1 and 3")
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--quick", action="store_true", help="batch sizes 1,8,32 and max_tokens 32")
+    p.add_argument("--markdown", type=Path, help="also write the tables to this file")
+    args = p.parse_args()
+    if args.quick:
+        args.batch_sizes, args.max_tokens = "1,8,32", 32
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    return args
+
+
+def machine_facts() -> list[str]:
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return [f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
+            f"- CPU: {cpu}", f"- torch {torch.__version__}, threads {torch.get_num_threads()}",
+            f"- transformers {transformers.__version__}, python {platform.python_version()}"]
+
+
+def make_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
+    """n different windows of TEXT, each exactly `length` tokens."""
+    ids = tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    starts = len(ids) - length
+    if starts < n:
+        raise SystemExit(f"TEXT has {len(ids)} tokens: too short for {n} distinct prompts")
+    stride = max(1, starts // n)  # spread the windows so prompts overlap as little as possible
+    return [ids[(i * stride) % starts:(i * stride) % starts + length] for i in range(n)]
+
+
+def new_llm(max_batch_size: int, max_tokens: int, prompt_len: int, **options) -> LLM:
+    # Prefill of a whole batch fits one iteration, as in transformers' single prefill forward;
+    # the K/V pool is sized to the work so several engines fit in memory at once.
+    return LLM(max_batch_size=max_batch_size,
+               max_num_batched_tokens=max(512, max_batch_size * prompt_len),
+               kv_cache_tokens=max_batch_size * (prompt_len + max_tokens) + 1024, **options)
+
+
+def run_ours(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> dict:
+    """Warm up, then time one generate; returns outputs and the engine's time counters."""
+    llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)] * len(prompts))
+    engine = llm.engine
+    engine.stats.step_seconds, engine.runner.forward_seconds = 0.0, 0.0
+    iters_before = engine.stats.num_iterations
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    wall = time.perf_counter() - start
+    return {"wall": wall, "tokens": [o.token_ids for o in outs], "step": engine.stats.step_seconds,
+            "forward": engine.runner.forward_seconds,
+            "iters": engine.stats.num_iterations - iters_before}
+
+
+@torch.inference_mode()
+def hf_generate(model, prompts: list[list[int]], max_new: int, pad_id: int):
+    # Prompts share one length, so the batch needs no padding; the mask and pad id are set
+    # as a left-padded batch would set them.
+    input_ids = torch.tensor(prompts, dtype=torch.long)
+    out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                         do_sample=False, max_new_tokens=max_new, min_new_tokens=max_new,
+                         pad_token_id=pad_id)
+    return out[:, input_ids.shape[1]:].tolist()
+
+
+def run_hf(model, prompts: list[list[int]], max_new: int, pad_id: int) -> tuple[float, list]:
+    hf_generate(model, prompts, 2, pad_id)  # warm-up at the same batch size
+    start = time.perf_counter()
+    tokens = hf_generate(model, prompts, max_new, pad_id)
+    return time.perf_counter() - start, tokens
+
+
+def bench_fixed(args, model, tokenizer, pad_id: int) -> tuple[list, list]:
+    """Parts 1 and 3: equal-length requests at each batch size."""
+    M, P = args.max_tokens, args.prompt_tokens
+    llm = new_llm(max(args.batch_sizes), M, P)
+    speed, overhead = [], []
+    for B in args.batch_sizes:
+        prompts = make_prompts(tokenizer, B, P)
+        ours = run_ours(llm, prompts, [M] * B)
+        hf_wall, hf_tokens = run_hf(model, prompts, M, pad_id)
+        n_ours = sum(len(t) for t in ours["tokens"])
+        n_hf = sum(len(t) for t in hf_tokens)
+        same = sum(a == b for a, b in zip(ours["tokens"], hf_tokens))
+        speed.append([B, n_ours, f"{n_ours / ours['wall']:.1f}", f"{n_hf / hf_wall:.1f}",
+                      f"{(n_ours / ours['wall']) / (n_hf / hf_wall):.2f}x", f"{same}/{B}"])
+        overhead.append([B, ours["iters"], f"{ours['wall']:.2f}", f"{ours['step']:.2f}",
+                         f"{ours['forward']:.2f}", pct(1 - ours["forward"] / ours["step"]),
+                         pct(1 - ours["step"] / ours["wall"])])
+        print(f"  B={B}: ours {speed[-1][2]} tok/s, transformers {speed[-1][3]} tok/s", flush=True)
+    del llm
+    return speed, overhead
+
+
+def bench_varying(args, model, tokenizer, pad_id: int) -> list:
+    """Part 2: random output lengths; useful tokens only."""
+    M, P = args.max_tokens, args.prompt_tokens
+    max_tokens = np.random.default_rng(0).integers(1, M + 1, size=VARY_REQUESTS).tolist()
+    prompts = make_prompts(tokenizer, VARY_REQUESTS, P)
+    useful = sum(max_tokens)
+    rows = []
+    for label, batching in (("ours, iteration-level", "iteration"), ("ours, request-level", "request")):
+        llm = new_llm(VARY_BATCH, M, P, batching=batching)
+        r = run_ours(llm, prompts, max_tokens)
+        del llm
+        made = sum(len(t) for t in r["tokens"])
+        rows.append([label, useful, made, r["iters"], f"{made / r['iters']:.1f}",
+                     f"{r['wall']:.2f}", useful / r["wall"]])
+    hf_generate(model, prompts[:VARY_BATCH], 2, pad_id)  # warm-up
+    start, computed = time.perf_counter(), 0
+    for i in range(0, VARY_REQUESTS, VARY_BATCH):
+        longest = max(max_tokens[i:i + VARY_BATCH])  # a static batch runs to its longest request
+        hf_generate(model, prompts[i:i + VARY_BATCH], longest, pad_id)
+        computed += longest * len(prompts[i:i + VARY_BATCH])
+    hf_wall = time.perf_counter() - start
+    rows.append(["transformers, static", useful, computed, "-", "-", f"{hf_wall:.2f}",
+                 useful / hf_wall])
+    hf_rate = useful / hf_wall
+    return [row[:-1] + [f"{row[-1]:.1f}", f"{row[-1] / hf_rate:.2f}x"] for row in rows]
+
+
+def pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def table(headers: list[str], rows: list[list]) -> list[str]:
+    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
+    line = lambda cells: "| " + " | ".join(str(c).rjust(w) for c, w in zip(cells, widths)) + " |"
+    return [line(headers), "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|",
+            *map(line, rows)]
+
+
+def main() -> None:
+    args = parse_args()
+    transformers.logging.set_verbosity_error()  # generation-config notices would bury the tables
+    folder = prepare_default_model()  # the folder LLM() loads by default
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    M, P = args.max_tokens, args.prompt_tokens
+    print("measuring equal-length batches ...", flush=True)
+    speed, overhead = bench_fixed(args, model, tokenizer, pad_id)
+    print("measuring varying output lengths ...", flush=True)
+    varying = bench_varying(args, model, tokenizer, pad_id)
+    out = ["# orca_backend vs transformers, SmolLM2-135M-Instruct fp32 CPU", "", *machine_facts(),
+           "", f"## 1. Decode throughput (prompt {P} tokens, {M} output tokens, greedy, ignore_eos)",
+           "", *table(["batch", "tokens", "ours tok/s", "transformers tok/s", "ours/transformers",
+                       "same greedy output"], speed),
+           "", f"## 2. Varying output lengths ({VARY_REQUESTS} requests, max_tokens uniform in "
+           f"[1, {M}], batch {VARY_BATCH}, prompt {P} tokens)", "",
+           *table(["system", "useful tokens", "computed tokens", "iterations", "tokens/iteration",
+                   "wall s", "useful tok/s", "vs transformers"], varying),
+           "", "## 3. Our engine's time outside the model forward (runs of part 1)", "",
+           *table(["batch", "iterations", "generate s", "step s", "forward s",
+                   "step outside forward", "generate outside step"], overhead), ""]
+    print("\n".join(out))
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text("\n".join(out))
+
+
+if __name__ == "__main__":
+    main()

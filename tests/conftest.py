@@ -1,0 +1,49 @@
+"""Shared fixtures: the default model and tiny random checkpoints made with transformers."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from orca_backend.model_store import prepare_default_model
+
+TINY_VOCAB = 512  # token ids below this decode with the default model's tokenizer
+
+
+@pytest.fixture(scope="session")
+def default_model() -> Path:
+    return prepare_default_model()
+
+
+def _save_tiny(kind: str, folder: Path, tokenizer_json: Path) -> Path:
+    import torch
+    import transformers as tf
+
+    common = dict(vocab_size=TINY_VOCAB, initializer_range=0.2)
+    if kind == "gpt2":
+        config = tf.GPT2Config(n_positions=256, n_embd=64, n_layer=2, n_head=4,
+                               bos_token_id=0, eos_token_id=2, **common)
+        cls = tf.GPT2LMHeadModel
+    else:
+        arch = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0,
+                    tie_word_embeddings=kind == "qwen2", **common)
+        config = (tf.Qwen2Config if kind == "qwen2" else tf.LlamaConfig)(**arch)
+        cls = tf.Qwen2ForCausalLM if kind == "qwen2" else tf.LlamaForCausalLM
+    torch.manual_seed(0)
+    model = cls(config).float()
+    with torch.no_grad():  # perturb biases and norm weights too, so a dropped one would show
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.add_(torch.randn_like(param) * 0.2)
+    model.save_pretrained(folder)
+    shutil.copy(tokenizer_json, folder / "tokenizer.json")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, default_model) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {kind: _save_tiny(kind, root / kind, default_model / "tokenizer.json")
+            for kind in ("llama", "qwen2", "gpt2")}

@@ -1,0 +1,176 @@
+"""The engine on the default model: stopping, sampling options, logprobs, bad input, abort."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from orca_backend import LLM, ConfigError, EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
+
+GREEDY = dict(temperature=0)
+
+
+@pytest.fixture(scope="module")
+def llm(default_model):
+    return LLM(str(default_model), max_batch_size=8, max_num_batched_tokens=64, kv_cache_tokens=4096)
+
+
+def _gen(llm, prompt, **params):
+    return llm.generate([prompt], SamplingParams(**params))[0]
+
+
+def _no_leak(llm):
+    engine = llm.engine
+    engine.kv.check_integrity()
+    assert engine.kv.num_used_blocks == 0 and not engine.has_unfinished_requests()
+
+
+def test_default_model_writes_fluent_english(llm):
+    out = _gen(llm, "Once upon a time", max_tokens=20, **GREEDY)
+    assert out.text.startswith(", the city of") and out.finish_reason == "length"
+    assert len(out.token_ids) == 20 and llm.model_path.name == "SmolLM2-135M-Instruct"
+
+
+def test_stop_string_cuts_the_text(llm):
+    full = _gen(llm, "Once upon a time", max_tokens=20, **GREEDY).text
+    stop = "city"
+    cut = _gen(llm, "Once upon a time", max_tokens=20, stop=[stop], **GREEDY)
+    assert cut.text == full[:full.index(stop)] and cut.finish_reason == "stop"
+    kept = _gen(llm, "Once upon a time", max_tokens=20, stop=stop, include_stop_str_in_output=True, **GREEDY)
+    assert kept.text == full[:full.index(stop) + len(stop)]
+
+
+def test_streamed_deltas_never_show_part_of_a_stop_string(llm):
+    engine = llm.engine
+    full = _gen(llm, "Once upon a time", max_tokens=20, **GREEDY).text
+    stop = full[8:20]  # spans several tokens
+    engine.add_request("s", "Once upon a time", SamplingParams(max_tokens=20, stop=[stop], **GREEDY))
+    deltas = []
+    while engine.has_unfinished_requests():
+        deltas += [d.text for d in engine.step()]
+    assert "".join(deltas) == full[:8]
+    assert not any(stop[:4] in d for d in deltas)
+
+
+def test_stop_token_ids_and_min_tokens(llm):
+    base = _gen(llm, "The capital of France is", max_tokens=6, **GREEDY)
+    stop_id = base.token_ids[2]
+    out = _gen(llm, "The capital of France is", max_tokens=6, stop_token_ids=[stop_id], **GREEDY)
+    assert out.token_ids == base.token_ids[:3] and out.finish_reason == "stop"
+    first = base.token_ids[0]
+    banned = _gen(llm, "The capital of France is", max_tokens=6, min_tokens=2, stop_token_ids=[first], **GREEDY)
+    assert banned.token_ids[0] != first
+
+
+def test_eos_stops_unless_ignored(llm):
+    prompt = "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"
+    out = _gen(llm, prompt, max_tokens=64, **GREEDY)
+    assert out.finish_reason == "stop" and out.token_ids[-1] == 2 and "<|im_end|>" not in out.text
+    ignored = _gen(llm, prompt, max_tokens=len(out.token_ids) + 3, ignore_eos=True, **GREEDY)
+    assert ignored.finish_reason == "length" and ignored.token_ids[:len(out.token_ids)] == out.token_ids
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(llm):
+    params = SamplingParams(temperature=1.0, seed=1234, max_tokens=12)
+    alone = llm.generate(["Tell me a joke"], params)[0]
+    crowd = llm.generate(["Hello", "Tell me a joke", "Why is the sky blue?"],
+                         [SamplingParams(temperature=1.0, max_tokens=12), params, SamplingParams(max_tokens=5)])
+    assert crowd[1].token_ids == alone.token_ids
+    other = _gen(llm, "Tell me a joke", temperature=1.0, seed=99, max_tokens=12)
+    assert other.token_ids != alone.token_ids
+
+
+def test_top_k_1_and_tiny_top_p_equal_greedy(llm):
+    greedy = _gen(llm, "Water boils at", max_tokens=8, **GREEDY).token_ids
+    assert _gen(llm, "Water boils at", max_tokens=8, temperature=0.8, top_k=1).token_ids == greedy
+    assert _gen(llm, "Water boils at", max_tokens=8, temperature=0.8, top_p=1e-6).token_ids == greedy
+
+
+def test_logprobs_rank_and_cumulative(llm):
+    out = _gen(llm, "Water boils at", max_tokens=5, logprobs=3, **GREEDY)
+    assert len(out.logprobs) == 5
+    total = 0.0
+    for token_id, entry in zip(out.token_ids, out.logprobs):
+        assert next(iter(entry)) == token_id and entry[token_id][1] == 1  # greedy: rank 1
+        assert len(entry) == 3 and sorted(r for _, r in entry.values()) == [1, 2, 3]
+        total += entry[token_id][0]
+    assert out.cumulative_logprob == pytest.approx(total, abs=1e-4)
+    assert _gen(llm, "Water boils at", max_tokens=2, **GREEDY).logprobs is None
+
+
+def test_repetition_penalty_changes_a_looping_output(llm):
+    prompt = "one one one one one one one"
+    plain = _gen(llm, prompt, max_tokens=8, **GREEDY).token_ids
+    penalized = _gen(llm, prompt, max_tokens=8, repetition_penalty=3.0, **GREEDY).token_ids
+    assert len(set(penalized)) > len(set(plain))
+
+
+def test_multibyte_text_is_never_split(llm):
+    out = _gen(llm, "Translate to Chinese: good morning. 中文:", max_tokens=16, temperature=0.9, seed=3)
+    assert "\ufffd" not in out.text
+    # A character still incomplete when max_tokens ends the request is dropped, not broken.
+    whole = llm.engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    assert out.text == whole.rstrip("\ufffd") and len(out.text) > 4
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    ("", {}, "prompt is empty"),
+    ([], {}, "prompt is empty"),
+    ([1, 49152], {}, "prompt token ids"),
+    ("hi " * 9000, {}, r"prompt has \d+ tokens, the model's context is 8192"),
+    ("hi", {"max_tokens": 8192}, "max_tokens 8192 plus the prompt"),
+])
+def test_bad_requests_raise_and_leave_the_engine_working(llm, prompt, params, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        llm.generate([prompt], SamplingParams(**params))
+    assert _gen(llm, "Hi", max_tokens=2).finish_reason == "length"
+    _no_leak(llm)
+
+
+def test_a_request_larger_than_the_pool_is_refused(default_model):
+    engine = LLMEngine(EngineConfig(model=str(default_model), kv_cache_tokens=64, block_size=16))
+    with pytest.raises(InvalidRequestError, match="needs 5 K/V blocks, the pool has 4"):
+        engine.add_request("x", "hello", SamplingParams(max_tokens=70))
+
+
+def test_duplicate_request_id_is_refused(llm):
+    engine = llm.engine
+    engine.add_request("dup", "Hi", SamplingParams(max_tokens=1))
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        engine.add_request("dup", "Hi")
+    while engine.has_unfinished_requests():
+        engine.step()
+    _no_leak(llm)
+
+
+def test_abort_frees_blocks_and_spares_the_others(llm):
+    engine = llm.engine
+    expected = _gen(llm, "The sun is", max_tokens=10, **GREEDY).token_ids
+    engine.add_request("victim", "A long story about dragons " * 10, SamplingParams(max_tokens=50))
+    engine.add_request("keeper", "The sun is", SamplingParams(max_tokens=10, **GREEDY))
+    kept = []
+    for _ in range(3):
+        kept += [t for d in engine.step() if d.request_id == "keeper" for t in d.token_ids]
+    used = engine.kv.num_used_blocks
+    assert engine.abort_request("victim") and not engine.abort_request("victim")
+    assert engine.kv.num_used_blocks < used
+    while engine.has_unfinished_requests():
+        kept += [t for d in engine.step() if d.request_id == "keeper" for t in d.token_ids]
+    assert kept == expected
+    _no_leak(llm)
+
+
+def test_unsupported_architecture_lists_the_supported(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MambaForCausalLM"]}))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(ConfigError, match="MambaForCausalLM.*LlamaForCausalLM, Qwen2ForCausalLM, GPT2LMHeadModel"):
+        LLM(str(tmp_path))
+
+
+@pytest.mark.parametrize("options, name", [
+    (dict(dtype="int8"), "dtype"), (dict(device="tpu"), "device"), (dict(block_size=0), "block_size"),
+    (dict(policy="lifo"), "policy"), (dict(batching="static"), "batching"),
+    (dict(dtype="bfloat16"), "dtype"), (dict(kv_cache_tokens=0), "kv_cache_tokens")])
+def test_bad_engine_options_name_the_option(options, name):
+    with pytest.raises(ConfigError, match=name):
+        EngineConfig(**options)

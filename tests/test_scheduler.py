@@ -1,0 +1,157 @@
+"""Scheduler and K/V manager bookkeeping, with a fake model runner."""
+from __future__ import annotations
+
+import pytest
+
+from orca_backend.kv_manager import BlockManager
+from orca_backend.request import RequestStatus
+from orca_backend.scheduler import SchedulerConfig
+
+from fakes import FakeEngine
+
+
+def test_block_manager_allocates_frees_and_checks_integrity():
+    kv = BlockManager(num_blocks=4, block_size=4)
+    assert kv.allocate("a", 5) == [0, 1]
+    assert kv.num_new_blocks("a", 8) == 0 and kv.num_new_blocks("a", 9) == 1
+    assert kv.can_allocate("b", 8) and not kv.can_allocate("b", 9)
+    kv.allocate("b", 8)
+    with pytest.raises(RuntimeError, match="call can_allocate first"):
+        kv.allocate("a", 9)
+    kv.check_integrity()
+    assert kv.free("a") == 2 and kv.num_free_blocks == 2
+    kv.block_tables["b"].append(2)  # corrupt it on purpose
+    with pytest.raises(AssertionError, match="corrupt"):
+        kv.check_integrity()
+
+
+def test_requests_join_and_leave_at_iteration_boundaries():
+    eng = FakeEngine()
+    eng.add("a", 3, max_tokens=4)
+    assert eng.step().request_ids == ["a"]  # prefill, first token
+    eng.add("b", 2, max_tokens=2)
+    batch = eng.step()  # b joins at the very next iteration, beside a's decode
+    assert batch.request_ids == ["a", "b"] and batch.num_scheduled_tokens == [1, 2]
+    assert eng.step().request_ids == ["a", "b"]  # b samples its 2nd token and leaves
+    assert eng.scheduler.running[0].request_id == "a" and len(eng.scheduler.running) == 1
+    assert eng.step().request_ids == ["a"]
+    assert not eng.scheduler.num_unfinished and eng.kv.num_used_blocks == 0
+
+
+def test_decode_feeds_back_the_last_sampled_token():
+    eng = FakeEngine()
+    eng.add("a", 3, max_tokens=3)
+    assert eng.step().token_ids == [1, 2, 3]
+    assert eng.step().token_ids == [1000]
+    assert eng.step().token_ids == [1001]
+
+
+def test_token_budget_chunks_a_long_prompt():
+    eng = FakeEngine(max_num_batched_tokens=16)
+    eng.add("long", 40, max_tokens=2)
+    chunks = [eng.step() for _ in range(3)]
+    assert [b.num_scheduled_tokens for b in chunks] == [[16], [16], [8]]
+    assert [b.num_computed_tokens for b in chunks] == [[0], [16], [32]]
+    assert [b.sample for b in chunks] == [[False], [False], [True]]
+
+
+def test_decodes_share_the_budget_with_a_prefill_chunk():
+    eng = FakeEngine(max_num_batched_tokens=10)
+    eng.add("a", 2, max_tokens=5)
+    eng.step()
+    eng.add("b", 30, max_tokens=1)
+    batch = eng.step()
+    assert batch.request_ids == ["a", "b"] and batch.num_scheduled_tokens == [1, 9]
+    assert batch.num_prefill_requests == 1 and batch.num_decode_requests == 1
+
+
+def test_max_batch_size_limits_requests_per_iteration():
+    eng = FakeEngine(max_batch_size=2)
+    for i in range(3):
+        eng.add(str(i), 2, max_tokens=2)
+    assert eng.step().request_ids == ["0", "1"]
+    assert eng.step().request_ids == ["0", "1"]  # both finish here
+    assert eng.step().request_ids == ["2"]
+
+
+def test_reserve_policy_admits_only_what_fits_and_never_preempts():
+    eng = FakeEngine(num_blocks=4, block_size=4, policy="reserve")
+    eng.add("a", 4, max_tokens=5)  # 8 tokens of K/V: 2 blocks reserved at admission
+    eng.add("b", 4, max_tokens=5)
+    eng.add("c", 4, max_tokens=5)  # must wait for a block reservation
+    assert eng.step().request_ids == ["a", "b"]
+    assert eng.kv.num_used_blocks == 4
+    eng.run()
+    assert eng.scheduler.num_preemptions == 0
+    assert [b.request_ids for b in eng.batches].count(["c"]) == 5  # c ran alone after a and b
+
+
+def test_paged_policy_preempts_newest_and_recomputes_it():
+    eng = FakeEngine(num_blocks=4, block_size=4)
+    a = eng.add("a", 4, max_tokens=6)
+    b = eng.add("b", 4, max_tokens=6)
+    eng.step()  # both prefill: 2 blocks used
+    eng.step()  # both decode: position 4 needs a new block each -> 4 blocks
+    assert eng.kv.num_used_blocks == 4
+    for _ in range(3):  # positions 5..7 fit in the blocks held
+        eng.step()
+    assert eng.scheduler.num_preemptions == 0
+    assert eng.step().request_ids == ["a"]  # position 8 needs a 3rd block: b, the newest, goes
+    assert eng.scheduler.num_preemptions == 1 and b.num_preemptions == 1
+    eng.run()
+    assert a.output_token_ids == b.output_token_ids == [1000 + i for i in range(6)]
+    recompute = next(x for x in eng.batches if x.request_ids == ["b"] and x.num_computed_tokens == [0])
+    assert recompute.token_ids[:4] == [1, 2, 3, 4] and recompute.token_ids[4:] == b.output_token_ids[:len(recompute.token_ids) - 4]
+    assert eng.kv.num_used_blocks == 0
+
+
+def test_preempted_request_goes_back_to_the_head_of_the_queue():
+    eng = FakeEngine(num_blocks=3, block_size=2)
+    eng.add("a", 2, max_tokens=4)
+    b = eng.add("b", 2, max_tokens=4)
+    eng.step()
+    eng.step()
+    eng.add("c", 1, max_tokens=1)
+    eng.step()  # room runs short: b is preempted and queued before c
+    assert b.status == RequestStatus.PREEMPTED
+    assert [r.request_id for r in eng.scheduler.waiting] == ["b", "c"]
+    eng.run()
+
+
+def test_abort_frees_blocks_at_once():
+    eng = FakeEngine()
+    a = eng.add("a", 9, max_tokens=8)
+    w = eng.add("w", 3, max_tokens=2)
+    eng.step()
+    used = eng.kv.num_used_blocks
+    eng.scheduler.finish(a, RequestStatus.FINISHED_ABORTED)
+    assert eng.kv.num_used_blocks < used and a.finish_reason == "abort"
+    eng.scheduler.finish(w, RequestStatus.FINISHED_ABORTED)
+    assert eng.kv.num_used_blocks == 0 and not eng.scheduler.num_unfinished
+    eng.kv.check_integrity()
+
+
+def test_request_mode_admits_nobody_while_a_batch_runs():
+    eng = FakeEngine(batching="request", max_batch_size=8)
+    eng.add("a", 2, max_tokens=4)
+    eng.add("b", 2, max_tokens=1)
+    eng.step()
+    eng.add("c", 2, max_tokens=1)
+    ids = [eng.step().request_ids for _ in range(3)]
+    assert ids == [["a"], ["a"], ["a"]]  # b left, but c may not join a running batch
+    assert eng.step().request_ids == ["c"]
+
+
+def test_iteration_mode_lets_the_same_arrival_join_at_once():
+    eng = FakeEngine(batching="iteration", max_batch_size=8)
+    eng.add("a", 2, max_tokens=4)
+    eng.step()
+    eng.add("c", 2, max_tokens=1)
+    assert eng.step().request_ids == ["a", "c"]
+
+
+@pytest.mark.parametrize("options", [
+    dict(max_batch_size=0), dict(max_num_batched_tokens=0), dict(policy="lru"), dict(batching="x")])
+def test_scheduler_config_names_the_bad_field(options):
+    with pytest.raises(ValueError, match=next(iter(options))):
+        SchedulerConfig(**options)
