@@ -95,8 +95,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _sdpa(q, k, v, mask, scale, causal=False):
-    groups = q.shape[-3] // k.shape[-3]
-    if groups > 1:  # grouped-query attention: each K/V head serves `groups` query heads
-        k = k.repeat_interleave(groups, dim=-3)
-        v = v.repeat_interleave(groups, dim=-3)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+    # Grouped-query attention without copying K/V: query head h reads K/V head h // groups.
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                          enable_gqa=q.shape[-3] != k.shape[-3])
