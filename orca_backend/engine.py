@@ -31,7 +31,7 @@ class RequestDelta:
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int  # all generated so far
-    cumulative_logprob: float
+    cumulative_logprob: float | None  # None unless the request tracks log-probabilities
     logprobs: list[dict[int, tuple[float, int]]] | None = None  # one entry per new token
     logits: torch.Tensor | None = None  # only with EngineConfig.keep_logits
 
@@ -44,7 +44,7 @@ class RequestDelta:
 class _Tracked:
     request: Request
     detokenizer: IncrementalDetokenizer
-    cumulative_logprob: float = 0.0
+    cumulative_logprob: float | None = None
 
 
 @dataclass(slots=True)
@@ -88,14 +88,18 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int],
-                    params: SamplingParams | None = None) -> Request:
-        """Validate and queue a request; raises InvalidRequestError naming what is wrong."""
+                    params: SamplingParams | None = None, track_logprob: bool = False) -> Request:
+        """Validate and queue a request; raises InvalidRequestError naming what is wrong.
+
+        `track_logprob` keeps a cumulative log-probability even when `params.logprobs` is unset.
+        """
         params = params or SamplingParams()
         if request_id in self._tracked:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         token_ids = self.encode(prompt)
         self._check_lengths(len(token_ids), params)
-        req = Request(request_id, token_ids, params, arrival_index=self._num_added)
+        req = Request(request_id, token_ids, params, arrival_index=self._num_added,
+                      track_logprob=track_logprob)
         self._num_added += 1
         self._tracked[request_id] = _Tracked(req, IncrementalDetokenizer(self.tokenizer, token_ids, params))
         self.scheduler.add(req)
@@ -158,9 +162,10 @@ class LLMEngine:
         self.stats.step_seconds += time.perf_counter() - start
         return deltas
 
-    def _process(self, req: Request, token_id: int, logprob: float, top, logits) -> RequestDelta:
+    def _process(self, req: Request, token_id: int, logprob: float | None, top, logits) -> RequestDelta:
         tracked = self._tracked[req.request_id]
-        tracked.cumulative_logprob += logprob
+        if logprob is not None:
+            tracked.cumulative_logprob = (tracked.cumulative_logprob or 0.0) + logprob
         status = self._finish_status(req, tracked, token_id)
         if status is not None:
             self.scheduler.finish(req, status)

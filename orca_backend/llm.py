@@ -16,7 +16,7 @@ class RequestOutput:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
-    cumulative_logprob: float = 0.0
+    cumulative_logprob: float | None = None
     logprobs: list[dict[int, tuple[float, int]]] | None = None
 
     def add(self, delta: RequestDelta) -> None:

@@ -18,8 +18,7 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = device
-        num_slots = num_blocks * block_size
-        shape = (num_slots, cfg.num_kv_heads, cfg.head_dim)
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
                            torch.zeros(shape, dtype=dtype, device=device))
                           for _ in range(cfg.num_layers)]
@@ -49,21 +48,15 @@ class ModelRunner:
 
 def _align(batch: ScheduledBatch, out, logits) -> SampledTokens:
     """Spread the sampler's per-sampled-row results over all requests of the batch."""
-    result = SampledTokens(token_ids=[], logprobs=[], sampled_logprobs=[],
-                           logits=[] if logits is not None else None)
-    j = 0
+    index, j = [], 0
     for sample in batch.sample:
-        if sample:
-            result.token_ids.append(out.token_ids[j])
-            result.sampled_logprobs.append(out.sampled_logprobs[j])
-            result.logprobs.append(out.top_logprobs[j])
-            if logits is not None:
-                result.logits.append(logits[j])
-            j += 1
-        else:
-            result.token_ids.append(None)
-            result.sampled_logprobs.append(None)
-            result.logprobs.append(None)
-            if logits is not None:
-                result.logits.append(None)
-    return result
+        index.append(j if sample else None)
+        j += sample
+
+    def pick(values):
+        return [values[i] if i is not None else None for i in index]
+
+    if out is None:
+        return SampledTokens(token_ids=pick([]))
+    return SampledTokens(pick(out.token_ids), pick(out.top_logprobs), pick(out.sampled_logprobs),
+                         pick(logits) if logits is not None else None)

@@ -40,6 +40,7 @@ class Request:
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
+    track_logprob: bool = False  # compute each sampled token's log-probability
     generator: Any = None  # torch.Generator for seeded sampling, owned by the sampler
 
     @property
@@ -62,6 +63,10 @@ class Request:
     def token_id(self, position: int) -> int:
         n = self.num_prompt_tokens
         return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+
+    @property
+    def wants_logprob(self) -> bool:
+        return self.track_logprob or self.params.logprobs is not None
 
     @property
     def finish_reason(self) -> str | None:

@@ -11,7 +11,7 @@ from .request import Request
 @dataclass(slots=True)
 class SamplerOutput:
     token_ids: list[int]
-    sampled_logprobs: list[float]  # raw model log-probability of each sampled token
+    sampled_logprobs: list[float | None]  # raw log-probability of the sampled token, if wanted
     top_logprobs: list[dict[int, tuple[float, int]] | None]  # {token_id: (logprob, rank)}
 
 
@@ -23,16 +23,24 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """logits [num_requests, vocab] fp32, one row per request that samples this iteration."""
-        raw_logprobs = logits.log_softmax(dim=-1)  # [S, V], what logprobs report
+        logprob_rows = [i for i, r in enumerate(requests) if r.wants_logprob]
+        # Raw model log-probabilities (before penalties and temperature), only where asked:
+        # a full-vocabulary softmax per row is a visible share of a CPU iteration.
+        raw_logprobs = logits[logprob_rows].log_softmax(dim=-1) if logprob_rows else None
         logits = self._adjust(logits, requests)
         token_ids = logits.argmax(dim=-1)  # greedy rows keep this
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if random_rows:
             token_ids[random_rows] = self._sample(logits[random_rows], [requests[i] for i in random_rows])
-        sampled = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1)
-        top = [_top_logprobs(raw_logprobs[i], int(token_ids[i]), r.params.logprobs)
-               if r.params.logprobs is not None else None for i, r in enumerate(requests)]
-        return SamplerOutput(token_ids.tolist(), sampled.tolist(), top)
+        token_list = token_ids.tolist()
+        sampled: list[float | None] = [None] * len(requests)
+        top: list[dict | None] = [None] * len(requests)
+        for j, i in enumerate(logprob_rows):
+            sampled[i] = float(raw_logprobs[j, token_list[i]])
+            n = requests[i].params.logprobs
+            if n is not None:
+                top[i] = _top_logprobs(raw_logprobs[j], token_list[i], n)
+        return SamplerOutput(token_list, sampled, top)
 
     def _adjust(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Penalties and min_tokens, row by row, only for the rows that ask for them."""

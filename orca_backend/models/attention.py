@@ -20,8 +20,8 @@ from ..batch import ScheduledBatch
 class PrefillSpan:
     start_row: int
     end_row: int
-    context_slots: torch.Tensor | None  # [context_len] when earlier K/V is cached, else None
-    mask: torch.Tensor | None  # [num_rows, context_len] bool, True = may attend
+    context_blocks: torch.Tensor | None  # [num_blocks] when earlier K/V is cached, else None
+    mask: torch.Tensor | None  # [num_rows, num_blocks * block_size] bool, True = may attend
 
 
 @dataclass(slots=True)
@@ -29,8 +29,8 @@ class AttentionMetadata:
     positions: torch.Tensor  # [num_tokens]
     slot_mapping: torch.Tensor  # [num_tokens], where each new token's K/V is written
     decode_rows: torch.Tensor | None = None  # [num_decodes]
-    decode_slots: torch.Tensor | None = None  # [num_decodes, max_context_len]
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_context_len]
+    decode_blocks: torch.Tensor | None = None  # [num_decodes, max_num_blocks]
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_num_blocks * block_size]
     prefills: list[PrefillSpan] = field(default_factory=list)
 
     @classmethod
@@ -53,17 +53,18 @@ class AttentionMetadata:
         is_decode = counts == 1
         if is_decode.any():
             ctx = starts[is_decode] + 1
-            pos = np.arange(ctx.max())
-            dec_tables = tables[is_decode]
+            num_blocks = -(-ctx.max() // block_size)
+            pos = np.arange(num_blocks * block_size)
             meta.decode_rows = t(first_row[is_decode])
-            meta.decode_slots = t(dec_tables[:, pos // block_size] * block_size + pos % block_size)
+            meta.decode_blocks = t(np.ascontiguousarray(tables[is_decode, :num_blocks]))
             meta.decode_mask = t((pos[None, :] < ctx[:, None])[:, None, None, :])
         for i in np.flatnonzero(~is_decode):
             start, n, row = int(starts[i]), int(counts[i]), int(first_row[i])
             span = PrefillSpan(row, row + n, None, None)
             if start > 0:
-                pos = np.arange(start + n)
-                span.context_slots = t(tables[i, pos // block_size] * block_size + pos % block_size)
+                num_blocks = -(-(start + n) // block_size)
+                pos = np.arange(num_blocks * block_size)
+                span.context_blocks = t(tables[i, :num_blocks])
                 span.mask = t(pos[None, :] <= (start + np.arange(n))[:, None])
             meta.prefills.append(span)
         return meta
@@ -72,26 +73,32 @@ class AttentionMetadata:
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q [T, Hq, D], k/v [T, Hkv, D]; caches [num_slots, Hkv, D]. Returns [T, Hq * D]."""
-    k_cache[meta.slot_mapping] = k
-    v_cache[meta.slot_mapping] = v
+    """q [T, Hq, D], k/v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]. Returns [T, Hq * D]."""
+    k_cache.view(-1, *k.shape[1:])[meta.slot_mapping] = k
+    v_cache.view(-1, *v.shape[1:])[meta.slot_mapping] = v
     out = torch.empty_like(q)
     if meta.decode_rows is not None:
         qd = q[meta.decode_rows].unsqueeze(2)  # [B, Hq, 1, D]
-        kd = k_cache[meta.decode_slots].transpose(1, 2)  # [B, Hkv, L, D]
-        vd = v_cache[meta.decode_slots].transpose(1, 2)
+        kd = _gather(k_cache, meta.decode_blocks).transpose(1, 2)  # [B, Hkv, L, D]
+        vd = _gather(v_cache, meta.decode_blocks).transpose(1, 2)
         od = _sdpa(qd, kd, vd, meta.decode_mask, scale)  # [B, Hq, 1, D]
         out[meta.decode_rows] = od.squeeze(2)
     for span in meta.prefills:
         rows = slice(span.start_row, span.end_row)
-        if span.context_slots is None:
+        if span.context_blocks is None:
             kp, vp = k[rows], v[rows]
         else:
-            kp, vp = k_cache[span.context_slots], v_cache[span.context_slots]
+            kp, vp = _gather(k_cache, span.context_blocks), _gather(v_cache, span.context_blocks)
         op = _sdpa(q[rows].transpose(0, 1), kp.transpose(0, 1), vp.transpose(0, 1),
                    span.mask, scale, causal=span.mask is None)  # [Hq, n, D]
         out[rows] = op.transpose(0, 1)
     return out.flatten(1)
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """Whole blocks at a time (one copy of block_size * Hkv * D per index): [..., L, Hkv, D]."""
+    gathered = cache[blocks]  # [..., num_blocks, block_size, Hkv, D]
+    return gathered.flatten(-4, -3)
 
 
 def _sdpa(q, k, v, mask, scale, causal=False):
