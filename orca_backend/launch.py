@@ -1,0 +1,85 @@
+"""Start a real `tritonserver` on a model repository, with or without the NGC image.
+
+Uses `tritonserver` from PATH when there is one (the NGC image). Otherwise it uses the binary
+shipped in the `nvidia-pytriton` wheel: a writable copy of the wheel's backends/ gets the Python
+backend stub for the running Python, and the environment lets that stub find the wheel's
+libraries, libpython, and our package with its dependencies.
+
+    python -m orca_backend.launch [--model-repository model_repository]
+Ports come from HTTP_PORT, GRPC_PORT and METRICS_PORT (defaults 8000, 8001, 8002).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shutil
+import site
+import sys
+import sysconfig
+from pathlib import Path
+
+from .errors import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _wheel_root() -> Path:
+    # Never import pytriton: its __init__ needs packages (and a numpy) we do not install.
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("no tritonserver on PATH and the nvidia-pytriton wheel is not installed")
+    return Path(spec.submodule_search_locations[0])
+
+
+def _prepare_backends(work_dir: Path) -> tuple[Path, Path]:
+    """Copy the wheel's backends/ and put this Python's stub in it; returns (binary, backends)."""
+    root = _wheel_root() / "tritonserver"
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.exists():
+        raise ConfigError(f"the nvidia-pytriton wheel has no Python backend stub for Python {version}")
+    backends = work_dir / "backends"
+    shutil.rmtree(backends, ignore_errors=True)
+    shutil.copytree(root / "backends", backends)
+    shutil.copy2(stub, backends / "python" / "triton_python_backend_stub")
+    return root / "bin" / "tritonserver", backends
+
+
+def _join(*parts: str | os.PathLike | None) -> str:
+    return os.pathsep.join(str(p) for p in parts if p)
+
+
+def server_command(model_repository: Path, work_dir: Path, http_port: int, grpc_port: int,
+                   metrics_port: int, extra_args: list[str] = ()) -> tuple[list[str], dict[str, str]]:
+    """The argv and environment that run tritonserver on `model_repository`."""
+    env = dict(os.environ)
+    python_paths = [REPO_ROOT, *site.getsitepackages(), sysconfig.get_paths()["purelib"]]
+    env["PYTHONPATH"] = _join(*dict.fromkeys(python_paths), env.get("PYTHONPATH"))
+    args = [f"--model-repository={model_repository}", f"--http-port={http_port}",
+            f"--grpc-port={grpc_port}", f"--metrics-port={metrics_port}", *extra_args]
+    binary = shutil.which("tritonserver")
+    if binary is None:
+        binary, backends = _prepare_backends(work_dir)
+        libs = _wheel_root().parent / "nvidia_pytriton.libs"
+        env["LD_LIBRARY_PATH"] = _join(libs, sysconfig.get_config_var("LIBDIR"), env.get("LD_LIBRARY_PATH"))
+        args.append(f"--backend-directory={backends}")
+    return [str(binary), *args], env
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-repository", type=Path, default=REPO_ROOT / "model_repository")
+    parser.add_argument("--work-dir", type=Path, default=REPO_ROOT / "build" / "triton")
+    args, extra = parser.parse_known_args()
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    argv, env = server_command(
+        args.model_repository.resolve(), args.work_dir.resolve(),
+        int(os.environ.get("HTTP_PORT", 8000)), int(os.environ.get("GRPC_PORT", 8001)),
+        int(os.environ.get("METRICS_PORT", 8002)), extra)
+    print(" ".join(argv), flush=True)
+    os.execve(argv[0], argv, env)
+
+
+if __name__ == "__main__":
+    main()

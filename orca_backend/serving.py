@@ -1,0 +1,124 @@
+"""Serving-side request parsing with the I/O of Triton's vLLM backend, transport-free.
+
+The Triton model turns tensors into plain values and hands them here; everything that decides
+what a request means (flags, defaults, errors) lives in this module and is tested without
+a server.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from .config import EngineConfig
+from .errors import ConfigError, InvalidRequestError
+from .sampling_params import SamplingParams
+
+RETURN_FLAGS = ("return_finish_reason", "return_cumulative_logprob", "return_logprobs",
+                "return_num_input_tokens", "return_num_output_tokens")
+FLAG_INPUTS = ("stream", "exclude_input_in_output", *RETURN_FLAGS)
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    """One parsed request, ready for the engine."""
+
+    prompt: str
+    params: SamplingParams
+    stream: bool = False
+    exclude_input_in_output: bool = False
+    return_finish_reason: bool = False
+    return_cumulative_logprob: bool = False
+    return_logprobs: bool = False
+    return_num_input_tokens: bool = False
+    return_num_output_tokens: bool = False
+
+    @classmethod
+    def parse(cls, text_input: bytes | None, flags: dict[str, bool | None],
+              sampling_json: bytes | None, request_parameters: str | None) -> GenerateRequest:
+        """Raises InvalidRequestError naming the input that is wrong.
+
+        `flags` holds the BOOL inputs that were sent; `request_parameters` is the request's
+        JSON parameters, which carry the sampling parameters (and flags) when the
+        `sampling_parameters` input is absent, as Triton's generate endpoint sends them.
+        """
+        if text_input is None:
+            raise InvalidRequestError("input 'text_input' is required")
+        try:
+            prompt = text_input.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InvalidRequestError(f"input 'text_input' is not valid UTF-8: {e}") from None
+        if sampling_json is not None:
+            params = SamplingParams.from_json(_utf8(sampling_json, "sampling_parameters"))
+        else:
+            values = _json_object(request_parameters)
+            for name in FLAG_INPUTS:  # the generate endpoint sends flags as parameters too
+                if flags.get(name) is None and name in values:
+                    flags[name] = _bool(values[name], name)
+            params = SamplingParams.from_dict({k: v for k, v in values.items() if k not in FLAG_INPUTS})
+        stream = bool(flags.get("stream"))
+        exclude = flags.get("exclude_input_in_output")
+        if stream and exclude is False:
+            raise InvalidRequestError(
+                "exclude_input_in_output=false is not supported when streaming: "
+                "streamed responses carry only the new text")
+        return cls(prompt, params, stream, exclude if exclude is not None else stream,
+                   **{name: bool(flags.get(name)) for name in RETURN_FLAGS})
+
+
+def _json_object(text: str | None) -> dict:
+    try:
+        values = json.loads(text) if text else {}
+    except json.JSONDecodeError as e:
+        raise InvalidRequestError(f"request parameters are not valid JSON: {e}") from None
+    if not isinstance(values, dict):
+        raise InvalidRequestError("request parameters must be a JSON object")
+    return values
+
+
+def _utf8(raw: bytes, name: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidRequestError(f"input {name!r} is not valid UTF-8: {e}") from None
+
+
+def _bool(value, name: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise InvalidRequestError(f"parameter {name!r} must be true or false, got {value!r}")
+
+
+# Engine options a model's config.pbtxt may set as `parameters`, and how to read each.
+_INT_OPTIONS = ("max_batch_size", "max_num_batched_tokens", "block_size", "kv_cache_tokens",
+                "kv_cache_bytes", "max_model_len", "seed")
+_STR_OPTIONS = ("model", "dtype", "device", "policy", "batching")
+
+
+def engine_config_from_parameters(parameters: dict[str, str], instance_kind: str = "CPU",
+                                  device_id: int = 0) -> EngineConfig:
+    """Build EngineConfig from config.pbtxt string parameters; empty or "auto" means default.
+
+    `device` "auto" follows the instance group (KIND_GPU -> cuda:<id>, else cpu), and
+    `dtype` "auto" is bfloat16 on a GPU, float32 on a CPU.
+    """
+    options: dict = {}
+    for name, raw in parameters.items():
+        value = raw.strip()
+        if name not in _INT_OPTIONS + _STR_OPTIONS:
+            raise ConfigError(f"unknown model parameter {name!r}; "
+                              f"known: {', '.join(sorted(_INT_OPTIONS + _STR_OPTIONS))}")
+        if value in ("", "auto"):
+            continue
+        if name in _INT_OPTIONS:
+            try:
+                options[name] = int(value)
+            except ValueError:
+                raise ConfigError(f"model parameter {name!r} must be an integer, got {raw!r}") from None
+        else:
+            options[name] = value
+    on_gpu = instance_kind.upper() == "GPU"
+    options.setdefault("device", f"cuda:{device_id}" if on_gpu else "cpu")
+    options.setdefault("dtype", "bfloat16" if options["device"].startswith("cuda") else "float32")
+    return EngineConfig(**options)

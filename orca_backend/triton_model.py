@@ -1,0 +1,145 @@
+"""The Triton Python-backend model: the only module of the package that touches pb_utils.
+
+`model_repository/<name>/1/model.py` re-exports `TritonPythonModel` from here. execute() only
+parses requests and hands them to the EngineLoop; responses go out from the loop's sender
+thread through each request's decoupled response sender.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from .engine import LLMEngine
+from .engine_loop import EngineLoop, Response
+from .errors import OrcaError
+from .serving import FLAG_INPUTS, GenerateRequest, engine_config_from_parameters
+
+_FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+_ERROR_CODES = {"invalid": "INVALID_ARG", "cancelled": "CANCELLED", "unavailable": "UNAVAILABLE",
+                "internal": "INTERNAL"}
+_SECONDS_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
+_BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        config = json.loads(args["model_config"])
+        parameters = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        engine_config = engine_config_from_parameters(
+            parameters, args.get("model_instance_kind", "CPU"), int(args.get("model_instance_device_id", 0)))
+        self.engine = LLMEngine(engine_config)
+        self.loop = EngineLoop(self.engine, _TritonMetrics(args["model_name"]))
+        self.loop.start()
+
+    def execute(self, requests) -> None:
+        for request in requests:
+            sink = _TritonSink(request)
+            try:
+                sink.parsed = _parse(request)
+            except OrcaError as e:
+                sink.fail(str(e), "invalid")
+                continue
+            self.loop.submit(sink.parsed, sink)
+        return None
+
+    def finalize(self) -> None:
+        self.loop.shutdown()
+
+
+def _parse(request) -> GenerateRequest:
+    def scalar(name):
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        return None if tensor is None else tensor.as_numpy().reshape(-1)[0]
+
+    flags = {name: (None if (v := scalar(name)) is None else bool(v)) for name in FLAG_INPUTS}
+    text, sampling = scalar("text_input"), scalar("sampling_parameters")
+    return GenerateRequest.parse(_as_bytes(text), flags, _as_bytes(sampling), request.parameters())
+
+
+def _as_bytes(value) -> bytes | None:
+    if value is None or isinstance(value, bytes):
+        return value
+    return str(value).encode("utf-8")
+
+
+class _TritonSink:
+    def __init__(self, request) -> None:
+        self.request = request
+        self.sender = request.get_response_sender()
+        self.parsed: GenerateRequest | None = None
+
+    def send(self, r: Response) -> None:
+        flags = self.parsed
+        tensors = [pb_utils.Tensor("text_output", np.array([r.text.encode("utf-8")], dtype=np.object_))]
+        if flags.return_finish_reason:
+            tensors.append(pb_utils.Tensor("finish_reason", np.array([str(r.finish_reason).encode()],
+                                                                     dtype=np.object_)))
+        if flags.return_cumulative_logprob:
+            tensors.append(pb_utils.Tensor("cumulative_logprob", np.array([r.cumulative_logprob or 0.0],
+                                                                          dtype=np.float32)))
+        if flags.return_logprobs:
+            tensors.append(pb_utils.Tensor("logprobs", np.array([json.dumps(r.logprobs).encode()],
+                                                                dtype=np.object_)))
+        if flags.return_num_input_tokens:
+            tensors.append(pb_utils.Tensor("num_input_tokens", np.array([r.num_input_tokens], dtype=np.uint32)))
+        if flags.return_num_output_tokens:
+            tensors.append(pb_utils.Tensor("num_output_tokens", np.array([r.num_output_tokens], dtype=np.uint32)))
+        self.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=_FINAL if r.final else 0)
+
+    def fail(self, message: str, kind: str) -> None:
+        code = getattr(pb_utils.TritonError, _ERROR_CODES[kind])
+        self.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)), flags=_FINAL)
+
+    def is_cancelled(self) -> bool:
+        return self.sender.is_cancelled()
+
+
+class _TritonMetrics:
+    """Custom metrics on the server's /metrics endpoint, labelled with the model's name."""
+
+    def __init__(self, model: str) -> None:
+        labels = {"model": model}
+        G, C, H = pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.HISTOGRAM
+
+        self._families = []  # a family must outlive its metrics
+
+        def metric(name, kind, description, buckets=None):
+            family = pb_utils.MetricFamily(name=f"orca_{name}", description=description, kind=kind)
+            self._families.append(family)
+            return family.Metric(labels=labels, buckets=buckets) if buckets else family.Metric(labels=labels)
+
+        self.running = metric("requests_running", G, "Requests in the running batch")
+        self.waiting = metric("requests_waiting", G, "Requests waiting for admission")
+        self.blocks_used = metric("kv_blocks_used", G, "K/V cache blocks in use")
+        self.blocks_total = metric("kv_blocks_total", G, "K/V cache blocks in the pool")
+        self.preemptions = metric("preemptions_total", C, "Requests preempted for lack of K/V blocks")
+        self.iterations = metric("iterations_total", C, "Engine iterations run")
+        self.batch_size = metric("iteration_batch_size", H, "Requests per iteration", _BATCH_BUCKETS)
+        self.ttft = metric("time_to_first_token_seconds", H, "Arrival to first token", _SECONDS_BUCKETS)
+        self.itl = metric("inter_token_latency_seconds", H, "Time between tokens", _SECONDS_BUCKETS)
+        self.e2e = metric("request_latency_seconds", H, "Arrival to last token", _SECONDS_BUCKETS)
+        self.prompt_tokens = metric("prompt_tokens_total", C, "Prompt tokens of finished requests")
+        self.generated_tokens = metric("generation_tokens_total", C, "Generated tokens")
+        self._seen = {"num_preemptions": 0, "num_iterations": 0}
+
+    def on_iteration(self, s: dict) -> None:
+        self.running.set(s["num_running"])
+        self.waiting.set(s["num_waiting"])
+        self.blocks_used.set(s["num_used_blocks"])
+        self.blocks_total.set(s["num_blocks"])
+        for key, counter in (("num_preemptions", self.preemptions), ("num_iterations", self.iterations)):
+            if s[key] > self._seen[key]:
+                counter.increment(s[key] - self._seen[key])
+                self._seen[key] = s[key]
+        if s["batch_size"]:
+            self.batch_size.observe(s["batch_size"])
+
+    def on_tokens(self, num_tokens: int, first: bool, seconds_since_last: float) -> None:
+        (self.ttft if first else self.itl).observe(seconds_since_last)
+        self.generated_tokens.increment(num_tokens)
+
+    def on_finish(self, num_prompt_tokens: int, num_output_tokens: int, seconds: float) -> None:
+        self.e2e.observe(seconds)
+        self.prompt_tokens.increment(num_prompt_tokens)
