@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 from .engine import LLMEngine, RequestDelta
 from .errors import OrcaError
@@ -22,6 +22,7 @@ from .serving import GenerateRequest
 
 log = logging.getLogger(__name__)
 CANCEL_POLL_SECONDS = 0.02
+SERVING_POLL_SECONDS = 0.5
 
 
 @dataclass(slots=True)
@@ -61,9 +62,11 @@ class _Stream:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, metrics: Metrics | None = None) -> None:
+    def __init__(self, engine: LLMEngine, metrics: Metrics | None = None,
+                 still_serving: Callable[[], bool] | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.still_serving = still_serving  # False once the server is shutting down
         self._inbox: queue.Queue = queue.Queue()  # to the engine thread
         self._outbox: queue.Queue = queue.Queue()  # to the sender thread
         self._ids = itertools.count()
@@ -73,6 +76,7 @@ class EngineLoop:
         self._sender_thread = threading.Thread(target=self._sender_main, name="orca-sender", daemon=True)
 
     def start(self) -> None:
+        self._outbox.put(("stats", self._snapshot()))  # gauges show the pool before any request
         self._sender_thread.start()
         self._engine_thread.start()
 
@@ -89,11 +93,16 @@ class EngineLoop:
 
     def shutdown(self) -> None:
         """Finish every open request with a final response, then stop both threads."""
-        with self._close_lock:
-            self._closed = True
-            self._inbox.put(("stop",))
+        self.close()
         self._engine_thread.join()
         self._sender_thread.join()
+
+    def close(self) -> None:
+        """Refuse new requests; the engine thread ends the open ones and stops."""
+        with self._close_lock:
+            if not self._closed:
+                self._closed = True
+                self._inbox.put(("stop",))
 
     # -- engine thread ------------------------------------------------------------------------
     def _engine_main(self) -> None:
@@ -155,7 +164,7 @@ class EngineLoop:
     # -- sender thread ------------------------------------------------------------------------
     def _sender_main(self) -> None:
         streams: dict[str, _Stream] = {}
-        last_poll = time.monotonic()
+        last_poll = last_serving_check = time.monotonic()
         while True:
             try:
                 message = self._outbox.get(timeout=CANCEL_POLL_SECONDS)
@@ -165,11 +174,16 @@ class EngineLoop:
                 break
             if message is not None:
                 self._handle(message, streams)
-            if time.monotonic() - last_poll >= CANCEL_POLL_SECONDS:
-                last_poll = time.monotonic()
+            now = time.monotonic()
+            if now - last_poll >= CANCEL_POLL_SECONDS:
+                last_poll = now
                 for request_id, stream in streams.items():
                     if _safe(stream.sink.is_cancelled, False):
                         self._inbox.put(("abort", request_id))
+            if streams and self.still_serving and now - last_serving_check >= SERVING_POLL_SECONDS:
+                last_serving_check = now
+                if not _safe(self.still_serving, True):
+                    self.close()
         for stream in streams.values():  # nothing may be left without a final response
             _safe(lambda: stream.sink.fail("the server is shutting down", "unavailable"))
 

@@ -30,7 +30,8 @@ class TritonPythonModel:
         engine_config = engine_config_from_parameters(
             parameters, args.get("model_instance_kind", "CPU"), int(args.get("model_instance_device_id", 0)))
         self.engine = LLMEngine(engine_config)
-        self.loop = EngineLoop(self.engine, _TritonMetrics(args["model_name"]))
+        name = args["model_name"]
+        self.loop = EngineLoop(self.engine, _TritonMetrics(name), still_serving=lambda: _serving(name))
         self.loop.start()
 
     def execute(self, requests) -> None:
@@ -46,6 +47,17 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         self.loop.shutdown()
+
+
+def _serving(model_name: str) -> bool:
+    """False once the server is shutting down. Triton calls finalize() only after open
+    streams end, so the loop must notice shutdown by itself to end them."""
+    try:
+        return pb_utils.is_model_ready(model_name)
+    except pb_utils.TritonModelException as e:
+        if "not ready" in str(e).lower():
+            return False
+        raise
 
 
 def _parse(request) -> GenerateRequest:

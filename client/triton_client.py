@@ -1,0 +1,127 @@
+"""A small helper over `tritonclient.grpc` streaming, with our model's (vLLM-compatible) I/O."""
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+OUTPUTS = ("text_output", "finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens",
+           "num_output_tokens")
+
+
+@dataclass
+class Result:
+    """Every response of one request, in arrival order, and the error if one ended it."""
+
+    responses: list[dict] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)  # monotonic arrival time of each response
+    error: str | None = None
+    sent_at: float = 0.0
+
+    @property
+    def text(self) -> str:
+        return "".join(r["text_output"] for r in self.responses)
+
+
+def build_inputs(prompt: str | bytes, sampling: dict | None = None, stream: bool = True,
+                 exclude_input: bool | None = None, flags: dict[str, bool] | None = None):
+    """Input tensors; `sampling` None sends no sampling_parameters tensor at all."""
+    raw = prompt if isinstance(prompt, bytes) else prompt.encode("utf-8")
+    tensors = [_tensor("text_input", np.array([raw], dtype=np.object_), "BYTES"),
+               _tensor("stream", np.array([stream]), "BOOL")]
+    if sampling is not None:
+        body = sampling if isinstance(sampling, (str, bytes)) else json.dumps(sampling)
+        body = body if isinstance(body, bytes) else body.encode("utf-8")
+        tensors.append(_tensor("sampling_parameters", np.array([body], dtype=np.object_), "BYTES"))
+    if exclude_input is not None:
+        tensors.append(_tensor("exclude_input_in_output", np.array([exclude_input]), "BOOL"))
+    for name, value in (flags or {}).items():
+        tensors.append(_tensor(name, np.array([value]), "BOOL"))
+    return tensors
+
+
+def _tensor(name, array, datatype):
+    t = grpcclient.InferInput(name, list(array.shape), datatype)
+    t.set_data_from_numpy(array)
+    return t
+
+
+def _decode(result) -> dict:
+    out = {}
+    for name in OUTPUTS:
+        value = result.as_numpy(name)
+        if value is None:
+            continue
+        item = value.reshape(-1)[0] if value.size else None
+        out[name] = item.decode("utf-8") if isinstance(item, bytes) else (
+            item.item() if hasattr(item, "item") else item)
+    return out
+
+
+class StreamingClient:
+    """One gRPC stream; several requests may be in flight on it at once."""
+
+    def __init__(self, url: str = "localhost:8001", model: str = "orca") -> None:
+        self.model = model
+        self.client = grpcclient.InferenceServerClient(url)
+        self._results: dict[str, Result] = {}
+        self._done: dict[str, threading.Event] = {}
+        self.events: queue.Queue = queue.Queue()  # (request_id, response dict | error) as they arrive
+        self._next = 0
+        self.client.start_stream(callback=self._on_response)
+
+    def _on_response(self, result, error) -> None:
+        now = time.monotonic()
+        if error is not None:
+            # tritonclient does not say which request an error belongs to: give it to the
+            # oldest one still open (exact when one request at a time is in flight).
+            request_id = next((k for k, e in self._done.items() if not e.is_set()), None)
+            if request_id is not None:
+                self._results[request_id].error = error.message()
+                self._done[request_id].set()
+                self.events.put((request_id, error.message()))
+            return
+        response = result.get_response()
+        r = self._results[response.id]
+        r.responses.append(_decode(result))
+        r.times.append(now)
+        self.events.put((response.id, r.responses[-1]))
+        if response.parameters["triton_final_response"].bool_param:
+            self._done[response.id].set()
+
+    def send(self, prompt, **options) -> str:
+        request_id = f"r{self._next}"
+        self._next += 1
+        self._results[request_id] = Result(sent_at=time.monotonic())
+        self._done[request_id] = threading.Event()
+        self.client.async_stream_infer(self.model, build_inputs(prompt, **options), request_id=request_id,
+                                       outputs=[grpcclient.InferRequestedOutput(n) for n in OUTPUTS],
+                                       enable_empty_final_response=True)
+        return request_id
+
+    def wait(self, request_id: str, timeout: float = 300) -> Result:
+        if not self._done[request_id].wait(timeout):
+            raise TimeoutError(f"request {request_id} got no final response in {timeout} s")
+        return self._results[request_id]
+
+    def generate(self, prompt, timeout: float = 300, **options) -> Result:
+        return self.wait(self.send(prompt, **options), timeout)
+
+    def close(self, cancel: bool = False) -> None:
+        self.client.stop_stream(cancel_requests=cancel)
+        self.client.close()
+
+    def __enter__(self) -> StreamingClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+__all__ = ["StreamingClient", "Result", "build_inputs", "InferenceServerException"]

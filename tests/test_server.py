@@ -1,0 +1,229 @@
+"""End to end: a real tritonserver with our model repository, driven by tritonclient."""
+from __future__ import annotations
+
+import itertools
+import json
+import time
+
+import pytest
+
+from client.triton_client import StreamingClient
+from orca_backend import LLM, SamplingParams
+from server import Server
+
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, default_model):
+    s = Server(tmp_path_factory.mktemp("triton"))
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def local(default_model):
+    """The same engine in-process: what the server should answer."""
+    return LLM(str(default_model), kv_cache_tokens=4096)
+
+
+@pytest.fixture
+def client(server):
+    with StreamingClient(server.grpc_url) as c:
+        yield c
+
+
+def greedy(max_tokens, **extra):
+    return {"temperature": "0", "max_tokens": str(max_tokens), **extra}
+
+
+def _local_deltas(local, prompt, max_tokens):
+    engine = local.engine
+    engine.add_request("x", prompt, SamplingParams(temperature=0, max_tokens=max_tokens))
+    texts = []
+    while engine.has_unfinished_requests():
+        texts += [d.text for d in engine.step() if d.text or d.finished]
+    return texts
+
+
+def _assert_no_leak(server, model="orca"):
+    deadline = time.monotonic() + 10
+    while server.metric("orca_kv_blocks_used", model) != 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert server.metric("orca_kv_blocks_used", model) == 0
+    assert server.metric("orca_requests_running", model) == 0
+
+
+def test_streamed_deltas_are_the_iterations_text(client, local):
+    streamed = client.generate(PROMPT, sampling=greedy(24), stream=True)
+    whole = client.generate(PROMPT, sampling=greedy(24), stream=False, exclude_input=True)
+    assert streamed.error is None and whole.error is None
+    assert len(whole.responses) == 1 and streamed.text == whole.text
+    assert [r["text_output"] for r in streamed.responses] == _local_deltas(local, PROMPT, 24)
+
+
+def test_exclude_input_in_output_defaults(client):
+    plain = client.generate(PROMPT, sampling=greedy(4), stream=False)
+    excluded = client.generate(PROMPT, sampling=greedy(4), stream=False, exclude_input=True)
+    streamed = client.generate(PROMPT, sampling=greedy(4), stream=True)
+    assert plain.text == PROMPT + excluded.text and streamed.text == excluded.text
+
+
+def test_concurrent_streams_match_their_solo_text(server, local):
+    prompts = [f"Story {i}: the {w} went to" for i, w in enumerate(
+        ["cat", "dog", "king", "robot", "river", "child", "storm", "ship"] * 2)]
+    lengths = [4 + 3 * i for i in range(len(prompts))]
+    expected = [local.generate(p, SamplingParams(temperature=0, max_tokens=n))[0].text
+                for p, n in zip(prompts, lengths)]
+    with StreamingClient(server.grpc_url) as c:
+        ids = [c.send(p, sampling=greedy(n)) for p, n in zip(prompts, lengths)]
+        results = [c.wait(i) for i in ids]
+    assert [r.error for r in results] == [None] * len(prompts)
+    assert [r.text for r in results] == expected
+    _assert_no_leak(server)
+
+
+def test_a_late_request_starts_before_the_running_ones_finish(server):
+    with StreamingClient(server.grpc_url) as c:
+        long_ids = [c.send(f"Long story number {i}", sampling=greedy(120, ignore_eos=True)) for i in range(3)]
+        while not all(c._results[i].responses for i in long_ids):
+            time.sleep(0.05)
+        late = c.send("Quick question:", sampling=greedy(2, ignore_eos=True))
+        late_result = c.wait(late)
+        long_results = [c.wait(i) for i in long_ids]
+    assert late_result.times[0] < min(r.times[-1] for r in long_results)
+    assert late_result.times[-1] < min(r.times[-1] for r in long_results)
+
+
+def test_cancel_mid_stream_frees_the_blocks(server):
+    c = StreamingClient(server.grpc_url)
+    rid = c.send("Tell me a very long story", sampling=greedy(400, ignore_eos=True))
+    while len(c._results[rid].responses) < 3:
+        time.sleep(0.05)
+    assert server.metric("orca_kv_blocks_used") > 0
+    c.close(cancel=True)
+    _assert_no_leak(server)
+    with StreamingClient(server.grpc_url) as again:  # and the server carries on
+        assert again.generate(PROMPT, sampling=greedy(2)).error is None
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_every_return_flag_combination(client, stream):
+    names = ["return_finish_reason", "return_cumulative_logprob", "return_logprobs",
+             "return_num_input_tokens", "return_num_output_tokens"]
+    outputs = {"return_finish_reason": "finish_reason", "return_cumulative_logprob": "cumulative_logprob",
+               "return_logprobs": "logprobs", "return_num_input_tokens": "num_input_tokens",
+               "return_num_output_tokens": "num_output_tokens"}
+    ids = []
+    combos = list(itertools.product([False, True], repeat=len(names)))
+    for i, combo in enumerate(combos):
+        sampling = greedy(3, ignore_eos=True, **({"logprobs": 2} if i % 2 else {}))
+        ids.append(client.send(PROMPT, sampling=sampling, stream=stream, flags=dict(zip(names, combo))))
+    for i, (combo, rid) in enumerate(zip(combos, ids)):
+        result = client.wait(rid)
+        assert result.error is None
+        assert len(result.responses) == (3 if stream else 1)
+        for n, r in enumerate(result.responses):
+            wanted = {outputs[name] for name, on in zip(names, combo) if on} | {"text_output"}
+            assert set(r) == wanted
+            final = n == len(result.responses) - 1
+            if "finish_reason" in r:
+                assert r["finish_reason"] == ("length" if final else "None")
+            if "num_input_tokens" in r:
+                assert r["num_input_tokens"] == 4
+            if "num_output_tokens" in r:
+                assert r["num_output_tokens"] == (1 if stream else 3)
+            if "logprobs" in r:
+                entries = json.loads(r["logprobs"])
+                if i % 2:
+                    assert len(entries) == (1 if stream else 3)
+                    first = next(iter(entries[0].values()))
+                    assert set(first) == {"logprob", "rank", "decoded_token"} and first["rank"] == 1
+                else:
+                    assert entries is None
+            if "cumulative_logprob" in r:
+                assert r["cumulative_logprob"] < 0
+
+
+@pytest.mark.parametrize("prompt, sampling, options, message", [
+    (b"", greedy(2), {}, "prompt is empty"),
+    (b"\xff\xfe bad", greedy(2), {}, "not valid UTF-8"),
+    (PROMPT, "{not json", {}, "not valid JSON"),
+    (PROMPT, {"temperatur": 0.5}, {}, "unknown sampling parameter 'temperatur'"),
+    (PROMPT, {"temperature": "abc"}, {}, "'temperature' must be a number"),
+    (PROMPT, {"max_tokens": 0}, {}, "'max_tokens' must be >= 1"),
+    (PROMPT, {"max_tokens": "-5"}, {}, "'max_tokens' must be >= 1"),
+    (PROMPT, {"max_tokens": 9000}, {}, "max_tokens 9000 plus the prompt"),
+    ("word " * 9000, greedy(2), {}, "the model's context is 8192"),
+    (PROMPT, greedy(2), {"stream": True, "exclude_input": False}, "exclude_input_in_output"),
+])
+def test_bad_input_gets_a_named_error_and_harms_nothing(server, prompt, sampling, options, message):
+    with StreamingClient(server.grpc_url) as c, StreamingClient(server.grpc_url) as other:
+        good = other.send(PROMPT, sampling=greedy(12, ignore_eos=True))
+        bad = c.generate(prompt, sampling=sampling, **options)
+        assert bad.error is not None and message in bad.error
+        assert bad.responses == []
+        good_result = other.wait(good)
+    assert good_result.error is None and len(good_result.responses) == 12
+    assert server.is_ready()
+    _assert_no_leak(server)
+
+
+def test_missing_text_input_is_refused(server):
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    stream = grpcclient.InferInput("stream", [1], "BOOL")
+    stream.set_data_from_numpy(np.array([False]))
+    errors = []
+    c.start_stream(callback=lambda result, error: errors.append(error))
+    c.async_stream_infer("orca", [stream])
+    deadline = time.monotonic() + 30
+    while not errors and time.monotonic() < deadline:
+        time.sleep(0.05)
+    c.stop_stream()
+    assert isinstance(errors[0], InferenceServerException) and "text_input" in errors[0].message()
+    assert server.is_ready()
+
+
+def test_generate_endpoints(server):
+    body = json.dumps({"text_input": PROMPT, "parameters": {"temperature": 0, "max_tokens": 5}}).encode()
+    status, text = server.http("/v2/models/orca/generate", body)
+    assert status == 200 and json.loads(text)["text_output"].startswith(PROMPT + ", the city")
+    body = json.dumps({"text_input": PROMPT, "stream": True,
+                       "parameters": {"temperature": 0, "max_tokens": 3}}).encode()
+    status, text = server.http("/v2/models/orca/generate_stream", body)
+    events = [json.loads(line[5:]) for line in text.splitlines() if line.startswith("data:")]
+    assert status == 200 and "".join(e["text_output"] for e in events) == ", the city"
+    status, text = server.http("/v2/models/orca/generate", json.dumps(
+        {"text_input": PROMPT, "parameters": {"top_p": 7}}).encode())
+    assert status == 400 and "top_p" in text
+
+
+def test_request_level_model_serves_the_same_text(server, client):
+    with StreamingClient(server.grpc_url, model="orca_request_level") as c:
+        result = c.generate(PROMPT, sampling=greedy(10))
+    assert result.text == client.generate(PROMPT, sampling=greedy(10)).text
+    _assert_no_leak(server, "orca_request_level")
+
+
+def test_shutdown_ends_every_open_stream(tmp_path, default_model):
+    s = Server(tmp_path, extra_args=["--exit-timeout-secs=30"])
+    try:
+        s.wait_ready()
+        c = StreamingClient(s.grpc_url)
+        ids = [c.send(f"Endless tale {i}", sampling=greedy(2000, ignore_eos=True)) for i in range(4)]
+        while not all(c._results[i].responses for i in ids):
+            time.sleep(0.05)
+        s.terminate()
+        results = [c.wait(i, timeout=20) for i in ids]  # raises if any client hangs
+        assert [r.error for r in results] == ["the server is shutting down"] * 4
+        c.close()  # Triton unloads a model only once the client streams on it are closed
+        s.process.wait(timeout=30)
+    finally:
+        s.stop()
