@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install model test bench-engine clean
+.PHONY: install model serve test bench-engine clean
 
 install: $(STAMP)
 
@@ -19,6 +19,10 @@ $(STAMP): requirements.txt
 
 model: install
 	$(PY) -m orca_backend.model_store
+
+# HTTP_PORT, GRPC_PORT and METRICS_PORT choose the ports (8000, 8001, 8002).
+serve: model
+	$(PY) -m orca_backend.launch --model-repository model_repository
 
 test: model
 	$(PY) -m pytest -q

@@ -106,15 +106,13 @@ class LLMEngine:
         return req
 
     def encode(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            token_ids = self.tokenizer.encode(prompt).ids if prompt else []
-        else:
-            token_ids = list(prompt)
-            vocab = self.model_config.vocab_size
-            if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
-                raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
+        token_ids = (self.tokenizer.encode(prompt).ids if prompt else []) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
             raise InvalidRequestError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        # Also for text: a tokenizer may know more tokens than the model has embeddings for.
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
         return token_ids
 
     def _check_lengths(self, num_prompt_tokens: int, params: SamplingParams) -> None:

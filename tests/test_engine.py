@@ -174,3 +174,9 @@ def test_unsupported_architecture_lists_the_supported(tmp_path):
 def test_bad_engine_options_name_the_option(options, name):
     with pytest.raises(ConfigError, match=name):
         EngineConfig(**options)
+
+
+def test_text_beyond_the_models_vocabulary_is_refused(tiny_models):
+    engine = LLMEngine(EngineConfig(model=str(tiny_models["llama"]), kv_cache_tokens=256))
+    with pytest.raises(InvalidRequestError, match=r"integers in \[0, 512\)"):
+        engine.add_request("x", "hello there")  # the shared tokenizer knows 49152 tokens

@@ -1,0 +1,134 @@
+"""Request parsing, config parameters and the engine loop, without a server."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from orca_backend import ConfigError, EngineConfig, InvalidRequestError, LLMEngine
+from orca_backend.engine_loop import EngineLoop
+from orca_backend.serving import GenerateRequest, engine_config_from_parameters
+
+
+def _parse(text=b"hi", flags=None, sampling=None, parameters=None):
+    return GenerateRequest.parse(text, dict(flags or {}), sampling, parameters)
+
+
+def test_flag_defaults_follow_the_vllm_backend():
+    assert _parse().exclude_input_in_output is False
+    assert _parse(flags={"stream": True}).exclude_input_in_output is True
+    with pytest.raises(InvalidRequestError, match="exclude_input_in_output"):
+        _parse(flags={"stream": True, "exclude_input_in_output": False})
+
+
+def test_request_parameters_stand_in_for_the_sampling_tensor():
+    r = _parse(parameters='{"temperature": 0, "max_tokens": "5", "stream": true, "return_finish_reason": "true"}')
+    assert (r.params.temperature, r.params.max_tokens, r.stream, r.return_finish_reason) == (0, 5, True, True)
+    r = _parse(sampling=b'{"max_tokens": 3}', parameters='{"max_tokens": 9}')
+    assert r.params.max_tokens == 3  # the tensor wins
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(text=None), "'text_input' is required"),
+    (dict(text=b"\xff"), "not valid UTF-8"),
+    (dict(sampling=b"{bad"), "not valid JSON"),
+    (dict(parameters="[1]"), "JSON object"),
+    (dict(parameters='{"stream": "yes"}'), "'stream' must be true or false"),
+])
+def test_bad_requests_name_the_problem(kwargs, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        _parse(**kwargs)
+
+
+def test_config_parameters_become_engine_options():
+    c = engine_config_from_parameters({"max_batch_size": "8", "model": "", "dtype": "auto", "policy": "reserve"})
+    assert (c.max_batch_size, c.model, c.dtype, c.device, c.policy) == (8, None, "float32", "cpu", "reserve")
+    gpu = engine_config_from_parameters({}, instance_kind="GPU", device_id=2)
+    assert (gpu.device, gpu.dtype) == ("cuda:2", "bfloat16")
+
+
+@pytest.mark.parametrize("parameters, message", [
+    ({"max_batch_size": "many"}, "'max_batch_size' must be an integer"),
+    ({"max_batchsize": "8"}, "unknown model parameter 'max_batchsize'"),
+    ({"policy": "lifo"}, "'policy'"),
+])
+def test_bad_config_parameters_fail_the_load_with_a_named_error(parameters, message):
+    with pytest.raises(ConfigError, match=message):
+        engine_config_from_parameters(parameters)
+
+
+class FakeSink:
+    def __init__(self):
+        self.responses, self.error, self.cancelled = [], None, False
+        self.done = threading.Event()
+
+    def send(self, response):
+        self.responses.append(response)
+        if response.final:
+            self.done.set()
+
+    def fail(self, message, kind):
+        self.error = (kind, message)
+        self.done.set()
+
+    def is_cancelled(self):
+        return self.cancelled
+
+
+@pytest.fixture(scope="module")
+def engine(default_model):
+    return LLMEngine(EngineConfig(model=str(default_model), kv_cache_tokens=2048))
+
+
+@pytest.fixture
+def loop(engine):
+    loop = EngineLoop(engine)
+    loop.start()
+    yield loop
+    loop.shutdown()
+
+
+def _request(max_tokens, stream=True, **flags):
+    return _parse(b"hello there", flags={"stream": stream, **flags},
+                  sampling=f'{{"max_tokens": {max_tokens}, "ignore_eos": true, "temperature": 0}}'.encode())
+
+
+def test_one_final_response_per_request(loop):
+    streamed, whole, bad = FakeSink(), FakeSink(), FakeSink()
+    loop.submit(_request(5), streamed)
+    loop.submit(_request(5, stream=False), whole)
+    loop.submit(_request(999999), bad)
+    for sink in (streamed, whole, bad):
+        assert sink.done.wait(30)
+    assert [r.final for r in streamed.responses][-1] and sum(r.final for r in streamed.responses) == 1
+    assert len(whole.responses) == 1 and whole.responses[0].num_output_tokens == 5
+    assert whole.responses[0].text == "hello there" + "".join(r.text for r in streamed.responses)
+    assert bad.error[0] == "invalid" and "max_tokens" in bad.error[1]
+
+
+def test_cancelled_request_is_aborted_and_its_blocks_freed(loop):
+    sink = FakeSink()
+    loop.submit(_request(200), sink)
+    deadline = time.monotonic() + 30
+    while not sink.responses and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sink.responses and not sink.done.is_set()
+    sink.cancelled = True
+    assert sink.done.wait(10) and sink.error[0] == "cancelled"
+    time.sleep(0.1)
+    assert loop.engine.kv.num_used_blocks == 0
+
+
+def test_shutdown_ends_open_requests_and_refuses_new_ones(engine):
+    loop = EngineLoop(engine)
+    loop.start()
+    sinks = [FakeSink() for _ in range(3)]
+    for sink in sinks:
+        loop.submit(_request(200), sink)
+    loop.shutdown()
+    late = FakeSink()
+    loop.submit(_request(2), late)
+    assert all(s.done.is_set() for s in sinks + [late])
+    assert all(s.error == ("unavailable", "the server is shutting down") for s in sinks + [late]
+               if s.error) and late.error is not None
