@@ -56,6 +56,9 @@ def server_command(model_repository: Path, work_dir: Path, http_port: int, grpc_
     env = dict(os.environ)
     python_paths = [REPO_ROOT, *site.getsitepackages(), sysconfig.get_paths()["purelib"]]
     env["PYTHONPATH"] = _join(*dict.fromkeys(python_paths), env.get("PYTHONPATH"))
+    # The stub's embedded Python finds its prefix (and a virtualenv's packages) from the
+    # first `python3` on PATH: make that the interpreter running us.
+    env["PATH"] = _join(Path(sys.executable).parent, env.get("PATH"))
     args = [f"--model-repository={model_repository}", f"--http-port={http_port}",
             f"--grpc-port={grpc_port}", f"--metrics-port={metrics_port}", *extra_args]
     binary = shutil.which("tritonserver")
