@@ -18,7 +18,7 @@ $(STAMP): requirements.txt
 	touch $(STAMP)
 
 model: install
-	$(PY) -m orca_backend.model_store
+	$(PY) -m orca_backend.prepare
 
 # HTTP_PORT, GRPC_PORT and METRICS_PORT choose the ports (8000, 8001, 8002).
 serve: model

@@ -2,7 +2,7 @@
 
 `prepare_default_model()` converts that file once into a Hugging Face-format folder
 (config.json, fp32 model.safetensors, tokenizer.json) in a cache, which the engine then
-loads like any other checkpoint. Run it with `python -m orca_backend.model_store`.
+loads like any other checkpoint. Run it with `python -m orca_backend.prepare`.
 """
 from __future__ import annotations
 
@@ -151,7 +151,3 @@ def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     (out_dir / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id}, indent=2))
-
-
-if __name__ == "__main__":
-    print(prepare_default_model())
