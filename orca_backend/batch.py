@@ -26,11 +26,6 @@ class ScheduledBatch:
         return len(self.token_ids)
 
     @property
-    def context_lens(self) -> list[int]:
-        """K/V length of each request after this iteration."""
-        return [c + n for c, n in zip(self.num_computed_tokens, self.num_scheduled_tokens)]
-
-    @property
     def num_prefill_requests(self) -> int:
         """Requests still working through their prompt (or a recompute) this iteration."""
         return sum(1 for n, s in zip(self.num_scheduled_tokens, self.sample) if n > 1 or not s)

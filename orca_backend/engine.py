@@ -75,7 +75,7 @@ class LLMEngine:
         self.tokenizer = _load_tokenizer(self.model_path)
         self.model_config = model.config
         self.max_model_len = min(config.max_model_len or math.inf, model.config.max_model_len)
-        num_blocks = config.num_kv_blocks(model.config.kv_bytes_per_token)
+        num_blocks = config.num_kv_blocks(model.config.kv_elements_per_token)
         self.kv = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(SchedulerConfig(
             config.max_batch_size, config.max_num_batched_tokens, config.policy, config.batching),
@@ -84,7 +84,6 @@ class LLMEngine:
                                   config.torch_dtype, config.seed, config.keep_logits)
         self.stats = EngineStats()
         self._tracked: dict[str, _Tracked] = {}
-        self._num_added = 0
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int],
@@ -98,15 +97,16 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         token_ids = self.encode(prompt)
         self._check_lengths(len(token_ids), params)
-        req = Request(request_id, token_ids, params, arrival_index=self._num_added,
-                      track_logprob=track_logprob)
-        self._num_added += 1
+        req = Request(request_id, token_ids, params, track_logprob=track_logprob)
         self._tracked[request_id] = _Tracked(req, IncrementalDetokenizer(self.tokenizer, token_ids, params))
         self.scheduler.add(req)
         return req
 
     def encode(self, prompt: str | list[int]) -> list[int]:
-        token_ids = (self.tokenizer.encode(prompt).ids if prompt else []) if isinstance(prompt, str) else list(prompt)
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt).ids if prompt else []
+        else:
+            token_ids = list(prompt)
         if not token_ids:
             raise InvalidRequestError("prompt is empty")
         vocab = self.model_config.vocab_size

@@ -21,7 +21,7 @@ from .errors import OrcaError
 from .serving import GenerateRequest
 
 log = logging.getLogger(__name__)
-CANCEL_POLL_SECONDS = 0.02
+CANCEL_POLL_SECONDS = 0.05  # each check is a round trip to the server per open request
 SERVING_POLL_SECONDS = 0.5
 
 

@@ -35,7 +35,6 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    arrival_index: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -59,10 +58,6 @@ class Request:
     def max_num_tokens(self) -> int:
         """Tokens whose K/V may be needed: the last sampled token is never fed back."""
         return self.num_prompt_tokens + self.params.max_tokens - 1
-
-    def token_id(self, position: int) -> int:
-        n = self.num_prompt_tokens
-        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
 
     @property
     def wants_logprob(self) -> bool:

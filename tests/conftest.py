@@ -43,6 +43,19 @@ def _save_tiny(kind: str, folder: Path, tokenizer_json: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def server(tmp_path_factory, default_model):
+    """A real tritonserver on free ports with model_repository/ (both models)."""
+    from server import Server
+
+    s = Server(tmp_path_factory.mktemp("triton"))
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory, default_model) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
     return {kind: _save_tiny(kind, root / kind, default_model / "tokenizer.json")

@@ -15,16 +15,6 @@ PROMPT = "Once upon a time"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, default_model):
-    s = Server(tmp_path_factory.mktemp("triton"))
-    try:
-        s.wait_ready()
-        yield s
-    finally:
-        s.stop()
-
-
-@pytest.fixture(scope="module")
 def local(default_model):
     """The same engine in-process: what the server should answer."""
     return LLM(str(default_model), kv_cache_tokens=4096)

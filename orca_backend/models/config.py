@@ -43,7 +43,7 @@ class ModelConfig:
         return config
 
     @property
-    def kv_bytes_per_token(self) -> int:
+    def kv_elements_per_token(self) -> int:
         """K and V elements per token over all layers (multiply by the dtype's size)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 

@@ -1,0 +1,151 @@
+"""The load generator: seeded traces, the metrics' arithmetic, and a short run on a real server."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import numpy as np
+import pytest
+
+from client.bench import RequestRecord, main, run_trace, summarize
+from client.trace import LengthDist, TraceRequest, load_tokenizer, make_trace, poisson_offsets
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model):
+    return load_tokenizer(default_model)
+
+
+def test_same_seed_same_trace_other_seed_other_trace(tokenizer):
+    dist = LengthDist(kind="orca", scale=0.2)
+    first = make_trace(dist, 20, 3.0, seed=7, tokenizer=tokenizer)
+    assert first == make_trace(dist, 20, 3.0, seed=7, tokenizer=tokenizer)
+    other = make_trace(dist, 20, 3.0, seed=8, tokenizer=tokenizer)
+    assert [r.prompt for r in other] != [r.prompt for r in first]
+    assert [r.offset for r in other] != [r.offset for r in first]
+
+
+def test_orca_lengths_stay_in_the_scaled_ranges(tokenizer):
+    dist = LengthDist(kind="orca", scale=0.1)
+    assert dist.orca_bounds() == ((3, 51), (1, 13))
+    inputs, outputs = dist.draw(np.random.default_rng(0), 5000)
+    assert (inputs.min(), inputs.max()) == (3, 51)  # 5000 draws reach both ends
+    assert (outputs.min(), outputs.max()) == (1, 13)
+    full_in, full_out = LengthDist().draw(np.random.default_rng(0), 5000)
+    assert 32 <= full_in.min() and full_in.max() <= 512 and 1 <= full_out.min() and full_out.max() <= 128
+    tiny = LengthDist(kind="orca", scale=0.001).orca_bounds()
+    assert tiny == ((1, 1), (1, 1))  # never below one token
+    for request in make_trace(dist, 50, None, seed=1, tokenizer=tokenizer):
+        assert 3 <= request.input_tokens <= 51 and 1 <= request.output_tokens <= 13
+        assert request.offset == 0.0 and request.prompt.strip()
+        # Decoding then encoding may merge a token or two at the window's edges, no more.
+        assert abs(len(tokenizer.encode(request.prompt, add_special_tokens=False).ids)
+                   - request.input_tokens) <= 2
+
+
+def test_other_length_distributions():
+    rng = np.random.default_rng(0)
+    inputs, outputs = LengthDist(kind="fixed", input_tokens=40, output_tokens=9).draw(rng, 10)
+    assert set(inputs) == {40} and set(outputs) == {9}
+    inputs, outputs = LengthDist(kind="lognormal", input_mean=600, output_mean=300, sigma=1.0).draw(rng, 4000)
+    assert inputs.min() >= 1 and inputs.max() == 1024 and outputs.max() == 512
+    inputs, _ = LengthDist(kind="lognormal", input_mean=100, sigma=0.5).draw(rng, 4000)
+    assert inputs.mean() == pytest.approx(100, rel=0.05)
+    with pytest.raises(ValueError, match="unknown length distribution"):
+        LengthDist(kind="zipf").draw(rng, 1)
+
+
+def test_poisson_gaps_have_the_rate_mean():
+    offsets = poisson_offsets(5.0, 2001, np.random.default_rng(3))
+    gaps = np.diff(offsets)
+    assert offsets[0] == 0.0 and (gaps >= 0).all()
+    assert gaps.mean() == pytest.approx(0.2, rel=0.1)
+    assert gaps.std() == pytest.approx(0.2, rel=0.15)  # exponential: std equals mean
+
+
+def _record(index, sent, times, tokens, error=None):
+    return RequestRecord(index=index, scheduled=sent, sent=sent, input_tokens=10,
+                         max_tokens=sum(tokens), num_input_tokens=10, response_times=times,
+                         response_tokens=tokens, error=error)
+
+
+def test_summarize_hand_computed():
+    records = [
+        _record(0, 0.0, [1.0, 1.5, 2.0], [1, 1, 2]),  # e2e 2.0 / 4 tok = 0.5; ttft 1.0; itl 0.5, 0.25
+        _record(1, 1.0, [1.5, 2.5], [1, 1]),           # 1.5 / 2 = 0.75; ttft 0.5; itl 1.0
+        _record(2, 2.0, [2.2, 3.0, 4.0], [1, 2, 1]),   # 2.0 / 4 = 0.5; ttft 0.2; itl 0.4, 1.0
+        _record(3, 3.0, [], [], error="boom"),
+    ]
+    s = summarize(records)
+    assert (s.num_requests, s.errors) == (4, 1)
+    assert s.duration_s == 4.0                       # first send 0.0 to last response 4.0
+    assert s.request_throughput == 0.75              # 3 completed / 4 s
+    assert s.token_throughput == 2.5                 # 10 tokens / 4 s
+    assert s.normalized_latency_p50 == 0.5
+    assert s.normalized_latency_p99 == pytest.approx(0.745)  # 0.5 + 0.98 * (0.75 - 0.5)
+    assert s.ttft_p50 == 0.5
+    assert s.ttft_p99 == pytest.approx(0.99)         # 0.5 + 0.98 * (1.0 - 0.5)
+    assert s.itl_p50 == 0.5                          # of 0.25, 0.4, 0.5, 1.0, 1.0
+    assert s.itl_p99 == pytest.approx(1.0)
+
+
+def test_summarize_without_results_is_nan_not_a_crash():
+    s = summarize([_record(0, 0.0, [], [], error="boom")])
+    assert s.errors == 1 and s.request_throughput == 0.0
+    assert math.isnan(s.duration_s) and math.isnan(s.ttft_p50) and math.isnan(s.itl_p99)
+
+
+def _check(records, trace):
+    assert [r.index for r in records] == [t.index for t in trace]
+    for record, request in zip(records, trace):
+        assert record.error is None
+        assert record.output_tokens == request.output_tokens >= 1
+        assert record.num_input_tokens >= 1
+        assert record.sent <= record.first_token <= record.end
+    summary = summarize(records)
+    assert summary.errors == 0
+    for name in ("duration_s", "request_throughput", "token_throughput", "normalized_latency_p50",
+                 "normalized_latency_p99", "ttft_p50", "ttft_p99"):
+        assert math.isfinite(getattr(summary, name)), name
+
+
+def test_open_loop_run_against_the_server(server, tokenizer):
+    trace = make_trace(LengthDist(kind="orca", scale=0.05), 6, 4.0, seed=0, tokenizer=tokenizer)
+    records = run_trace(server.grpc_url, "orca", trace)
+    _check(records, trace)
+    for record, request in zip(records, trace):
+        assert record.sent >= request.offset  # never sent ahead of its arrival time
+
+
+def test_closed_loop_keeps_the_concurrency(server, tokenizer):
+    trace = make_trace(LengthDist(kind="fixed", input_tokens=16, output_tokens=4), 3, None,
+                       seed=0, tokenizer=tokenizer)
+    records = run_trace(server.grpc_url, "orca", trace, concurrency=2)
+    _check(records, trace)
+    assert records[2].sent >= min(records[0].end, records[1].end)  # waited for a free slot
+
+
+def test_cli_writes_json_and_csv(server, tmp_path):
+    out_json, out_csv = tmp_path / "bench.json", tmp_path / "bench.csv"
+    rc = main(["--url", server.grpc_url, "--model", "orca_request_level", "--concurrency", "2",
+               "--num-requests", "2", "--dist", "fixed", "--input-tokens", "8", "--output-tokens", "3",
+               "--json", str(out_json), "--csv", str(out_csv)])
+    assert rc == 0
+    body = json.loads(out_json.read_text())
+    assert body["summary"]["errors"] == 0 and len(body["requests"]) == 2
+    assert all(r["output_tokens"] == 3 for r in body["requests"])
+    rows = list(csv.DictReader(out_csv.open()))
+    assert [row["output_tokens"] for row in rows] == ["3", "3"]
+
+
+def test_a_failed_request_is_the_one_counted(server):
+    # The empty prompt fails while request 0 is still streaming: the error callback cannot
+    # say which request it was, yet only request 1 may end up failed.
+    trace = [TraceRequest(0, 0.0, "Once upon a time", 4, 12), TraceRequest(1, 0.2, "", 1, 3),
+             TraceRequest(2, 0.3, "The harbour town", 3, 3)]
+    records = run_trace(server.grpc_url, "orca", trace)
+    assert [r.error is not None for r in records] == [False, True, False]
+    assert "empty" in records[1].error
+    assert [r.output_tokens for r in records] == [12, 0, 3]
+    assert summarize(records).errors == 1
