@@ -197,23 +197,22 @@ def run_trace(url: str, model: str, trace: list[TraceRequest], concurrency: int 
         client.close(cancel=run.in_flight > 0)
 
 
-def _milliseconds(seconds: float) -> str:
+def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms"
 
 
 def format_summary(summary: Summary) -> str:
     """A two-column table; latencies in milliseconds."""
-    ms = _milliseconds
     rows = [("requests", f"{summary.num_requests}"), ("errors", f"{summary.errors}"),
             ("duration", f"{summary.duration_s:.2f} s"),
             ("throughput", f"{summary.request_throughput:.3f} req/s"),
             ("generated tokens", f"{summary.token_throughput:.2f} tok/s"),
-            ("normalized latency p50", f"{ms(summary.normalized_latency_p50)}/token"),
-            ("normalized latency p99", f"{ms(summary.normalized_latency_p99)}/token"),
-            ("time to first token p50", ms(summary.ttft_p50)),
-            ("time to first token p99", ms(summary.ttft_p99)),
-            ("inter-token latency p50", ms(summary.itl_p50)),
-            ("inter-token latency p99", ms(summary.itl_p99))]
+            ("normalized latency p50", f"{_ms(summary.normalized_latency_p50)}/token"),
+            ("normalized latency p99", f"{_ms(summary.normalized_latency_p99)}/token"),
+            ("time to first token p50", _ms(summary.ttft_p50)),
+            ("time to first token p99", _ms(summary.ttft_p99)),
+            ("inter-token latency p50", _ms(summary.itl_p50)),
+            ("inter-token latency p99", _ms(summary.itl_p99))]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value:>16}" for name, value in rows)
 

@@ -79,10 +79,10 @@ class StreamingClient:
     def _on_response(self, result, error) -> None:
         now = time.monotonic()
         if error is not None:
-            # tritonclient does not say which request an error belongs to: give it to the
-            # oldest one still open (exact when one request at a time is in flight).
-            request_id = next((k for k, e in self._done.items() if not e.is_set()), None)
-            if request_id is not None:
+            blamed = self._blame(error)
+            if not blamed:
+                self.events.put((None, error.message()))
+            for request_id in blamed:
                 self._results[request_id].error = error.message()
                 self._done[request_id].set()
                 self.events.put((request_id, error.message()))
@@ -95,6 +95,16 @@ class StreamingClient:
         if response.parameters["triton_final_response"].bool_param:
             self._done[response.id].set()
 
+    def _blame(self, error) -> list[str]:
+        """Which open requests an error ends. tritonclient does not say: a broken stream (a
+        gRPC status) ends them all; a request's error goes to the oldest open request that
+        has no response yet (errors for bad input come first), else to the oldest open one."""
+        open_ids = [k for k, e in self._done.items() if not e.is_set()]
+        if error.status() is not None:
+            return open_ids
+        fresh = [k for k in open_ids if not self._results[k].responses]
+        return (fresh or open_ids)[:1]
+
     def send(self, prompt, **options) -> str:
         request_id = f"r{self._next}"
         self._next += 1
@@ -106,9 +116,20 @@ class StreamingClient:
         return request_id
 
     def wait(self, request_id: str, timeout: float = 300) -> Result:
-        if not self._done[request_id].wait(timeout):
-            raise TimeoutError(f"request {request_id} got no final response in {timeout} s")
+        deadline = time.monotonic() + timeout
+        while not self._done[request_id].wait(0.1):
+            if not self._stream_alive():
+                self._results[request_id].error = "the server closed the stream"
+                self._done[request_id].set()
+            elif time.monotonic() > deadline:
+                raise TimeoutError(f"request {request_id} got no final response in {timeout} s")
         return self._results[request_id]
+
+    def _stream_alive(self) -> bool:
+        # tritonclient calls back nobody when the server ends a stream cleanly: its
+        # response thread just stops, so look at that thread.
+        stream = self.client._stream
+        return stream is not None and stream._handler is not None and stream._handler.is_alive()
 
     def generate(self, prompt, timeout: float = 300, **options) -> Result:
         return self.wait(self.send(prompt, **options), timeout)

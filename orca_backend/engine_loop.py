@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 
 from .engine import LLMEngine, RequestDelta
 from .errors import OrcaError
@@ -22,7 +22,6 @@ from .serving import GenerateRequest
 
 log = logging.getLogger(__name__)
 CANCEL_POLL_SECONDS = 0.05  # each check is a round trip to the server per open request
-SERVING_POLL_SECONDS = 0.5
 
 
 @dataclass(slots=True)
@@ -62,11 +61,9 @@ class _Stream:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, metrics: Metrics | None = None,
-                 still_serving: Callable[[], bool] | None = None) -> None:
+    def __init__(self, engine: LLMEngine, metrics: Metrics | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
-        self.still_serving = still_serving  # False once the server is shutting down
         self._inbox: queue.Queue = queue.Queue()  # to the engine thread
         self._outbox: queue.Queue = queue.Queue()  # to the sender thread
         self._ids = itertools.count()
@@ -164,7 +161,7 @@ class EngineLoop:
     # -- sender thread ------------------------------------------------------------------------
     def _sender_main(self) -> None:
         streams: dict[str, _Stream] = {}
-        last_poll = last_serving_check = time.monotonic()
+        last_poll = time.monotonic()
         while True:
             try:
                 message = self._outbox.get(timeout=CANCEL_POLL_SECONDS)
@@ -180,10 +177,6 @@ class EngineLoop:
                 for request_id, stream in streams.items():
                     if _safe(stream.sink.is_cancelled, False):
                         self._inbox.put(("abort", request_id))
-            if streams and self.still_serving and now - last_serving_check >= SERVING_POLL_SECONDS:
-                last_serving_check = now
-                if not _safe(self.still_serving, True):
-                    self.close()
         for stream in streams.values():  # nothing may be left without a final response
             _safe(lambda: stream.sink.fail("the server is shutting down", "unavailable"))
 

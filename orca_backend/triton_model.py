@@ -7,6 +7,9 @@ thread through each request's decoupled response sender.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import threading
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -31,8 +34,9 @@ class TritonPythonModel:
             parameters, args.get("model_instance_kind", "CPU"), int(args.get("model_instance_device_id", 0)))
         self.engine = LLMEngine(engine_config)
         name = args["model_name"]
-        self.loop = EngineLoop(self.engine, _TritonMetrics(name), still_serving=lambda: _serving(name))
+        self.loop = EngineLoop(self.engine, _TritonMetrics(name))
         self.loop.start()
+        _close_on_interrupt(self.loop)
 
     def execute(self, requests) -> None:
         for request in requests:
@@ -49,15 +53,25 @@ class TritonPythonModel:
         self.loop.shutdown()
 
 
-def _serving(model_name: str) -> bool:
-    """False once the server is shutting down. Triton calls finalize() only after open
-    streams end, so the loop must notice shutdown by itself to end them."""
-    try:
-        return pb_utils.is_model_ready(model_name)
-    except pb_utils.TritonModelException as e:
-        if "not ready" in str(e).lower():
-            return False
-        raise
+def _close_on_interrupt(loop: EngineLoop) -> None:
+    """End open streams when Ctrl+C (SIGINT to the process group) reaches this stub process.
+
+    Triton calls finalize() only after every open stream has ended, so a server stopped while
+    requests stream would otherwise wait out its exit timeout. The stub's main thread sits in
+    C++, so the signal is read from a wakeup fd by a thread of ours."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.set_wakeup_fd(write_fd)
+    signal.signal(signal.SIGINT, lambda *_: None)
+
+    def watch() -> None:
+        while os.read(read_fd, 1) != bytes([signal.SIGINT]):
+            pass
+        loop.close()
+
+    threading.Thread(target=watch, name="orca-interrupt", daemon=True).start()
 
 
 def _parse(request) -> GenerateRequest:

@@ -68,9 +68,9 @@ class Server:
         raise KeyError(name)
 
     def terminate(self) -> None:
-        """Ask tritonserver to shut down (SIGTERM), as a user's Ctrl+C or `docker stop` does."""
+        """Ask tritonserver to shut down as Ctrl+C in a terminal does: SIGINT to the group."""
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+            os.killpg(self.process.pid, signal.SIGINT)
 
     def stop(self, timeout: float = 60) -> None:
         self.terminate()
