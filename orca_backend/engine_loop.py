@@ -111,7 +111,7 @@ class EngineLoop:
                 self._fail_all(f"internal error in the engine: {e}", "internal")
                 continue
             self._outbox.put(("deltas", deltas))
-            self._outbox.put(("stats", self._snapshot()))
+            self._outbox.put(("stats", self._snapshot(self.engine.stats.last_iteration)))
         self._fail_all("the server is shutting down", "unavailable")
         self._outbox.put(("stop",))
 
@@ -148,15 +148,15 @@ class EngineLoop:
             self._outbox.put(("fail", request_id, message, kind))
         self._outbox.put(("stats", self._snapshot()))
 
-    def _snapshot(self) -> dict:
-        record = self.engine.stats.last_iteration
+    def _snapshot(self, iteration=None) -> dict:
+        """Gauges and counters for the metrics; `iteration` when one has just run."""
         return {"num_running": len(self.engine.scheduler.running),
                 "num_waiting": len(self.engine.scheduler.waiting),
                 "num_used_blocks": self.engine.kv.num_used_blocks,
                 "num_blocks": self.engine.kv.num_blocks,
                 "num_preemptions": self.engine.scheduler.num_preemptions,
                 "num_iterations": self.engine.stats.num_iterations,
-                "batch_size": record.num_requests if record else 0}
+                "batch_size": iteration.num_requests if iteration else 0}
 
     # -- sender thread ------------------------------------------------------------------------
     def _sender_main(self) -> None:
