@@ -8,7 +8,9 @@ cancelled, or the server shut down.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import json
 import logging
 import queue
 import threading
@@ -61,9 +63,12 @@ class _Stream:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, metrics: Metrics | None = None) -> None:
+    def __init__(self, engine: LLMEngine, metrics: Metrics | None = None,
+                 trace_path: str | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
+        # One JSON line per iteration (batch shape, K/V use, queue), to watch batching happen.
+        self._trace = open(trace_path, "a", buffering=1) if trace_path else None
         self._inbox: queue.Queue = queue.Queue()  # to the engine thread
         self._outbox: queue.Queue = queue.Queue()  # to the sender thread
         self._ids = itertools.count()
@@ -93,6 +98,8 @@ class EngineLoop:
         self.close()
         self._engine_thread.join()
         self._sender_thread.join()
+        if self._trace is not None:
+            self._trace.close()
 
     def close(self) -> None:
         """Refuse new requests; the engine thread ends the open ones and stops."""
@@ -150,6 +157,8 @@ class EngineLoop:
 
     def _snapshot(self, iteration=None) -> dict:
         """Gauges and counters for the metrics; `iteration` when one has just run."""
+        if iteration is not None and self._trace is not None:
+            self._trace.write(json.dumps({"time": time.time(), **dataclasses.asdict(iteration)}) + "\n")
         return {"num_running": len(self.engine.scheduler.running),
                 "num_waiting": len(self.engine.scheduler.waiting),
                 "num_used_blocks": self.engine.kv.num_used_blocks,

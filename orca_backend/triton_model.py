@@ -30,11 +30,14 @@ class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         config = json.loads(args["model_config"])
         parameters = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        trace_path = parameters.pop("iteration_trace", "").strip() or os.environ.get("ORCA_ITERATION_TRACE")
         engine_config = engine_config_from_parameters(
             parameters, args.get("model_instance_kind", "CPU"), int(args.get("model_instance_device_id", 0)))
         self.engine = LLMEngine(engine_config)
         name = args["model_name"]
-        self.loop = EngineLoop(self.engine, _TritonMetrics(name))
+        if trace_path:  # one file per model, so two models never share one
+            trace_path = trace_path.replace("{model}", name)
+        self.loop = EngineLoop(self.engine, _TritonMetrics(name), trace_path)
         self.loop.start()
         _close_on_interrupt(self.loop)
 

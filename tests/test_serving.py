@@ -1,6 +1,7 @@
 """Request parsing, config parameters and the engine loop, without a server."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -132,3 +133,19 @@ def test_shutdown_ends_open_requests_and_refuses_new_ones(engine):
     assert all(s.done.is_set() for s in sinks + [late])
     assert all(s.error == ("unavailable", "the server is shutting down") for s in sinks + [late]
                if s.error) and late.error is not None
+
+
+def test_iteration_trace_records_each_iteration(engine, tmp_path):
+    path = tmp_path / "trace.jsonl"
+    loop = EngineLoop(engine, trace_path=str(path))
+    loop.start()
+    sinks = [FakeSink(), FakeSink()]
+    for sink in sinks:
+        loop.submit(_request(4), sink)
+    assert all(s.done.wait(30) for s in sinks)
+    loop.shutdown()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert set(lines[0]) == {"time", "num_requests", "num_tokens", "num_prefill_requests",
+                             "num_decode_requests", "num_used_blocks", "num_waiting"}
+    assert sum(line["num_decode_requests"] for line in lines) == 2 * 3  # 4 tokens: 1 prefill + 3 decodes
+    assert max(line["num_requests"] for line in lines) == 2
