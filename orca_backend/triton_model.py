@@ -87,6 +87,10 @@ def _parse(request) -> GenerateRequest:
     return GenerateRequest.parse(_as_bytes(text), flags, _as_bytes(sampling), request.parameters())
 
 
+def _bytes(text: str) -> np.ndarray:
+    return np.array([text.encode("utf-8")], dtype=np.object_)
+
+
 def _as_bytes(value) -> bytes | None:
     if value is None or isinstance(value, bytes):
         return value
@@ -95,26 +99,21 @@ def _as_bytes(value) -> bytes | None:
 
 class _TritonSink:
     def __init__(self, request) -> None:
-        self.request = request
         self.sender = request.get_response_sender()
         self.parsed: GenerateRequest | None = None
 
     def send(self, r: Response) -> None:
-        flags = self.parsed
-        tensors = [pb_utils.Tensor("text_output", np.array([r.text.encode("utf-8")], dtype=np.object_))]
-        if flags.return_finish_reason:
-            tensors.append(pb_utils.Tensor("finish_reason", np.array([str(r.finish_reason).encode()],
-                                                                     dtype=np.object_)))
-        if flags.return_cumulative_logprob:
-            tensors.append(pb_utils.Tensor("cumulative_logprob", np.array([r.cumulative_logprob or 0.0],
-                                                                          dtype=np.float32)))
-        if flags.return_logprobs:
-            tensors.append(pb_utils.Tensor("logprobs", np.array([json.dumps(r.logprobs).encode()],
-                                                                dtype=np.object_)))
-        if flags.return_num_input_tokens:
-            tensors.append(pb_utils.Tensor("num_input_tokens", np.array([r.num_input_tokens], dtype=np.uint32)))
-        if flags.return_num_output_tokens:
-            tensors.append(pb_utils.Tensor("num_output_tokens", np.array([r.num_output_tokens], dtype=np.uint32)))
+        optional = {  # output name -> (the flag that asks for it, its value)
+            "finish_reason": ("return_finish_reason", _bytes(str(r.finish_reason))),
+            "cumulative_logprob": ("return_cumulative_logprob",
+                                   np.array([r.cumulative_logprob or 0.0], dtype=np.float32)),
+            "logprobs": ("return_logprobs", _bytes(json.dumps(r.logprobs))),
+            "num_input_tokens": ("return_num_input_tokens", np.array([r.num_input_tokens], dtype=np.uint32)),
+            "num_output_tokens": ("return_num_output_tokens", np.array([r.num_output_tokens], dtype=np.uint32)),
+        }
+        tensors = [pb_utils.Tensor("text_output", _bytes(r.text))]
+        tensors += [pb_utils.Tensor(name, value) for name, (flag, value) in optional.items()
+                    if getattr(self.parsed, flag)]
         self.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=_FINAL if r.final else 0)
 
     def fail(self, message: str, kind: str) -> None:
