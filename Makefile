@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install model serve test bench-engine clean
+.PHONY: install model serve test bench bench-full bench-engine perf clean
 
 install: $(STAMP)
 
@@ -27,8 +27,21 @@ serve: model
 test: model
 	$(PY) -m pytest -q
 
+# Iteration-level vs request-level under Poisson load; writes docs/benchmarks/serving.*
+bench: model
+	$(PY) benchmarks/bench_serving.py --quick
+
+bench-full: model
+	$(PY) benchmarks/bench_serving.py
+
 bench-engine: model
 	$(PY) benchmarks/bench_engine.py --markdown docs/benchmarks/engine.md
+
+# perf_analyzer and genai-perf in build/perf-tools, then both and our load generator on one
+# workload; writes docs/benchmarks/perf.md and docs/benchmarks/perf/.
+perf: model
+	bash benchmarks/install_perf_tools.sh build/perf-tools $(PYTHON)
+	$(PY) benchmarks/bench_perf.py --tools build/perf-tools
 
 clean:
 	rm -rf $(VENV)

@@ -33,6 +33,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 # `python benchmarks/bench_engine.py` puts benchmarks/ on the path, not the repo root.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.report import cpu_name, log, table  # noqa: E402
 from orca_backend import LLM, SamplingParams  # noqa: E402
 from orca_backend.model_store import prepare_default_model  # noqa: E402
 
@@ -77,16 +78,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def machine_facts(started: datetime.datetime, load_at_start: float, repeats: int) -> list[str]:
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     return [f"- date: {started.isoformat(timespec='seconds')}",
-            f"- CPU: {cpu}", f"- torch {torch.__version__}, threads {torch.get_num_threads()}",
+            f"- CPU: {cpu_name()}", f"- torch {torch.__version__}, threads {torch.get_num_threads()}",
             f"- transformers {transformers.__version__}, python {platform.python_version()}",
             # Other work on the machine slows both systems; the load average shows if it was busy.
             f"- load average (1 min): {load_at_start:.2f} at start, "
@@ -203,19 +196,8 @@ def bench_varying(args, model, tokenizer, pad_id: int) -> list:
                         f"{row[1] / row[-1] / hf_rate:.2f}x"] for row in rows]
 
 
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)  # progress; stdout carries only the tables
-
-
 def pct(x: float) -> str:
     return f"{100 * x:.2f}%"  # two decimals: the shares outside the forward are small
-
-
-def table(headers: list[str], rows: list[list]) -> list[str]:
-    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
-    line = lambda cells: "| " + " | ".join(str(c).rjust(w) for c, w in zip(cells, widths)) + " |"
-    return [line(headers), "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|",
-            *map(line, rows)]
 
 
 def main() -> None:

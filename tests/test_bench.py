@@ -82,6 +82,8 @@ def test_summarize_hand_computed():
     assert s.duration_s == 4.0                       # first send 0.0 to last response 4.0
     assert s.request_throughput == 0.75              # 3 completed / 4 s
     assert s.token_throughput == 2.5                 # 10 tokens / 4 s
+    assert s.latency_p50 == 2.0                      # of 2.0, 1.5, 2.0
+    assert s.latency_p99 == pytest.approx(2.0)
     assert s.normalized_latency_p50 == 0.5
     assert s.normalized_latency_p99 == pytest.approx(0.745)  # 0.5 + 0.98 * (0.75 - 0.5)
     assert s.ttft_p50 == 0.5
@@ -105,7 +107,8 @@ def _check(records, trace):
         assert record.sent <= record.first_token <= record.end
     summary = summarize(records)
     assert summary.errors == 0
-    for name in ("duration_s", "request_throughput", "token_throughput", "normalized_latency_p50",
+    for name in ("duration_s", "request_throughput", "token_throughput", "latency_p50",
+                 "normalized_latency_p50",
                  "normalized_latency_p99", "ttft_p50", "ttft_p99"):
         assert math.isfinite(getattr(summary, name)), name
 

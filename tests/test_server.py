@@ -9,7 +9,7 @@ import pytest
 
 from client.triton_client import StreamingClient
 from orca_backend import LLM, SamplingParams
-from server import Server
+from orca_backend.launch import Server
 
 PROMPT = "Once upon a time"
 

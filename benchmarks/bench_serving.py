@@ -1,0 +1,328 @@
+"""ORCA's claim, side by side: iteration-level vs request-level batching under Poisson load.
+
+Starts one real tritonserver hosting `orca` (iteration-level) and `orca_request_level` (the
+same engine, request-level batching), replays the same seeded trace at a sweep of request
+rates against each with the load generator (`client.bench`), and writes into `--out`:
+
+- serving.md: the report (settings, table, headline, plots)
+- serving.csv: one row per (model, rate); serving_requests.csv: one row per request
+- serving_latency.png: median normalized latency vs throughput, both models
+- serving_ttft.png: median time to first token vs throughput, both models
+- scheduler_trace.png: both models' per-iteration trace during one run at the same rate
+
+The headline follows the paper: the highest request rate each model sustains while the median
+normalized latency (end-to-end latency / output tokens) stays under `--bound-ms`, and the ratio.
+A model's sweep stops after two rates in a row over the bound, or one over twice the bound.
+
+    python benchmarks/bench_serving.py --quick      # under 10 minutes on 2 CPU cores
+    python benchmarks/bench_serving.py              # the full sweep, for bigger machines
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import datetime
+import json
+import math
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+
+# `python benchmarks/bench_serving.py` puts benchmarks/ on the path, not the repo root.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.report import log, machine_lines, table  # noqa: E402
+from client.bench import CSV_FIELDS, RequestRecord, Summary, run_trace, summarize  # noqa: E402
+from client.trace import LengthDist, load_tokenizer, make_trace  # noqa: E402
+from orca_backend.launch import REPO_ROOT, Server  # noqa: E402
+
+MODELS = {"orca": "iteration-level", "orca_request_level": "request-level"}
+COLORS = {"orca": "tab:blue", "orca_request_level": "tab:red"}
+QUICK = dict(rates="0.5,1,1.5,2,2.5,3,4,6", duration=20.0, min_requests=10, scale=0.25)
+FULL = dict(rates="0.5,1,2,3,4,6,8,12,16,24,32", duration=60.0, min_requests=50, scale=1.0)
+
+
+@dataclass(slots=True)
+class Point:
+    """One model at one offered rate."""
+
+    model: str
+    rate: float
+    summary: Summary
+    records: list[RequestRecord]
+    wall_start: float  # time.time() around the run, to cut its part out of the iteration trace
+    wall_end: float
+    bound: float = math.inf  # seconds per output token
+
+    @property
+    def over(self) -> bool:
+        """Over the latency bound, or not measured, or with failed requests."""
+        return self.summary.errors > 0 or not self.summary.normalized_latency_p50 <= self.bound
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="a sweep that fits 10 minutes on 2 cores")
+    p.add_argument("--rates", help="comma-separated request rates, ascending")
+    p.add_argument("--duration", type=float, help="seconds of arrivals per rate")
+    p.add_argument("--min-requests", type=int, help="requests per rate, at least")
+    p.add_argument("--scale", type=float, help="orca trace: multiplies the length ranges")
+    p.add_argument("--bound-ms", type=float, default=250.0,
+                   help="median normalized latency bound, ms per output token")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "benchmarks")
+    args = p.parse_args()
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.rates = sorted(float(r) for r in args.rates.split(","))
+    return args
+
+
+def sweep(server: Server, model: str, args, tokenizer) -> list[Point]:
+    points = []
+    for rate in args.rates:
+        n = max(args.min_requests, round(rate * args.duration))
+        trace = make_trace(LengthDist(kind="orca", scale=args.scale), n, rate, args.seed, tokenizer)
+        wall_start = time.time()
+        records = run_trace(server.grpc_url, model, trace)
+        point = Point(model, rate, summarize(records), records, wall_start, time.time(),
+                      bound=args.bound_ms / 1e3)
+        points.append(point)
+        s = point.summary
+        log(f"  {model} at {rate:g} req/s: {n} requests, {s.request_throughput:.2f} req/s done, "
+            f"normalized p50 {s.normalized_latency_p50 * 1e3:.0f} ms/token, "
+            f"TTFT p50 {s.ttft_p50 * 1e3:.0f} ms, errors {s.errors}")
+        # One run over the bound may be noise: stop after two in a row, or one far over.
+        if point.summary.errors or (point.over and (
+                len(points) > 1 and points[-2].over
+                or not s.normalized_latency_p50 <= 2 * point.bound)):
+            break
+    return points
+
+
+def sustained_rate(points: list[Point], bound: float) -> tuple[float, str]:
+    """The highest throughput (completed requests/s) with median normalized latency under
+    `bound`: interpolated between the last run under and the first over; the string says
+    whether it is an estimate ("about"), a lower bound or an upper bound."""
+    tput = lambda p: p.summary.request_throughput
+    under = [p for p in points if not p.over]
+    if not under:
+        return tput(points[0]), "below"  # already over at the lowest rate swept
+    last = max(under, key=tput)
+    after = [p for p in points if p.rate > last.rate and p.over]
+    if not after or after[0].summary.errors:
+        return tput(last), "at least"
+    nxt = after[0]
+    lo, hi = last.summary.normalized_latency_p50, nxt.summary.normalized_latency_p50
+    frac = (bound - lo) / (hi - lo) if math.isfinite(hi) and hi > lo else 0.0
+    return max(tput(last), tput(last) + frac * (tput(nxt) - tput(last))), "about"
+
+
+def describe(rate: float, kind: str) -> str:
+    return {"below": f"< {rate:.2f}", "at least": f">= {rate:.2f}", "about": f"{rate:.2f}"}[kind]
+
+
+def warm_up(server: Server, tokenizer, args) -> None:
+    """First requests pay one-time costs (allocator, kernels); keep them out of the sweep."""
+    trace = make_trace(LengthDist(kind="orca", scale=args.scale), 4, None, args.seed + 1, tokenizer)
+    for model in MODELS:
+        if any(r.error for r in run_trace(server.grpc_url, model, trace, concurrency=4)):
+            raise SystemExit(f"warm-up requests to {model} failed; see {server.log_path}")
+
+
+def write_csvs(out: Path, points: list[Point]) -> None:
+    fields = ["model", "batching", "offered_rate"] + [f.name for f in dataclasses.fields(Summary)]
+    with open(out / "serving.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        for p in points:
+            writer.writerow({"model": p.model, "batching": MODELS[p.model], "offered_rate": p.rate,
+                             **dataclasses.asdict(p.summary)})
+    with open(out / "serving_requests.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["model", "offered_rate", *CSV_FIELDS],
+                                extrasaction="ignore")
+        writer.writeheader()
+        for p in points:
+            for r in p.records:
+                writer.writerow({"model": p.model, "offered_rate": p.rate, **r.as_row()})
+
+
+def plot_curves(out: Path, points: list[Point], bound: float) -> None:
+    for name, attr, label in (("serving_latency.png", "normalized_latency_p50",
+                               "median normalized latency (ms per output token)"),
+                              ("serving_ttft.png", "ttft_p50", "median time to first token (ms)")):
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for model, batching in MODELS.items():
+            mine = [p for p in points if p.model == model]
+            ax.plot([p.summary.request_throughput for p in mine],
+                    [getattr(p.summary, attr) * 1e3 for p in mine], "o-", color=COLORS[model],
+                    label=f"{model} ({batching})")
+        if attr == "normalized_latency_p50":
+            ax.axhline(bound * 1e3, color="gray", linestyle="--", linewidth=1,
+                       label=f"bound {bound * 1e3:g} ms/token")
+        ax.set_yscale("log")
+        ax.set_xlabel("throughput (completed requests/s)")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=120)
+        plt.close(fig)
+
+
+def load_iterations(path: Path, start: float, end: float) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if start <= r["time"] <= end]
+
+
+def plot_scheduler(out: Path, pair: list[Point], trace_dir: Path) -> bool:
+    """Both models' iterations during their runs at one rate; False if no trace was written."""
+    fig, axes = plt.subplots(2, len(pair), figsize=(6 * len(pair), 6), sharex="col", squeeze=False)
+    drawn = False
+    for col, p in enumerate(pair):
+        rows = load_iterations(trace_dir / f"iterations-{p.model}.jsonl", p.wall_start, p.wall_end)
+        if not rows:
+            continue
+        drawn = True
+        t = [r["time"] - p.wall_start for r in rows]
+        top, bottom = axes[0][col], axes[1][col]
+        top.stackplot(t, [r["num_decode_requests"] for r in rows],
+                      [r["num_prefill_requests"] for r in rows], step="post",
+                      labels=["decoding", "in prefill"], colors=["tab:blue", "tab:orange"], alpha=0.8)
+        top.step(t, [r["num_waiting"] for r in rows], where="post", color="black", linewidth=1,
+                 label="waiting in queue")
+        top.set_title(f"{p.model} ({MODELS[p.model]}), {p.rate:g} req/s offered")
+        top.set_ylabel("requests")
+        top.legend(loc="upper left", fontsize="small")
+        bottom.step(t, [r["num_used_blocks"] for r in rows], where="post", color="tab:green",
+                    label="K/V blocks in use")
+        bottom.step(t, [r["num_tokens"] for r in rows], where="post", color="tab:purple",
+                    linewidth=0.8, label="tokens in the iteration")
+        bottom.set_yscale("symlog")
+        bottom.set_xlabel("seconds since the run began")
+        bottom.legend(loc="upper left", fontsize="small")
+        for ax in (top, bottom):
+            ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "scheduler_trace.png", dpi=110)
+    plt.close(fig)
+    return drawn
+
+
+def fmt(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f}" if math.isfinite(seconds) else "-"
+
+
+def report(args, points: list[Point], headline: dict, trace_rate: float | None,
+           started: datetime.datetime, elapsed: float) -> list[str]:
+    (lo_in, hi_in), (lo_out, hi_out) = LengthDist(kind="orca", scale=args.scale).orca_bounds()
+    rows = [[p.model, f"{p.rate:g}", p.summary.num_requests, p.summary.errors,
+             f"{p.summary.request_throughput:.2f}", f"{p.summary.token_throughput:.1f}",
+             fmt(p.summary.normalized_latency_p50), fmt(p.summary.normalized_latency_p99),
+             fmt(p.summary.ttft_p50), fmt(p.summary.ttft_p99), fmt(p.summary.itl_p50),
+             fmt(p.summary.itl_p99)] for p in points]
+    (it_rate, it_kind), (rq_rate, rq_kind) = headline["orca"], headline["orca_request_level"]
+    ratio = it_rate / rq_rate if rq_rate > 0 else math.inf
+    qualifier = "" if (it_kind, rq_kind) == ("about", "about") else " (see the bounds above)"
+    bound = args.bound_ms
+    lines = [
+        "# Iteration-level vs request-level batching under Poisson load", "",
+        f"Generated by `python benchmarks/bench_serving.py{' --quick' if args.quick else ''}` "
+        f"({'`make bench`' if args.quick else '`make bench-full`'}).", "",
+        "## Headline", "",
+        f"Highest throughput (completed requests/s) sustained with median normalized latency "
+        f"under {bound:g} ms per output token:", "",
+        f"- `orca` (iteration-level): {describe(it_rate, it_kind)} req/s",
+        f"- `orca_request_level` (request-level): {describe(rq_rate, rq_kind)} req/s",
+        f"- ratio: **{ratio:.1f}x**{qualifier}", "",
+        "Between two swept rates the throughput is interpolated linearly in median normalized "
+        "latency.",
+        "", "![median normalized latency vs throughput](serving_latency.png)", "",
+        "## Setup", "",
+        f"- date: {started.isoformat(timespec='seconds')}, whole run {elapsed / 60:.1f} min",
+        *machine_lines(),
+        "- one tritonserver (2.51) hosting both models from `model_repository/` with their "
+        "default parameters (max_batch_size 32, max_num_batched_tokens 512, paged K/V, fp32, "
+        "SmolLM2-135M-Instruct on the CPU); the load generator runs on the same machine",
+        f"- trace: ORCA's synthetic lengths scaled by {args.scale:g}: prompt tokens uniform in "
+        f"[{lo_in}, {hi_in}], output tokens uniform in [{lo_out}, {hi_out}] (max_tokens with "
+        f"ignore_eos), greedy; seed {args.seed}, so both models get the same requests at the "
+        "same offsets",
+        f"- per rate: Poisson arrivals for about {args.duration:g} s, at least "
+        f"{args.min_requests} requests, all streamed over gRPC; rates swept: "
+        f"{', '.join(f'{r:g}' for r in args.rates)} req/s; a model's sweep ends after two "
+        "rates in a row over the bound, or one over twice the bound",
+        "- normalized latency: a request's end-to-end latency divided by its output tokens "
+        "(ORCA's metric); throughput counts completed requests over the run from first send "
+        "to last response", "",
+        "## Results", "",
+        "Latencies in ms; normalized latency in ms per output token.", "",
+        *table(["model", "offered req/s", "requests", "errors", "done req/s", "tok/s",
+                "norm. p50", "norm. p99", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"], rows),
+        "", "![median time to first token vs throughput](serving_ttft.png)", "",
+        "Raw figures: [serving.csv](serving.csv) (one row per run) and "
+        "[serving_requests.csv](serving_requests.csv) (one row per request, times in seconds "
+        "from the run's start).", ""]
+    if trace_rate is not None:
+        lines += [
+            "## Scheduler view", "",
+            f"Both models' per-iteration trace (written by the model with `ORCA_ITERATION_TRACE`) "
+            f"during their runs at {trace_rate:g} req/s. Iteration-level: requests join and "
+            "leave at every iteration, the batch tracks the load and the queue stays short. "
+            "Request-level: a batch is admitted whole, shrinks as its requests finish, and "
+            "newcomers queue until its last request is done.", "",
+            "![per-iteration scheduler trace](scheduler_trace.png)", ""]
+    return lines
+
+
+def main() -> None:
+    args = parse_args()
+    started, t0 = datetime.datetime.now(), time.monotonic()
+    args.out.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tokenizer()
+    with tempfile.TemporaryDirectory(prefix="orca-bench-") as tmp:
+        work = Path(tmp)
+        server = Server(work, env={"ORCA_ITERATION_TRACE": str(work / "iterations-{model}.jsonl")})
+        try:
+            log("starting tritonserver ...")
+            server.wait_ready()
+            log("warming up ...")
+            warm_up(server, tokenizer, args)
+            points = []
+            for model in MODELS:
+                log(f"sweeping {model} ...")
+                points += sweep(server, model, args, tokenizer)
+            bound = args.bound_ms / 1e3
+            headline = {m: sustained_rate([p for p in points if p.model == m], bound) for m in MODELS}
+            # The scheduler view: the highest rate both models ran at where orca stayed under.
+            both = [r for r in args.rates
+                    if all(any(p.model == m and p.rate == r for p in points) for m in MODELS)]
+            calm = [r for r in both if any(p.model == "orca" and p.rate == r and not p.over
+                                           for p in points)]
+            trace_rate = (calm or both or [None])[-1]
+            pair = [p for p in points if p.rate == trace_rate]
+            if not (pair and plot_scheduler(args.out, pair, work)):
+                trace_rate = None
+        finally:
+            server.stop()
+    write_csvs(args.out, points)
+    plot_curves(args.out, points, bound)
+    lines = report(args, points, headline, trace_rate, started, time.monotonic() - t0)
+    (args.out / "serving.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+    if any(p.summary.errors for p in points):
+        raise SystemExit("some requests failed; see the table")
+
+
+if __name__ == "__main__":
+    main()
