@@ -14,6 +14,9 @@ Runs in one process, side by side, and prints markdown tables:
    the model forward (scheduling, metadata, sampling, detokenizing), and the share of the
    whole `generate` spent outside `step` (LLM.generate's own loop).
 
+4. The serving benchmark's trace offline: 64 requests of `make bench`'s ORCA trace (prompt and
+   output lengths both vary; `--trace-scale` as its `--scale`) given all at once, run as part 2.
+
 Wall times include prefill for both systems. Usage: python benchmarks/bench_engine.py [--quick]
 """
 from __future__ import annotations
@@ -34,6 +37,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 # `python benchmarks/bench_engine.py` puts benchmarks/ on the path, not the repo root.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.report import cpu_name, log, table  # noqa: E402
+from client.trace import LengthDist, load_tokenizer, make_trace  # noqa: E402
 from orca_backend import LLM, SamplingParams  # noqa: E402
 from orca_backend.model_store import prepare_default_model  # noqa: E402
 
@@ -67,6 +71,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--quick", action="store_true", help="batch sizes 1,8,32 and max_tokens 32")
+    p.add_argument("--trace-scale", type=float, default=0.25,
+                   help="part 4: scale of the ORCA trace's length ranges")
     p.add_argument("--markdown", type=Path, help="also write the tables to this file")
     # Best of several runs: on a shared machine the fastest run is the one least disturbed.
     p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement; best kept")
@@ -125,13 +131,14 @@ def run_ours(llm: LLM, prompts: list[list[int]], max_tokens: list[int], repeats:
 
 @torch.inference_mode()
 def hf_generate(model, prompts: list[list[int]], max_new: int, pad_id: int) -> list[list[int]]:
-    # Prompts share one length, so the batch needs no padding; the mask and pad id are set
-    # as a left-padded batch would set them. min_new_tokens plays the part of ignore_eos.
-    input_ids = torch.tensor(prompts, dtype=torch.long)
-    out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                         do_sample=False, max_new_tokens=max_new, min_new_tokens=max_new,
-                         pad_token_id=pad_id)
-    return out[:, input_ids.shape[1]:].tolist()
+    # Prompts of unequal length are left-padded and masked, as transformers expects for
+    # batched generation. min_new_tokens plays the part of ignore_eos.
+    width = max(map(len, prompts))
+    input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
+    out = model.generate(input_ids=input_ids, attention_mask=mask, do_sample=False,
+                         max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=pad_id)
+    return out[:, width:].tolist()
 
 
 def run_hf(model, prompts: list, max_tokens: list[int], batch: int, pad_id: int,
@@ -178,17 +185,31 @@ def bench_varying(args, model, tokenizer, pad_id: int) -> list:
     """Part 2: random output lengths; useful tokens only."""
     M, P = args.max_tokens, args.prompt_tokens
     max_tokens = np.random.default_rng(0).integers(1, M + 1, size=VARY_REQUESTS).tolist()
-    prompts = make_prompts(tokenizer, VARY_REQUESTS, P)
-    useful, rows = sum(max_tokens), []
+    return compare_batching(model, make_prompts(tokenizer, VARY_REQUESTS, P), max_tokens, pad_id,
+                            args.repeats)
+
+
+def bench_trace(args, model, tokenizer, pad_id: int) -> tuple[list, list]:
+    """Part 4: the serving benchmark's ORCA trace (scaled lengths), all requests at once."""
+    trace = make_trace(LengthDist(kind="orca", scale=args.trace_scale), VARY_REQUESTS, None, 0,
+                       load_tokenizer())
+    prompts = [tokenizer(r.prompt, add_special_tokens=False)["input_ids"] for r in trace]
+    return prompts, compare_batching(model, prompts, [r.output_tokens for r in trace], pad_id,
+                                     args.repeats)
+
+
+def compare_batching(model, prompts: list, max_tokens: list[int], pad_id: int, repeats: int) -> list:
+    """Our engine iteration- and request-level vs transformers' static batches, same requests."""
+    useful, rows, longest = sum(max_tokens), [], max(map(len, prompts))
     for batching in ("iteration", "request"):
         label = f"ours, {batching}-level"
-        llm = new_llm(VARY_BATCH, M, P, batching=batching)
-        r = run_ours(llm, prompts, max_tokens, args.repeats)
+        llm = new_llm(VARY_BATCH, max(max_tokens), longest, batching=batching)
+        r = run_ours(llm, prompts, max_tokens, repeats)
         del llm
         made = sum(map(len, r["tokens"]))
         rows.append([label, made, made, r["iters"], f"{made / r['iters']:.1f}", r["wall"]])
         log(f"  {label}: {made / r['wall']:.1f} useful tok/s")
-    hf = run_hf(model, prompts, max_tokens, VARY_BATCH, pad_id, args.repeats)
+    hf = run_hf(model, prompts, max_tokens, VARY_BATCH, pad_id, repeats)
     rows.append(["transformers, static", sum(map(len, hf["tokens"])), hf["computed"], "-", "-",
                  hf["wall"]])
     hf_rate = useful / hf["wall"]
@@ -214,6 +235,9 @@ def main() -> None:
     speed, overhead = bench_fixed(args, model, tokenizer, pad_id)
     log("measuring varying output lengths ...")
     varying = bench_varying(args, model, tokenizer, pad_id)
+    log("measuring the ORCA trace ...")
+    trace_prompts, traced = bench_trace(args, model, tokenizer, pad_id)
+    (lo_in, hi_in), (lo_out, hi_out) = LengthDist(kind="orca", scale=args.trace_scale).orca_bounds()
     facts = machine_facts(started, load_at_start, args.repeats)
     out = ["# orca_backend vs transformers, SmolLM2-135M-Instruct fp32 CPU", "", *facts, "",
            f"## 1. Decode throughput (prompt {P} tokens, {M} output tokens, greedy, ignore_eos)",
@@ -225,7 +249,13 @@ def main() -> None:
                    "wall s", "useful tok/s", "vs transformers"], varying),
            "", "## 3. Our engine's time outside the model forward (runs of part 1)", "",
            *table(["batch", "iterations", "generate s", "step s", "forward s",
-                   "step outside forward", "generate outside step"], overhead), ""]
+                   "step outside forward", "generate outside step"], overhead),
+           "", f"## 4. The ORCA trace offline ({len(trace_prompts)} requests of `make bench`'s "
+           f"trace: prompts {min(map(len, trace_prompts))}-{max(map(len, trace_prompts))} tokens "
+           f"(drawn from [{lo_in}, {hi_in}]), max_tokens uniform in [{lo_out}, {hi_out}], "
+           f"batch {VARY_BATCH}, all at once)", "",
+           *table(["system", "useful tokens", "computed tokens", "iterations", "tokens/iteration",
+                   "wall s", "useful tok/s", "vs transformers"], traced), ""]
     print("\n".join(out))
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,8 @@ the same closed-loop workload over streaming gRPC (`--concurrency` requests in f
 of `--input-tokens` tokens, exactly `--output-tokens` output tokens, greedy):
 
 1. `client.bench` (ours), with the same prompts as 2;
-2. perf_analyzer, from an --input-data file holding those prompts, with explicit stability
+2. perf_analyzer, from an --input-data file holding those prompts (`client.perf_inputs`;
+   max_tokens = min_tokens pins the output length), with explicit stability
    settings (a 2-core machine rarely meets the default 10% criterion);
 3. genai-perf with `--backend vllm` (the vLLM backend's input format, which `orca` speaks),
    synthetic prompts of the same length, and the model's own tokenizer folder, offline.
@@ -32,6 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.report import log, machine_lines, table  # noqa: E402
 from client.bench import run_trace, summarize, write_json  # noqa: E402
+from client.perf_inputs import input_data  # noqa: E402
 from client.trace import LengthDist, load_tokenizer, make_trace  # noqa: E402
 from orca_backend.launch import REPO_ROOT, Server  # noqa: E402
 from orca_backend.model_store import prepare_default_model  # noqa: E402
@@ -50,9 +52,18 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
+COMMANDS: dict[str, str] = {}  # tool -> its command line, for the report
+
+
+def portable(text: str) -> str:
+    """`text` with this checkout's and this user's folders written as `.` and `~`."""
+    return text.replace(str(REPO_ROOT), ".").replace(str(Path.home()), "~")
+
+
 def run_tool(argv: list[str], log_path: Path, env: dict | None = None, timeout: float = 900) -> str:
     """Run a tool, keep its output in `log_path`, and fail loudly on a non-zero exit."""
     log("  $ " + " ".join(argv))
+    COMMANDS[Path(argv[0]).name] = portable(" ".join(argv))
     proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           env={**os.environ, **(env or {})}, timeout=timeout)
     log_path.write_text(proc.stdout)
@@ -60,12 +71,6 @@ def run_tool(argv: list[str], log_path: Path, env: dict | None = None, timeout: 
         raise SystemExit(f"{argv[0]} exited with {proc.returncode}; output in {log_path}:\n"
                          + proc.stdout[-3000:])
     return proc.stdout
-
-
-def sampling(args) -> dict:
-    # min_tokens = max_tokens pins the output length without our ignore_eos extension, the
-    # way genai-perf's --output-tokens-mean-deterministic does it, so all three send the same.
-    return {"max_tokens": args.output_tokens, "min_tokens": args.output_tokens, "temperature": 0}
 
 
 def ours(server: Server, trace, args, out: Path) -> dict:
@@ -87,11 +92,8 @@ def vars_for_json(args) -> dict:
 
 
 def perf_analyzer(server: Server, trace, args, out: Path) -> dict:
-    data = {"data": [{"text_input": [r.prompt], "stream": [True],
-                      "sampling_parameters": [json.dumps(sampling(args))],
-                      "exclude_input_in_output": [True]} for r in trace]}
     input_path = out / "perf_analyzer_input.json"
-    input_path.write_text(json.dumps(data, indent=1))
+    input_path.write_text(json.dumps(input_data(trace), indent=1))
     csv_path = out / "perf_analyzer.csv"
     run_tool([str(args.tools / "bin" / "perf_analyzer"), "-m", MODEL, "-u", server.grpc_url,
               "-i", "grpc", "--streaming", "--input-data", str(input_path),
@@ -184,6 +186,9 @@ def main() -> None:
         finally:
             server.stop()
     (out / "results.json").write_text(json.dumps(results, indent=1))
+    for path in out.rglob("*"):  # the saved outputs name no folder of this machine
+        if path.is_file() and path.suffix in (".json", ".csv", ".log", ".txt"):
+            path.write_text(portable(path.read_text()))
     lines = report(args, results, started)
     (args.out / "perf.md").write_text("\n".join(lines))
     print("\n".join(lines))
@@ -197,8 +202,9 @@ def report(args, results: dict, started: datetime.datetime) -> list[str]:
         "- tritonserver 2.51 with `orca` only (default parameters, SmolLM2-135M-Instruct fp32 "
         "on the CPU), clients on the same machine; perf_analyzer 2.60.0, genai-perf 0.0.16",
         f"- workload: closed loop, {args.concurrency} requests in flight, prompts of "
-        f"{args.input_tokens} tokens, {args.output_tokens} output tokens each (max_tokens = "
-        f"min_tokens), greedy, streaming gRPC; {args.requests} measured requests per tool; "
+        f"{args.input_tokens} tokens, exactly {args.output_tokens} output tokens each (ours: "
+        "max_tokens with ignore_eos; the other two: max_tokens = min_tokens), greedy, "
+        f"streaming gRPC; {args.requests} measured requests per tool; "
         "the three run one after the other", "",
         *table(["metric", *(f"`{t}`" for t in results), "max/min - 1"], comparison(results)), "",
         "`-`: the tool does not report it. perf_analyzer's tokens/s is its response "
@@ -208,6 +214,8 @@ def report(args, results: dict, started: datetime.datetime) -> list[str]:
         "not time to first token). genai-perf "
         "counts throughput over its measurement window and tokenizes the streamed text with "
         "the model's tokenizer to count tokens; we count the tokens the server reports.", "",
+        "Commands (the server's port varies):", "", "```",
+        *(f"{command}" for command in COMMANDS.values()), "```", "",
         "Raw outputs: [perf/](perf/) (perf_analyzer's CSV and log, genai-perf's artifacts and "
         "log, our per-request JSON).", ""]
 

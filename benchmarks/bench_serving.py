@@ -11,7 +11,8 @@ rates against each with the load generator (`client.bench`), and writes into `--
 - scheduler_trace.png: both models' per-iteration trace during one run at the same rate
 
 The headline follows the paper: the highest request rate each model sustains while the median
-normalized latency (end-to-end latency / output tokens) stays under `--bound-ms`, and the ratio.
+normalized latency (end-to-end latency / output tokens) stays under `--bound-ms`, and the ratio;
+and the same with median time to first token under `--ttft-bound-ms`.
 A model's sweep stops after two rates in a row over the bound, or one over twice the bound.
 
     python benchmarks/bench_serving.py --quick      # under 10 minutes on 2 CPU cores
@@ -75,7 +76,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--min-requests", type=int, help="requests per rate, at least")
     p.add_argument("--scale", type=float, help="orca trace: multiplies the length ranges")
     p.add_argument("--bound-ms", type=float, default=250.0,
-                   help="median normalized latency bound, ms per output token")
+                   help="median normalized latency bound, ms per output token (the headline)")
+    p.add_argument("--ttft-bound-ms", type=float, default=1000.0,
+                   help="median time-to-first-token bound, ms (the second headline)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "benchmarks")
     args = p.parse_args()
@@ -108,22 +111,33 @@ def sweep(server: Server, model: str, args, tokenizer) -> list[Point]:
     return points
 
 
-def sustained_rate(points: list[Point], bound: float) -> tuple[float, str]:
-    """The highest throughput (completed requests/s) with median normalized latency under
+def sustained_rate(points: list[Point], metric: str, bound: float) -> tuple[float, str]:
+    """The highest throughput (completed requests/s) with `metric` (a Summary field) under
     `bound`: interpolated between the last run under and the first over; the string says
     whether it is an estimate ("about"), a lower bound or an upper bound."""
     tput = lambda p: p.summary.request_throughput
-    under = [p for p in points if not p.over]
+    value = lambda p: getattr(p.summary, metric)
+    over = lambda p: p.summary.errors > 0 or not value(p) <= bound
+    under = [p for p in points if not over(p)]
     if not under:
         return tput(points[0]), "below"  # already over at the lowest rate swept
     last = max(under, key=tput)
-    after = [p for p in points if p.rate > last.rate and p.over]
+    after = [p for p in points if p.rate > last.rate and over(p)]
     if not after or after[0].summary.errors:
         return tput(last), "at least"
     nxt = after[0]
-    lo, hi = last.summary.normalized_latency_p50, nxt.summary.normalized_latency_p50
+    lo, hi = value(last), value(nxt)
     frac = (bound - lo) / (hi - lo) if math.isfinite(hi) and hi > lo else 0.0
     return max(tput(last), tput(last) + frac * (tput(nxt) - tput(last))), "about"
+
+
+def headline(points: list[Point], metric: str, bound: float) -> dict[str, tuple[float, str]]:
+    """Each model's sustained throughput, and "ratio": iteration-level over request-level."""
+    rates = {m: sustained_rate([p for p in points if p.model == m], metric, bound) for m in MODELS}
+    (it, it_kind), (rq, rq_kind) = rates["orca"], rates["orca_request_level"]
+    exact = (it_kind, rq_kind) == ("about", "about")
+    rates["ratio"] = (it / rq if rq > 0 else math.inf, "about" if exact else "bounded")
+    return rates
 
 
 def describe(rate: float, kind: str) -> str:
@@ -155,19 +169,19 @@ def write_csvs(out: Path, points: list[Point]) -> None:
                 writer.writerow({"model": p.model, "offered_rate": p.rate, **r.as_row()})
 
 
-def plot_curves(out: Path, points: list[Point], bound: float) -> None:
-    for name, attr, label in (("serving_latency.png", "normalized_latency_p50",
-                               "median normalized latency (ms per output token)"),
-                              ("serving_ttft.png", "ttft_p50", "median time to first token (ms)")):
+def plot_curves(out: Path, points: list[Point], bound: float, ttft_bound: float) -> None:
+    for name, attr, label, limit, unit in (
+            ("serving_latency.png", "normalized_latency_p50",
+             "median normalized latency (ms per output token)", bound, " ms/token"),
+            ("serving_ttft.png", "ttft_p50", "median time to first token (ms)", ttft_bound, " ms")):
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         for model, batching in MODELS.items():
             mine = [p for p in points if p.model == model]
             ax.plot([p.summary.request_throughput for p in mine],
                     [getattr(p.summary, attr) * 1e3 for p in mine], "o-", color=COLORS[model],
                     label=f"{model} ({batching})")
-        if attr == "normalized_latency_p50":
-            ax.axhline(bound * 1e3, color="gray", linestyle="--", linewidth=1,
-                       label=f"bound {bound * 1e3:g} ms/token")
+        ax.axhline(limit * 1e3, color="gray", linestyle="--", linewidth=1,
+                   label=f"bound {limit * 1e3:g}{unit}")
         ax.set_yscale("log")
         ax.set_xlabel("throughput (completed requests/s)")
         ax.set_ylabel(label)
@@ -223,7 +237,16 @@ def fmt(seconds: float) -> str:
     return f"{seconds * 1e3:.0f}" if math.isfinite(seconds) else "-"
 
 
-def report(args, points: list[Point], headline: dict, trace_rate: float | None,
+def headline_lines(rates: dict, metric: str, bound: str) -> list[str]:
+    ratio, kind = rates["ratio"]
+    return [f"Highest throughput (completed requests/s) sustained with {metric} under {bound}:", "",
+            f"- `orca` (iteration-level): {describe(*rates['orca'])} req/s",
+            f"- `orca_request_level` (request-level): {describe(*rates['orca_request_level'])} req/s",
+            f"- ratio: **{ratio:.1f}x**" + ("" if kind == "about" else " (from a bound, see above)"),
+            ""]
+
+
+def report(args, points: list[Point], headlines: dict, trace_rate: float | None,
            started: datetime.datetime, elapsed: float) -> list[str]:
     (lo_in, hi_in), (lo_out, hi_out) = LengthDist(kind="orca", scale=args.scale).orca_bounds()
     rows = [[p.model, f"{p.rate:g}", p.summary.num_requests, p.summary.errors,
@@ -231,22 +254,16 @@ def report(args, points: list[Point], headline: dict, trace_rate: float | None,
              fmt(p.summary.normalized_latency_p50), fmt(p.summary.normalized_latency_p99),
              fmt(p.summary.ttft_p50), fmt(p.summary.ttft_p99), fmt(p.summary.itl_p50),
              fmt(p.summary.itl_p99)] for p in points]
-    (it_rate, it_kind), (rq_rate, rq_kind) = headline["orca"], headline["orca_request_level"]
-    ratio = it_rate / rq_rate if rq_rate > 0 else math.inf
-    qualifier = "" if (it_kind, rq_kind) == ("about", "about") else " (see the bounds above)"
-    bound = args.bound_ms
     lines = [
         "# Iteration-level vs request-level batching under Poisson load", "",
         f"Generated by `python benchmarks/bench_serving.py{' --quick' if args.quick else ''}` "
         f"({'`make bench`' if args.quick else '`make bench-full`'}).", "",
         "## Headline", "",
-        f"Highest throughput (completed requests/s) sustained with median normalized latency "
-        f"under {bound:g} ms per output token:", "",
-        f"- `orca` (iteration-level): {describe(it_rate, it_kind)} req/s",
-        f"- `orca_request_level` (request-level): {describe(rq_rate, rq_kind)} req/s",
-        f"- ratio: **{ratio:.1f}x**{qualifier}", "",
-        "Between two swept rates the throughput is interpolated linearly in median normalized "
-        "latency.",
+        *headline_lines(headlines["normalized"], "median normalized latency", f"{args.bound_ms:g} "
+                        "ms per output token (ORCA's criterion)"),
+        *headline_lines(headlines["ttft"], "median time to first token", f"{args.ttft_bound_ms:g} ms"),
+        "Between two swept rates the throughput is interpolated linearly in the metric; `>=` "
+        "and `<` mark a bound that the sweep did not cross.",
         "", "![median normalized latency vs throughput](serving_latency.png)", "",
         "## Setup", "",
         f"- date: {started.isoformat(timespec='seconds')}, whole run {elapsed / 60:.1f} min",
@@ -303,7 +320,8 @@ def main() -> None:
                 log(f"sweeping {model} ...")
                 points += sweep(server, model, args, tokenizer)
             bound = args.bound_ms / 1e3
-            headline = {m: sustained_rate([p for p in points if p.model == m], bound) for m in MODELS}
+            headlines = {"normalized": headline(points, "normalized_latency_p50", bound),
+                         "ttft": headline(points, "ttft_p50", args.ttft_bound_ms / 1e3)}
             # The scheduler view: the highest rate both models ran at where orca stayed under.
             both = [r for r in args.rates
                     if all(any(p.model == m and p.rate == r for p in points) for m in MODELS)]
@@ -316,8 +334,8 @@ def main() -> None:
         finally:
             server.stop()
     write_csvs(args.out, points)
-    plot_curves(args.out, points, bound)
-    lines = report(args, points, headline, trace_rate, started, time.monotonic() - t0)
+    plot_curves(args.out, points, bound, args.ttft_bound_ms / 1e3)
+    lines = report(args, points, headlines, trace_rate, started, time.monotonic() - t0)
     (args.out / "serving.md").write_text("\n".join(lines))
     print("\n".join(lines))
     if any(p.summary.errors for p in points):

@@ -152,3 +152,57 @@ def test_a_failed_request_is_the_one_counted(server):
     assert "empty" in records[1].error
     assert [r.output_tokens for r in records] == [12, 0, 3]
     assert summarize(records).errors == 1
+
+
+def _point(rate: float, throughput: float, p50: float, errors: int = 0):
+    from benchmarks.bench_serving import Point
+    from client.bench import Summary
+
+    fields = {f: math.nan for f in Summary.__dataclass_fields__}
+    summary = Summary(**{**fields, "num_requests": 10, "errors": errors,
+                         "request_throughput": throughput, "normalized_latency_p50": p50})
+    return Point("orca", rate, summary, [], 0.0, 1.0, bound=0.25)
+
+
+def test_sustained_rate_interpolates_between_the_runs_around_the_bound():
+    from benchmarks.bench_serving import sustained_rate as rate_under
+
+    sustained_rate = lambda points, bound: rate_under(points, "normalized_latency_p50", bound)
+
+    # Throughput 1.8 at 0.15 s/token, 2.6 at 0.35: the bound 0.25 is crossed halfway.
+    points = [_point(1, 0.9, 0.10), _point(2, 1.8, 0.15), _point(4, 2.6, 0.35)]
+    assert sustained_rate(points, 0.25) == (pytest.approx(2.2), "about")
+    assert sustained_rate(points[:2], 0.25) == (1.8, "at least")  # never over: a lower bound
+    assert sustained_rate([_point(1, 0.9, 0.5)], 0.25) == (0.9, "below")
+    # A noisy run over the bound followed by one under: the highest run under counts.
+    noisy = [_point(1, 0.9, 0.3), _point(2, 1.8, 0.2), _point(4, 2.0, 0.45)]
+    assert sustained_rate(noisy, 0.25) == (pytest.approx(1.84), "about")  # 1.8 + 0.2 * 0.2
+    # Failed requests make a run count as over, and the estimate stops below it.
+    failed = [_point(1, 0.9, 0.1), _point(2, 1.8, 0.1, errors=1)]
+    assert sustained_rate(failed, 0.25) == (0.9, "at least")
+
+
+def test_perf_comparison_rows_show_the_spread_and_missing_metrics():
+    from benchmarks.bench_perf import comparison, portable
+
+    rows = comparison({"a": {"request_throughput": 1.0, "latency_p50": 100.0},
+                       "b": {"request_throughput": 1.1, "latency_p50": math.nan}})
+    assert rows[0] == ["requests/s", "1.00", "1.10", "10%"]
+    assert rows[3][1:] == ["100", "-", "-"]
+    from orca_backend.launch import REPO_ROOT
+    assert portable(f"{REPO_ROOT}/build/x") == "./build/x"
+
+
+def test_perf_analyzer_input_data_pins_the_output_length(tokenizer, tmp_path):
+    from client.perf_inputs import input_data, main as write_inputs
+
+    trace = make_trace(LengthDist(kind="fixed", input_tokens=12, output_tokens=5), 3, None, 0, tokenizer)
+    data = input_data(trace)["data"]
+    assert [entry["text_input"] for entry in data] == [[r.prompt] for r in trace]
+    entry = data[0]
+    assert entry["stream"] == [True] and entry["exclude_input_in_output"] == [True]
+    assert json.loads(entry["sampling_parameters"][0]) == {"max_tokens": 5, "min_tokens": 5,
+                                                           "temperature": 0.0}
+    path = tmp_path / "in.json"
+    write_inputs(["-n", "4", "--output-tokens", "7", "-o", str(path)])
+    assert len(json.loads(path.read_text())["data"]) == 4
