@@ -41,7 +41,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.report import log, machine_lines, table  # noqa: E402
 from client.bench import CSV_FIELDS, RequestRecord, Summary, run_trace, summarize  # noqa: E402
-from client.trace import LengthDist, load_tokenizer, make_trace  # noqa: E402
+from client.trace import LengthDist, TraceRequest, load_tokenizer, make_trace  # noqa: E402
 from orca_backend.launch import REPO_ROOT, Server  # noqa: E402
 
 MODELS = {"orca": "iteration-level", "orca_request_level": "request-level"}
@@ -93,7 +93,8 @@ def sweep(server: Server, model: str, args, tokenizer) -> list[Point]:
     points = []
     for rate in args.rates:
         n = max(args.min_requests, round(rate * args.duration))
-        trace = make_trace(LengthDist(kind="orca", scale=args.scale), n, rate, args.seed, tokenizer)
+        trace = exact_rate(make_trace(LengthDist(kind="orca", scale=args.scale), n, rate,
+                                      args.seed, tokenizer), rate)
         wall_start = time.time()
         records = run_trace(server.grpc_url, model, trace)
         point = Point(model, rate, summarize(records), records, wall_start, time.time(),
@@ -109,6 +110,19 @@ def sweep(server: Server, model: str, args, tokenizer) -> list[Point]:
                 or not s.normalized_latency_p50 <= 2 * point.bound)):
             break
     return points
+
+
+def exact_rate(trace: list[TraceRequest], rate: float) -> list[TraceRequest]:
+    """The trace with its offsets stretched so that its last arrival is at (n - 1) / rate.
+
+    A short Poisson run's realized rate strays from the nominal one (40 arrivals at 2 req/s
+    span 19.5 s on average, and 27 s one time in 40); stretching keeps the arrival pattern and
+    makes every run offer the load its label says."""
+    last = trace[-1].offset
+    if len(trace) < 2 or last <= 0:
+        return trace
+    factor = (len(trace) - 1) / rate / last
+    return [dataclasses.replace(r, offset=r.offset * factor) for r in trace]
 
 
 def sustained_rate(points: list[Point], metric: str, bound: float) -> tuple[float, str]:
@@ -275,7 +289,8 @@ def report(args, points: list[Point], headlines: dict, trace_rate: float | None,
         f"[{lo_in}, {hi_in}], output tokens uniform in [{lo_out}, {hi_out}] (max_tokens with "
         f"ignore_eos), greedy; seed {args.seed}, so both models get the same requests at the "
         "same offsets",
-        f"- per rate: Poisson arrivals for about {args.duration:g} s, at least "
+        f"- per rate: Poisson arrivals for about {args.duration:g} s (offsets stretched so the "
+        "last arrival is at (n - 1) / rate: each run offers exactly its nominal rate), at least "
         f"{args.min_requests} requests, all streamed over gRPC; rates swept: "
         f"{', '.join(f'{r:g}' for r in args.rates)} req/s; a model's sweep ends after two "
         "rates in a row over the bound, or one over twice the bound",

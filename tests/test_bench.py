@@ -206,3 +206,15 @@ def test_perf_analyzer_input_data_pins_the_output_length(tokenizer, tmp_path):
     path = tmp_path / "in.json"
     write_inputs(["-n", "4", "--output-tokens", "7", "-o", str(path)])
     assert len(json.loads(path.read_text())["data"]) == 4
+
+
+def test_exact_rate_stretches_offsets_to_the_nominal_rate(tokenizer):
+    from benchmarks.bench_serving import exact_rate
+
+    trace = make_trace(LengthDist(kind="fixed"), 40, 2.0, seed=0, tokenizer=tokenizer)
+    stretched = exact_rate(trace, 2.0)
+    assert stretched[-1].offset == pytest.approx(19.5)
+    assert stretched[0].offset == 0.0
+    ratios = [s.offset / t.offset for s, t in zip(stretched[1:], trace[1:])]
+    assert max(ratios) == pytest.approx(min(ratios))  # one factor for every arrival
+    assert [s.prompt for s in stretched] == [t.prompt for t in trace]
