@@ -24,7 +24,6 @@ import argparse
 import csv
 import dataclasses
 import datetime
-import json
 import math
 import sys
 import tempfile
@@ -32,20 +31,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only, no display
-import matplotlib.pyplot as plt  # noqa: E402
-
 # `python benchmarks/bench_serving.py` puts benchmarks/ on the path, not the repo root.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.plots import plot_curves, plot_scheduler  # noqa: E402
 from benchmarks.report import log, machine_lines, table  # noqa: E402
 from client.bench import CSV_FIELDS, RequestRecord, Summary, run_trace, summarize  # noqa: E402
 from client.trace import LengthDist, TraceRequest, load_tokenizer, make_trace  # noqa: E402
 from orca_backend.launch import REPO_ROOT, Server  # noqa: E402
 
 MODELS = {"orca": "iteration-level", "orca_request_level": "request-level"}
-COLORS = {"orca": "tab:blue", "orca_request_level": "tab:red"}
 QUICK = dict(rates="0.5,1,1.5,2,2.5,3,4,6", duration=20.0, min_requests=10, scale=0.25)
 FULL = dict(rates="0.5,1,2,3,4,6,8,12,16,24,32", duration=60.0, min_requests=50, scale=1.0)
 
@@ -183,70 +177,6 @@ def write_csvs(out: Path, points: list[Point]) -> None:
                 writer.writerow({"model": p.model, "offered_rate": p.rate, **r.as_row()})
 
 
-def plot_curves(out: Path, points: list[Point], bound: float, ttft_bound: float) -> None:
-    for name, attr, label, limit, unit in (
-            ("serving_latency.png", "normalized_latency_p50",
-             "median normalized latency (ms per output token)", bound, " ms/token"),
-            ("serving_ttft.png", "ttft_p50", "median time to first token (ms)", ttft_bound, " ms")):
-        fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        for model, batching in MODELS.items():
-            mine = [p for p in points if p.model == model]
-            ax.plot([p.summary.request_throughput for p in mine],
-                    [getattr(p.summary, attr) * 1e3 for p in mine], "o-", color=COLORS[model],
-                    label=f"{model} ({batching})")
-        ax.axhline(limit * 1e3, color="gray", linestyle="--", linewidth=1,
-                   label=f"bound {limit * 1e3:g}{unit}")
-        ax.set_yscale("log")
-        ax.set_xlabel("throughput (completed requests/s)")
-        ax.set_ylabel(label)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=120)
-        plt.close(fig)
-
-
-def load_iterations(path: Path, start: float, end: float) -> list[dict]:
-    if not path.exists():
-        return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in rows if start <= r["time"] <= end]
-
-
-def plot_scheduler(out: Path, pair: list[Point], trace_dir: Path) -> bool:
-    """Both models' iterations during their runs at one rate; False if no trace was written."""
-    fig, axes = plt.subplots(2, len(pair), figsize=(6 * len(pair), 6), sharex="col", squeeze=False)
-    drawn = False
-    for col, p in enumerate(pair):
-        rows = load_iterations(trace_dir / f"iterations-{p.model}.jsonl", p.wall_start, p.wall_end)
-        if not rows:
-            continue
-        drawn = True
-        t = [r["time"] - p.wall_start for r in rows]
-        top, bottom = axes[0][col], axes[1][col]
-        top.stackplot(t, [r["num_decode_requests"] for r in rows],
-                      [r["num_prefill_requests"] for r in rows], step="post",
-                      labels=["decoding", "in prefill"], colors=["tab:blue", "tab:orange"], alpha=0.8)
-        top.step(t, [r["num_waiting"] for r in rows], where="post", color="black", linewidth=1,
-                 label="waiting in queue")
-        top.set_title(f"{p.model} ({MODELS[p.model]}), {p.rate:g} req/s offered")
-        top.set_ylabel("requests")
-        top.legend(loc="upper left", fontsize="small")
-        bottom.step(t, [r["num_used_blocks"] for r in rows], where="post", color="tab:green",
-                    label="K/V blocks in use")
-        bottom.step(t, [r["num_tokens"] for r in rows], where="post", color="tab:purple",
-                    linewidth=0.8, label="tokens in the iteration")
-        bottom.set_yscale("symlog")
-        bottom.set_xlabel("seconds since the run began")
-        bottom.legend(loc="upper left", fontsize="small")
-        for ax in (top, bottom):
-            ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "scheduler_trace.png", dpi=110)
-    plt.close(fig)
-    return drawn
-
-
 def fmt(seconds: float) -> str:
     return f"{seconds * 1e3:.0f}" if math.isfinite(seconds) else "-"
 
@@ -344,12 +274,12 @@ def main() -> None:
                                            for p in points)]
             trace_rate = (calm or both or [None])[-1]
             pair = [p for p in points if p.rate == trace_rate]
-            if not (pair and plot_scheduler(args.out, pair, work)):
+            if not (pair and plot_scheduler(args.out, pair, work, MODELS)):
                 trace_rate = None
         finally:
             server.stop()
     write_csvs(args.out, points)
-    plot_curves(args.out, points, bound, args.ttft_bound_ms / 1e3)
+    plot_curves(args.out, points, MODELS, bound, args.ttft_bound_ms / 1e3)
     lines = report(args, points, headlines, trace_rate, started, time.monotonic() - t0)
     (args.out / "serving.md").write_text("\n".join(lines))
     print("\n".join(lines))

@@ -218,3 +218,23 @@ def test_exact_rate_stretches_offsets_to_the_nominal_rate(tokenizer):
     ratios = [s.offset / t.offset for s, t in zip(stretched[1:], trace[1:])]
     assert max(ratios) == pytest.approx(min(ratios))  # one factor for every arrival
     assert [s.prompt for s in stretched] == [t.prompt for t in trace]
+
+
+def test_plots_are_written(tmp_path):
+    from benchmarks.bench_serving import MODELS
+    from benchmarks.plots import plot_curves, plot_scheduler
+
+    points = [_point(1, 0.9, 0.1), _point(2, 1.8, 0.3)]
+    for p in points:
+        p.summary.ttft_p50 = 0.2
+    request_level = _point(1, 0.8, 0.2)
+    request_level.model = "orca_request_level"
+    plot_curves(tmp_path, points + [request_level], MODELS, 0.25, 1.0)
+    iteration = {"num_requests": 2, "num_tokens": 9, "num_prefill_requests": 1,
+                 "num_decode_requests": 1, "num_used_blocks": 3, "num_waiting": 0}
+    rows = [{"time": t, **iteration} for t in (0.2, 0.5, 2.0)]  # the last is after the run
+    (tmp_path / "iterations-orca.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert plot_scheduler(tmp_path, [points[0], request_level], tmp_path, MODELS)
+    assert not plot_scheduler(tmp_path, [request_level], tmp_path, MODELS)  # no trace: nothing
+    for name in ("serving_latency.png", "serving_ttft.png", "scheduler_trace.png"):
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
