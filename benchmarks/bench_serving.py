@@ -13,7 +13,8 @@ rates against each with the load generator (`client.bench`), and writes into `--
 The headline follows the paper: the highest request rate each model sustains while the median
 normalized latency (end-to-end latency / output tokens) stays under `--bound-ms`, and the ratio;
 and the same with median time to first token under `--ttft-bound-ms`.
-A model's sweep stops after two rates in a row over the bound, or one over twice the bound.
+The models take turns at each rate. A model's sweep stops after two rates in a row over the
+bound, or one over twice the bound.
 
     python benchmarks/bench_serving.py --quick      # under 10 minutes on 2 CPU cores
     python benchmarks/bench_serving.py              # the full sweep, for bigger machines
@@ -83,27 +84,36 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def sweep(server: Server, model: str, args, tokenizer) -> list[Point]:
-    points = []
+def sweep(server: Server, args, tokenizer) -> list[Point]:
+    """Every rate, ascending, for each model still under way. The models take turns at each
+    rate, so a drift in the machine's speed during the sweep hits both alike."""
+    points: dict[str, list[Point]] = {model: [] for model in MODELS}
     for rate in args.rates:
         n = max(args.min_requests, round(rate * args.duration))
         trace = exact_rate(make_trace(LengthDist(kind="orca", scale=args.scale), n, rate,
                                       args.seed, tokenizer), rate)
-        wall_start = time.time()
-        records = run_trace(server.grpc_url, model, trace)
-        point = Point(model, rate, summarize(records), records, wall_start, time.time(),
-                      bound=args.bound_ms / 1e3)
-        points.append(point)
-        s = point.summary
-        log(f"  {model} at {rate:g} req/s: {n} requests, {s.request_throughput:.2f} req/s done, "
-            f"normalized p50 {s.normalized_latency_p50 * 1e3:.0f} ms/token, "
-            f"TTFT p50 {s.ttft_p50 * 1e3:.0f} ms, errors {s.errors}")
-        # One run over the bound may be noise: stop after two in a row, or one far over.
-        if point.summary.errors or (point.over and (
-                len(points) > 1 and points[-2].over
-                or not s.normalized_latency_p50 <= 2 * point.bound)):
+        for model, mine in points.items():
+            if mine and done(mine):
+                continue
+            wall_start = time.time()
+            records = run_trace(server.grpc_url, model, trace)
+            mine.append(Point(model, rate, summarize(records), records, wall_start, time.time(),
+                              bound=args.bound_ms / 1e3))
+            s = mine[-1].summary
+            log(f"  {model} at {rate:g} req/s: {n} requests, {s.request_throughput:.2f} req/s "
+                f"done, normalized p50 {s.normalized_latency_p50 * 1e3:.0f} ms/token, "
+                f"TTFT p50 {s.ttft_p50 * 1e3:.0f} ms, errors {s.errors}")
+        if all(mine and done(mine) for mine in points.values()):
             break
-    return points
+    return [p for mine in points.values() for p in mine]
+
+
+def done(points: list[Point]) -> bool:
+    """One run over the bound may be noise: a model is done after two in a row, one far
+    over, or one with failed requests."""
+    last = points[-1]
+    far_over = not last.summary.normalized_latency_p50 <= 2 * last.bound
+    return last.summary.errors > 0 or (last.over and (far_over or len(points) > 1 and points[-2].over))
 
 
 def exact_rate(trace: list[TraceRequest], rate: float) -> list[TraceRequest]:
@@ -154,7 +164,7 @@ def describe(rate: float, kind: str) -> str:
 
 def warm_up(server: Server, tokenizer, args) -> None:
     """First requests pay one-time costs (allocator, kernels); keep them out of the sweep."""
-    trace = make_trace(LengthDist(kind="orca", scale=args.scale), 4, None, args.seed + 1, tokenizer)
+    trace = make_trace(LengthDist(kind="orca", scale=args.scale), 8, None, args.seed + 1, tokenizer)
     for model in MODELS:
         if any(r.error for r in run_trace(server.grpc_url, model, trace, concurrency=4)):
             raise SystemExit(f"warm-up requests to {model} failed; see {server.log_path}")
@@ -221,7 +231,8 @@ def report(args, points: list[Point], headlines: dict, trace_rate: float | None,
         "same offsets",
         f"- per rate: Poisson arrivals for about {args.duration:g} s (offsets stretched so the "
         "last arrival is at (n - 1) / rate: each run offers exactly its nominal rate), at least "
-        f"{args.min_requests} requests, all streamed over gRPC; rates swept: "
+        f"{args.min_requests} requests, all streamed over gRPC; the models take turns at each "
+        "rate; rates swept: "
         f"{', '.join(f'{r:g}' for r in args.rates)} req/s; a model's sweep ends after two "
         "rates in a row over the bound, or one over twice the bound",
         "- normalized latency: a request's end-to-end latency divided by its output tokens "
@@ -260,10 +271,8 @@ def main() -> None:
             server.wait_ready()
             log("warming up ...")
             warm_up(server, tokenizer, args)
-            points = []
-            for model in MODELS:
-                log(f"sweeping {model} ...")
-                points += sweep(server, model, args, tokenizer)
+            log("sweeping ...")
+            points = sweep(server, args, tokenizer)
             bound = args.bound_ms / 1e3
             headlines = {"normalized": headline(points, "normalized_latency_p50", bound),
                          "ttft": headline(points, "ttft_p50", args.ttft_bound_ms / 1e3)}

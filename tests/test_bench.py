@@ -238,3 +238,13 @@ def test_plots_are_written(tmp_path):
     assert not plot_scheduler(tmp_path, [request_level], tmp_path, MODELS)  # no trace: nothing
     for name in ("serving_latency.png", "serving_ttft.png", "scheduler_trace.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_model_is_done_after_two_runs_over_the_bound_or_one_far_over():
+    from benchmarks.bench_serving import done
+
+    assert not done([_point(1, 0.9, 0.1)])
+    assert not done([_point(1, 0.9, 0.1), _point(2, 1.8, 0.3)])  # once over: maybe noise
+    assert done([_point(1, 0.9, 0.1), _point(2, 1.8, 0.3), _point(3, 2.0, 0.3)])
+    assert done([_point(1, 0.9, 0.1), _point(2, 1.8, 0.6)])      # over twice the bound
+    assert done([_point(1, 0.9, 0.1, errors=1)])
