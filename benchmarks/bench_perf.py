@@ -39,6 +39,10 @@ from orca_backend.launch import REPO_ROOT, Server  # noqa: E402
 from orca_backend.model_store import prepare_default_model  # noqa: E402
 
 MODEL = "orca"
+# perf_analyzer's CSV splits the average latency into these parts (microseconds).
+LATENCY_PARTS = ("Client Send", "Network+Server Send/Recv", "Server Queue", "Server Compute Input",
+                 "Server Compute Infer", "Server Compute Output", "Client Recv")
+COMMANDS: dict[str, str] = {}  # tool -> its command line, for the report
 
 
 def parse_args() -> argparse.Namespace:
@@ -50,9 +54,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=48, help="measured requests per tool")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "benchmarks")
     return p.parse_args()
-
-
-COMMANDS: dict[str, str] = {}  # tool -> its command line, for the report
 
 
 def portable(text: str) -> str:
@@ -108,12 +109,8 @@ def perf_analyzer(server: Server, trace, args, out: Path) -> dict:
     latency = sum(float(row[k]) for k in row if k in LATENCY_PARTS) / 1e3
     # One response per generated token here, so responses/s is output tokens/s.
     return {"request_throughput": float(row["Inferences/Second"]),
-            "token_throughput": float(row["Response Throughput"]), "latency_avg": latency, "latency_p50": us("p50 latency"), "latency_p99": us("p99 latency")}
-
-
-# perf_analyzer's CSV splits the average latency into these parts (microseconds).
-LATENCY_PARTS = ("Client Send", "Network+Server Send/Recv", "Server Queue", "Server Compute Input",
-                 "Server Compute Infer", "Server Compute Output", "Client Recv")
+            "token_throughput": float(row["Response Throughput"]), "latency_avg": latency,
+            "latency_p50": us("p50 latency"), "latency_p99": us("p99 latency")}
 
 
 def genai_perf(server: Server, args, out: Path) -> dict:

@@ -59,8 +59,12 @@ class Point:
 
     @property
     def over(self) -> bool:
-        """Over the latency bound, or not measured, or with failed requests."""
-        return self.summary.errors > 0 or not self.summary.normalized_latency_p50 <= self.bound
+        return is_over(self.summary, "normalized_latency_p50", self.bound)
+
+
+def is_over(summary: Summary, metric: str, bound: float) -> bool:
+    """`metric` (a Summary field) over `bound` or not measured, or failed requests."""
+    return summary.errors > 0 or not getattr(summary, metric) <= bound
 
 
 def parse_args() -> argparse.Namespace:
@@ -112,16 +116,16 @@ def done(points: list[Point]) -> bool:
     """One run over the bound may be noise: a model is done after two in a row, one far
     over, or one with failed requests."""
     last = points[-1]
-    far_over = not last.summary.normalized_latency_p50 <= 2 * last.bound
-    return last.summary.errors > 0 or (last.over and (far_over or len(points) > 1 and points[-2].over))
+    far_over = is_over(last.summary, "normalized_latency_p50", 2 * last.bound)
+    return far_over or (last.over and len(points) > 1 and points[-2].over)
 
 
 def exact_rate(trace: list[TraceRequest], rate: float) -> list[TraceRequest]:
     """The trace with its offsets stretched so that its last arrival is at (n - 1) / rate.
 
     A short Poisson run's realized rate strays from the nominal one (40 arrivals at 2 req/s
-    span 19.5 s on average, and 27 s one time in 40); stretching keeps the arrival pattern and
-    makes every run offer the load its label says."""
+    span 19.5 +- 3.1 s); stretching keeps the arrival pattern and makes every run offer the
+    load its label says."""
     last = trace[-1].offset
     if len(trace) < 2 or last <= 0:
         return trace
@@ -135,7 +139,7 @@ def sustained_rate(points: list[Point], metric: str, bound: float) -> tuple[floa
     whether it is an estimate ("about"), a lower bound or an upper bound."""
     tput = lambda p: p.summary.request_throughput
     value = lambda p: getattr(p.summary, metric)
-    over = lambda p: p.summary.errors > 0 or not value(p) <= bound
+    over = lambda p: is_over(p.summary, metric, bound)
     under = [p for p in points if not over(p)]
     if not under:
         return tput(points[0]), "below"  # already over at the lowest rate swept
