@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .trace import LengthDist, TraceRequest, load_tokenizer, make_trace
+from .trace import TraceRequest, add_trace_arguments, trace_from_arguments
 from .triton_client import InferenceServerException, StreamingClient
 
 FLAGS = {"return_num_input_tokens": True, "return_num_output_tokens": True,
@@ -249,16 +249,8 @@ def _parser() -> argparse.ArgumentParser:
     load.add_argument("--rate", type=float, help="Poisson arrivals, requests per second")
     load.add_argument("--concurrency", type=int, help="closed loop: requests kept in flight")
     p.add_argument("--num-requests", type=int, default=100)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dist", choices=("orca", "fixed", "lognormal"), default="orca")
-    p.add_argument("--scale", type=float, default=1.0, help="orca: multiplies the length ranges")
-    p.add_argument("--input-tokens", type=int, default=128, help="fixed")
-    p.add_argument("--output-tokens", type=int, default=64, help="fixed")
-    p.add_argument("--input-mean", type=float, default=256.0, help="lognormal")
-    p.add_argument("--output-mean", type=float, default=64.0, help="lognormal")
-    p.add_argument("--sigma", type=float, default=0.5, help="lognormal")
+    add_trace_arguments(p)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--tokenizer", help="folder with tokenizer.json (default: the default model)")
     p.add_argument("--json", help="write the summary and per-request records here")
     p.add_argument("--csv", help="write one row per request here")
     return p
@@ -267,10 +259,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns 1 if any request failed."""
     args = _parser().parse_args(argv)
-    dist = LengthDist(kind=args.dist, scale=args.scale, input_tokens=args.input_tokens,
-                      output_tokens=args.output_tokens, input_mean=args.input_mean,
-                      output_mean=args.output_mean, sigma=args.sigma)
-    trace = make_trace(dist, args.num_requests, args.rate, args.seed, load_tokenizer(args.tokenizer))
+    trace = trace_from_arguments(args, args.num_requests, args.rate)
     try:
         records = run_trace(args.url, args.model, trace, args.concurrency, args.temperature)
     except (RuntimeError, InferenceServerException) as e:

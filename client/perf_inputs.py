@@ -1,6 +1,7 @@
 """perf_analyzer --input-data files from our seeded traces, for any model with our I/O.
 
     python -m client.perf_inputs --dist fixed --input-tokens 64 --output-tokens 32 -n 48 -o in.json
+    python -m client.perf_inputs --dist orca --scale 0.25 -n 100 -o orca.json
     perf_analyzer -m orca -i grpc --streaming --input-data in.json --concurrency-range 4 ...
 
 Each trace request becomes one entry (perf_analyzer cycles through them); the output length is
@@ -11,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .trace import LengthDist, TraceRequest, load_tokenizer, make_trace
+from .trace import TraceRequest, add_trace_arguments, trace_from_arguments
 
 
 def pinned_sampling(output_tokens: int, temperature: float = 0.0) -> dict:
@@ -29,18 +30,12 @@ def input_data(trace: list[TraceRequest], temperature: float = 0.0, stream: bool
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("-n", "--num-requests", type=int, default=48)
-    p.add_argument("--dist", choices=("orca", "fixed", "lognormal"), default="fixed")
-    p.add_argument("--scale", type=float, default=1.0, help="orca: multiplies the length ranges")
-    p.add_argument("--input-tokens", type=int, default=64, help="fixed")
-    p.add_argument("--output-tokens", type=int, default=32, help="fixed")
-    p.add_argument("--seed", type=int, default=0)
+    add_trace_arguments(p)
+    p.set_defaults(dist="fixed", input_tokens=64, output_tokens=32)  # bench_perf's workload
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--tokenizer", help="folder with tokenizer.json (default: the default model)")
     p.add_argument("-o", "--output", required=True)
     args = p.parse_args(argv)
-    dist = LengthDist(kind=args.dist, scale=args.scale, input_tokens=args.input_tokens,
-                      output_tokens=args.output_tokens)
-    trace = make_trace(dist, args.num_requests, None, args.seed, load_tokenizer(args.tokenizer))
+    trace = trace_from_arguments(args, args.num_requests, None)
     with open(args.output, "w") as f:
         json.dump(input_data(trace, args.temperature), f, indent=1)
 

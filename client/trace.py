@@ -5,6 +5,7 @@ exactly the same offsets, and a trace can be built once and replayed against sev
 """
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,3 +137,25 @@ def make_trace(dist: LengthDist, num_requests: int, rate: float | None, seed: in
                          prompt=tokenizer.decode(cycled[s:s + n].tolist(), skip_special_tokens=True),
                          input_tokens=int(n), output_tokens=int(m))
             for i, (s, n, m) in enumerate(zip(starts, inputs, outputs))]
+
+
+def add_trace_arguments(p: argparse.ArgumentParser) -> None:
+    """The command-line options that choose a trace's lengths, seed and tokenizer."""
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dist", choices=("orca", "fixed", "lognormal"), default="orca")
+    p.add_argument("--scale", type=float, default=1.0, help="orca: multiplies the length ranges")
+    p.add_argument("--input-tokens", type=int, default=128, help="fixed")
+    p.add_argument("--output-tokens", type=int, default=64, help="fixed")
+    p.add_argument("--input-mean", type=float, default=256.0, help="lognormal")
+    p.add_argument("--output-mean", type=float, default=64.0, help="lognormal")
+    p.add_argument("--sigma", type=float, default=0.5, help="lognormal")
+    p.add_argument("--tokenizer", help="folder with tokenizer.json (default: the default model)")
+
+
+def trace_from_arguments(args: argparse.Namespace, num_requests: int,
+                         rate: float | None) -> list[TraceRequest]:
+    """The trace that the options of `add_trace_arguments` describe."""
+    dist = LengthDist(kind=args.dist, scale=args.scale, input_tokens=args.input_tokens,
+                      output_tokens=args.output_tokens, input_mean=args.input_mean,
+                      output_mean=args.output_mean, sigma=args.sigma)
+    return make_trace(dist, num_requests, rate, args.seed, load_tokenizer(args.tokenizer))
