@@ -43,3 +43,4 @@ class SampledTokens:
     logprobs: list[dict | None] = field(default_factory=list)  # {token_id: (logprob, rank)}
     sampled_logprobs: list[float | None] = field(default_factory=list)
     logits: list | None = None  # per request, only when the engine keeps them (tests)
+    errors: list[str | None] = field(default_factory=list)  # why a request's sampling failed

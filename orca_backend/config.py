@@ -10,6 +10,7 @@ from .scheduler import BATCHING_MODES, POLICIES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+DEFAULT_MAX_PROMPT_BYTES = 1 << 20
 
 
 @dataclass(slots=True)
@@ -28,6 +29,7 @@ class EngineConfig:
     batching: str = "iteration"
     max_model_len: int | None = None  # cap on the model's context
     seed: int = 0
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES  # longer prompts are refused untokenized
     keep_logits: bool = False  # return each iteration's logits (for tests)
 
     def __post_init__(self) -> None:
@@ -36,7 +38,7 @@ class EngineConfig:
               "'cpu' or 'cuda[:N]'")
         if self.device == "cpu" and self.dtype != "float32":
             raise ConfigError(f"dtype {self.dtype!r} is for GPUs; use 'float32' on cpu")
-        for name in ("max_batch_size", "max_num_batched_tokens", "block_size"):
+        for name in ("max_batch_size", "max_num_batched_tokens", "block_size", "max_prompt_bytes"):
             value = getattr(self, name)
             _need(isinstance(value, int) and value >= 1, name, value, "an integer >= 1")
         for name in ("kv_cache_tokens", "kv_cache_bytes", "max_model_len"):

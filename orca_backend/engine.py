@@ -1,6 +1,7 @@
 """The engine a server drives: add and abort requests, and `step()` one iteration at a time."""
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ from .request import Request, RequestStatus
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(slots=True)
 class RequestDelta:
@@ -34,10 +37,11 @@ class RequestDelta:
     cumulative_logprob: float | None  # None unless the request tracks log-probabilities
     logprobs: list[dict[int, tuple[float, int]]] | None = None  # one entry per new token
     logits: torch.Tensor | None = None  # only with EngineConfig.keep_logits
+    error: str | None = None  # the request failed inside the engine and has ended
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        return self.finish_reason is not None or self.error is not None
 
 
 @dataclass(slots=True)
@@ -76,13 +80,20 @@ class LLMEngine:
         self.model_config = model.config
         self.max_model_len = min(config.max_model_len or math.inf, model.config.max_model_len)
         num_blocks = config.num_kv_blocks(model.config.kv_elements_per_token)
-        self.kv = BlockManager(num_blocks, config.block_size)
-        self.scheduler = Scheduler(SchedulerConfig(
-            config.max_batch_size, config.max_num_batched_tokens, config.policy, config.batching),
-            self.kv)
         self.runner = ModelRunner(model, num_blocks, config.block_size, device,
                                   config.torch_dtype, config.seed, config.keep_logits)
         self.stats = EngineStats()
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every request: a fresh scheduler and K/V pool (the weights stay loaded)."""
+        self.kv = BlockManager(self.runner.num_blocks, self.config.block_size)
+        c = self.config
+        old = getattr(self, "scheduler", None)
+        self.scheduler = Scheduler(SchedulerConfig(
+            c.max_batch_size, c.max_num_batched_tokens, c.policy, c.batching), self.kv)
+        if old is not None:  # counters run on across a reset, as metrics counters must
+            self.scheduler.num_preemptions = old.num_preemptions
         self._tracked: dict[str, _Tracked] = {}
 
     # -- requests ---------------------------------------------------------------------------
@@ -95,16 +106,34 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self._tracked:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        token_ids = self.encode(prompt)
-        self._check_lengths(len(token_ids), params)
+        token_ids = self.prepare(prompt, params)
         req = Request(request_id, token_ids, params, track_logprob=track_logprob)
         self._tracked[request_id] = _Tracked(req, IncrementalDetokenizer(self.tokenizer, token_ids, params))
         self.scheduler.add(req)
         return req
 
+    def prepare(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """Tokenize and check a request against the model; raises InvalidRequestError.
+
+        Safe to call from any thread (it reads the tokenizer and limits only), so a server
+        can tokenize long prompts without holding up iterations.
+        """
+        token_ids = self.encode(prompt)
+        self._check_lengths(len(token_ids), params)
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise InvalidRequestError(f"sampling parameter 'stop_token_ids' must be token ids "
+                                      f"below the vocabulary size {vocab}")
+        return token_ids
+
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            token_ids = self.tokenizer.encode(prompt).ids if prompt else []
+            num_bytes = len(prompt.encode("utf-8"))
+            if num_bytes > self.config.max_prompt_bytes:
+                raise InvalidRequestError(f"prompt is {num_bytes} bytes, more than max_prompt_bytes "
+                                          f"({self.config.max_prompt_bytes})")
+            # encode_batch lets go of the GIL while it works; encode holds it throughout.
+            token_ids = self.tokenizer.encode_batch([prompt])[0].ids if prompt else []
         else:
             token_ids = list(prompt)
         if not token_ids:
@@ -145,23 +174,50 @@ class LLMEngine:
 
     # -- one iteration ----------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
-        """Schedule and run one iteration; return a delta per request that got a token."""
+        """Schedule and run one iteration; return a delta per request that got a token.
+
+        A failure that belongs to one request (its sampling, its detokenization) ends that
+        request alone, with a delta whose `error` says why. A failure of the forward pass
+        cannot be pinned on one request: it ends this iteration's requests, and the engine
+        goes on with the rest."""
         start = time.perf_counter()
         batch, requests = self.scheduler.schedule()
         if not requests:
             return []
-        out = self.runner.execute(batch, requests)
+        try:
+            out = self.runner.execute(batch, requests)
+        except Exception as e:
+            log.exception("an iteration of %d requests failed", len(requests))
+            return [self._fail(req, f"internal error in the engine's iteration: {e}") for req in requests]
         self.scheduler.update(batch, requests, out)
-        deltas = [self._process(req, token_id, out.sampled_logprobs[i], out.logprobs[i],
-                                out.logits[i] if out.logits is not None else None)
-                  for i, (req, token_id) in enumerate(zip(requests, out.token_ids))
-                  if token_id is not None]
+        deltas = []
+        for i, (req, token_id) in enumerate(zip(requests, out.token_ids)):
+            if out.errors and out.errors[i] is not None:
+                deltas.append(self._fail(req, out.errors[i]))
+            elif token_id is not None:
+                deltas.append(self._process_safely(req, out, i))
         self.stats.num_iterations += 1
         self.stats.last_iteration = IterationRecord(
             batch.num_requests, batch.num_tokens, batch.num_prefill_requests,
             batch.num_decode_requests, self.kv.num_used_blocks, len(self.scheduler.waiting))
         self.stats.step_seconds += time.perf_counter() - start
         return deltas
+
+    def _process_safely(self, req: Request, out, i: int) -> RequestDelta:
+        try:
+            return self._process(req, out.token_ids[i], out.sampled_logprobs[i], out.logprobs[i],
+                                 out.logits[i] if out.logits is not None else None)
+        except Exception as e:
+            log.exception("request %s failed after its token was sampled", req.request_id)
+            return self._fail(req, f"internal error while processing this request's output: {e}")
+
+    def _fail(self, req: Request, message: str) -> RequestDelta:
+        """End one request with an error; its K/V blocks are freed at once."""
+        self._tracked.pop(req.request_id, None)
+        if not req.status.finished:
+            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+        return RequestDelta(req.request_id, [], "", None, req.num_prompt_tokens,
+                            req.num_output_tokens, None, error=message)
 
     def _process(self, req: Request, token_id: int, logprob: float | None, top, logits) -> RequestDelta:
         tracked = self._tracked[req.request_id]

@@ -1,10 +1,11 @@
-"""The serving loop: one engine thread runs iterations, one sender thread talks to clients.
+"""The serving loop: a tokenizer thread, one engine thread that runs iterations, and a sender
+thread that talks to clients (`sender.py`).
 
 The engine thread owns the engine (scheduler, K/V manager, runner) and never waits on a
-client. The sender thread owns every open stream: it formats and sends responses, records
-latencies and watches for cancelled requests, which it hands back to the engine thread as
-aborts. Each request gets exactly one final response, whether it finished, failed, was
-cancelled, or the server shut down.
+client or on a tokenizer. Each request gets exactly one final response, whether it finished,
+failed, was cancelled, was refused because the queue was full, or the server shut down. A
+failure of a loop thread itself ends every open request with an error, and the engine is
+restarted with an empty pool: the server keeps serving.
 """
 from __future__ import annotations
 
@@ -15,242 +16,228 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
 
-from .engine import LLMEngine, RequestDelta
+from .engine import LLMEngine
 from .errors import OrcaError
+from .sender import (Deltas, ErrorKind, Fail, FailAll, Metrics, Open, Rejected, Response,
+                     ResponseSink, Sender, Stats, Stop, Stream)
 from .serving import GenerateRequest
 
 log = logging.getLogger(__name__)
-CANCEL_POLL_SECONDS = 0.05  # each check is a round trip to the server per open request
+JOIN_TIMEOUT_SECONDS = 60
+
+__all__ = ["EngineLoop", "ErrorKind", "Response", "ResponseSink"]
 
 
 @dataclass(slots=True)
-class Response:
-    """The content of one response, before it becomes tensors."""
-
-    text: str
-    finish_reason: str | None
-    num_input_tokens: int
-    num_output_tokens: int  # tokens in this response
-    cumulative_logprob: float | None
-    logprobs: list[dict] | None  # one {token_id: {...}} per token of this response
-    final: bool
-
-
-class ResponseSink(Protocol):
-    def send(self, response: Response) -> None: ...
-    def fail(self, message: str, kind: str) -> None: ...  # kind: invalid|cancelled|unavailable|internal
-    def is_cancelled(self) -> bool: ...
-
-
-class Metrics(Protocol):
-    def on_iteration(self, engine_snapshot: dict) -> None: ...
-    def on_tokens(self, num_tokens: int, first: bool, seconds_since_last: float) -> None: ...
-    def on_finish(self, num_prompt_tokens: int, num_output_tokens: int, seconds: float) -> None: ...
-
-
-@dataclass(slots=True)
-class _Stream:
+class _Add:
+    request_id: str
     request: GenerateRequest
-    sink: ResponseSink
-    arrival: float
-    last_token_time: float = 0.0
-    num_output_tokens: int = 0
-    text: list[str] = field(default_factory=list)  # non-streaming: pieces until the end
-    logprobs: list[dict] = field(default_factory=list)
+    token_ids: list[int] | None = None  # set by the tokenizer thread
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
 
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, metrics: Metrics | None = None,
-                 trace_path: str | None = None) -> None:
+                 trace_path: str | None = None, max_queue_size: int | None = None) -> None:
         self.engine = engine
-        self.metrics = metrics
+        self.max_queue_size = max_queue_size  # None: unbounded
         # One JSON line per iteration (batch shape, K/V use, queue), to watch batching happen.
         self._trace = open(trace_path, "a", buffering=1) if trace_path else None
-        self._inbox: queue.Queue = queue.Queue()  # to the engine thread
-        self._outbox: queue.Queue = queue.Queue()  # to the sender thread
+        self._to_tokenize: queue.Queue = queue.Queue()  # _Add | Stop
+        self._inbox: queue.Queue = queue.Queue()  # to the engine thread: _Add | _Abort | Stop
+        self.sender = Sender(engine, metrics, lambda request_id: self._inbox.put(_Abort(request_id)))
         self._ids = itertools.count()
+        self._lock = threading.Lock()  # guards the fields below
         self._closed = False
-        self._close_lock = threading.Lock()
-        self._engine_thread = threading.Thread(target=self._engine_main, name="orca-engine", daemon=True)
-        self._sender_thread = threading.Thread(target=self._sender_main, name="orca-sender", daemon=True)
+        self._pending: set[str] = set()  # submitted, not yet handed to the engine
+        self._num_engine_waiting = 0  # the engine's queue, as of its last command or iteration
+        self._aborted_early: set[str] = set()  # cancelled before the engine saw them
+        self.num_restarts = 0
+        self._broken: str | None = None  # why the engine cannot serve, if it cannot
+        self._threads = [threading.Thread(target=self._tokenizer_main, name="orca-tokenizer", daemon=True),
+                         threading.Thread(target=self._engine_main, name="orca-engine", daemon=True)]
 
     def start(self) -> None:
-        self._outbox.put(("stats", self._snapshot()))  # gauges show the pool before any request
-        self._sender_thread.start()
-        self._engine_thread.start()
+        self.sender.put(Stats(self._snapshot()))  # gauges show the pool before any request
+        self.sender.start()
+        for thread in self._threads:
+            thread.start()
 
     def submit(self, request: GenerateRequest, sink: ResponseSink) -> None:
         """Queue a parsed request; called from Triton's execute() thread."""
-        with self._close_lock:
-            if self._closed:
-                sink.fail("the server is shutting down", "unavailable")
+        with self._lock:
+            if self._closed or self._broken:
+                sink.fail(self._broken or "the server is shutting down", ErrorKind.UNAVAILABLE)
+                return
+            num_waiting = len(self._pending) + self._num_engine_waiting
+            if self.max_queue_size is not None and num_waiting >= self.max_queue_size:
+                self.sender.put(Rejected())
+                sink.fail(f"the queue is full: {num_waiting} requests are waiting "
+                          f"(max_queue_size {self.max_queue_size}); retry later", ErrorKind.UNAVAILABLE)
                 return
             request_id = f"req-{next(self._ids)}"
+            self._pending.add(request_id)
             # The stream is opened before the engine can produce anything for it.
-            self._outbox.put(("open", request_id, _Stream(request, sink, time.monotonic())))
-            self._inbox.put(("add", request_id, request))
+            self.sender.put(Open(request_id, Stream(request, sink, time.monotonic())))
+            self._to_tokenize.put(_Add(request_id, request))
 
     def shutdown(self) -> None:
-        """Finish every open request with a final response, then stop both threads."""
+        """Finish every open request with a final response, then stop every thread."""
         self.close()
-        self._engine_thread.join()
-        self._sender_thread.join()
+        for thread in self._threads:
+            thread.join(JOIN_TIMEOUT_SECONDS)
+        self.sender.join(JOIN_TIMEOUT_SECONDS)
         if self._trace is not None:
             self._trace.close()
 
     def close(self) -> None:
-        """Refuse new requests; the engine thread ends the open ones and stops."""
-        with self._close_lock:
+        """Refuse new requests; the threads end the open ones and stop."""
+        with self._lock:
             if not self._closed:
                 self._closed = True
-                self._inbox.put(("stop",))
+                self._to_tokenize.put(Stop())  # it passes the Stop on after the last add
+
+    # -- tokenizer thread ---------------------------------------------------------------------
+    def _tokenizer_main(self) -> None:
+        """Tokenize and check prompts here, so a huge prompt never holds up an iteration."""
+        while not isinstance(add := self._to_tokenize.get(), Stop):
+            try:
+                add.token_ids = self.engine.prepare(add.request.prompt, add.request.params)
+            except Exception as e:
+                self._settle(add.request_id)
+                self.sender.put(_refusal(add.request_id, e, "checking the prompt"))
+                continue
+            self._inbox.put(add)
+        self._inbox.put(Stop())
 
     # -- engine thread ------------------------------------------------------------------------
     def _engine_main(self) -> None:
-        while self._take_commands():
+        running = True
+        while running:
             try:
-                deltas = self.engine.step()
-            except Exception as e:  # keep serving: fail this iteration's requests, free their K/V
-                log.exception("iteration failed")
-                self._fail_all(f"internal error in the engine: {e}", "internal")
-                continue
-            self._outbox.put(("deltas", deltas))
-            self._outbox.put(("stats", self._snapshot(self.engine.stats.last_iteration)))
-        self._fail_all("the server is shutting down", "unavailable")
-        self._outbox.put(("stop",))
+                running = self._take_commands()
+                if running and not self._broken:
+                    self._step()
+            except Exception as e:
+                log.exception("the engine thread failed; restarting the engine")
+                self._restart(e)
+        self._end_all("the server is shutting down", ErrorKind.UNAVAILABLE)
+        self.sender.put(Stop())
+
+    def _step(self) -> None:
+        deltas = self.engine.step()
+        self.sender.put(Deltas(deltas))
+        self._write_trace()
+        self.sender.put(Stats(self._snapshot(self.engine.stats.last_iteration)))
 
     def _take_commands(self) -> bool:
         """Apply queued adds and aborts; block while there is nothing to run. False = stop."""
-        block = not self.engine.has_unfinished_requests()
+        block = self._idle()
         while True:
             try:
                 command = self._inbox.get(block=block)
             except queue.Empty:
                 return True
-            block = False
-            if command[0] == "stop":
+            if isinstance(command, Stop):
                 return False
-            self._apply(command)
-            block = not self.engine.has_unfinished_requests() and self._inbox.empty()
+            if isinstance(command, _Add):
+                self._add(command)
+            else:
+                self._abort(command.request_id)
+            block = self._idle() and self._inbox.empty()
 
-    def _apply(self, command: tuple) -> None:
-        kind, request_id, *rest = command
-        if kind == "add":
-            request = rest[0]
-            try:
-                self.engine.add_request(request_id, request.prompt, request.params,
-                                        track_logprob=request.return_cumulative_logprob)
-            except OrcaError as e:
-                self._outbox.put(("fail", request_id, str(e), "invalid"))
-        elif kind == "abort" and self.engine.abort_request(request_id):
-            self._outbox.put(("fail", request_id, "the request was cancelled", "cancelled"))
-            self._outbox.put(("stats", self._snapshot()))
+    def _idle(self) -> bool:
+        return self._broken is not None or not self.engine.has_unfinished_requests()
 
-    def _fail_all(self, message: str, kind: str) -> None:
+    def _add(self, add: _Add) -> None:
+        with self._lock:
+            self._pending.discard(add.request_id)
+            if add.request_id in self._aborted_early:
+                self._aborted_early.discard(add.request_id)
+                return  # cancelled while it was being tokenized; its stream has ended
+            broken = self._broken
+        if broken:
+            self.sender.put(Fail(add.request_id, broken, ErrorKind.UNAVAILABLE))
+            return
+        try:
+            self.engine.add_request(add.request_id, add.token_ids, add.request.params,
+                                    track_logprob=add.request.return_cumulative_logprob)
+        except Exception as e:
+            self.engine.abort_request(add.request_id)  # in case it got halfway in
+            self.sender.put(_refusal(add.request_id, e, "adding the request"))
+        self._publish_waiting()
+
+    def _abort(self, request_id: str) -> None:
+        if self.engine.abort_request(request_id):
+            self.sender.put(Fail(request_id, "the request was cancelled", ErrorKind.CANCELLED))
+            self.sender.put(Stats(self._snapshot()))
+            return
+        with self._lock:
+            if request_id in self._pending:  # the add comes later: drop it then
+                self._aborted_early.add(request_id)
+                self.sender.put(Fail(request_id, "the request was cancelled", ErrorKind.CANCELLED))
+
+    def _restart(self, error: Exception) -> None:
+        """End every open request with an error and start over with an empty engine."""
+        self.num_restarts += 1
+        self.sender.put(FailAll(f"internal error in the engine ({type(error).__name__}: {error}); "
+                                "the request was ended and the engine restarted"))
+        try:
+            self.engine.reset()
+        except Exception as e:
+            log.exception("the engine could not be restarted; every request is refused from now on")
+            with self._lock:
+                self._broken = f"the engine failed and could not be restarted ({type(e).__name__}: {e})"
+            return
+        self.sender.put(Stats(self._snapshot()))
+
+    def _end_all(self, message: str, kind: ErrorKind) -> None:
         for request_id in self.engine.unfinished_request_ids():
             self.engine.abort_request(request_id)
-            self._outbox.put(("fail", request_id, message, kind))
-        self._outbox.put(("stats", self._snapshot()))
+            self.sender.put(Fail(request_id, message, kind))
+        self.sender.put(Stats(self._snapshot()))
+
+    def _settle(self, request_id: str) -> None:
+        with self._lock:
+            self._pending.discard(request_id)
+            self._aborted_early.discard(request_id)
+
+    def _publish_waiting(self) -> None:
+        with self._lock:
+            self._num_engine_waiting = len(self.engine.scheduler.waiting)
+
+    def _write_trace(self) -> None:
+        if self._trace is None or self.engine.stats.last_iteration is None:
+            return
+        record = dataclasses.asdict(self.engine.stats.last_iteration)
+        try:
+            self._trace.write(json.dumps({"time": time.time(), **record}) + "\n")
+        except Exception:  # a full disk ends the trace, not the serving
+            log.exception("writing the iteration trace failed; the trace is switched off")
+            self._trace = None
 
     def _snapshot(self, iteration=None) -> dict:
         """Gauges and counters for the metrics; `iteration` when one has just run."""
-        if iteration is not None and self._trace is not None:
-            self._trace.write(json.dumps({"time": time.time(), **dataclasses.asdict(iteration)}) + "\n")
+        self._publish_waiting()
         return {"num_running": len(self.engine.scheduler.running),
                 "num_waiting": len(self.engine.scheduler.waiting),
                 "num_used_blocks": self.engine.kv.num_used_blocks,
                 "num_blocks": self.engine.kv.num_blocks,
                 "num_preemptions": self.engine.scheduler.num_preemptions,
                 "num_iterations": self.engine.stats.num_iterations,
+                "num_engine_restarts": self.num_restarts,
                 "batch_size": iteration.num_requests if iteration else 0}
 
-    # -- sender thread ------------------------------------------------------------------------
-    def _sender_main(self) -> None:
-        streams: dict[str, _Stream] = {}
-        last_poll = time.monotonic()
-        while True:
-            try:
-                message = self._outbox.get(timeout=CANCEL_POLL_SECONDS)
-            except queue.Empty:
-                message = None
-            if message is not None and message[0] == "stop":
-                break
-            if message is not None:
-                self._handle(message, streams)
-            now = time.monotonic()
-            if now - last_poll >= CANCEL_POLL_SECONDS:
-                last_poll = now
-                for request_id, stream in streams.items():
-                    if _safe(stream.sink.is_cancelled, False):
-                        self._inbox.put(("abort", request_id))
-        for stream in streams.values():  # nothing may be left without a final response
-            _safe(lambda: stream.sink.fail("the server is shutting down", "unavailable"))
 
-    def _handle(self, message: tuple, streams: dict[str, _Stream]) -> None:
-        kind = message[0]
-        if kind == "open":
-            streams[message[1]] = message[2]
-        elif kind == "fail":
-            stream = streams.pop(message[1], None)
-            if stream is not None:
-                _safe(lambda: stream.sink.fail(message[2], message[3]))
-        elif kind == "deltas":
-            now = time.monotonic()
-            for delta in message[1]:
-                stream = streams.get(delta.request_id)
-                if stream is not None:
-                    self._deliver(stream, delta, now)
-                    if delta.finished:
-                        del streams[delta.request_id]
-        elif kind == "stats" and self.metrics is not None:
-            _safe(lambda: self.metrics.on_iteration(message[1]))
-
-    def _deliver(self, stream: _Stream, delta: RequestDelta, now: float) -> None:
-        req = stream.request
-        first = stream.num_output_tokens == 0
-        if self.metrics is not None:
-            since = now - (stream.arrival if first else stream.last_token_time)
-            _safe(lambda: self.metrics.on_tokens(len(delta.token_ids), first, since))
-        stream.last_token_time = now
-        stream.num_output_tokens += len(delta.token_ids)
-        logprobs = self._logprob_entries(delta) if req.params.logprobs is not None else None
-        if req.stream:
-            if delta.text or delta.finished:
-                _safe(lambda: stream.sink.send(self._response(stream, delta, delta.text,
-                                                              len(delta.token_ids), logprobs)))
-        else:
-            stream.text.append(delta.text)
-            stream.logprobs += logprobs or []
-            if delta.finished:
-                text = "".join(stream.text)
-                if not req.exclude_input_in_output:
-                    text = req.prompt + text
-                _safe(lambda: stream.sink.send(self._response(
-                    stream, delta, text, stream.num_output_tokens,
-                    stream.logprobs if logprobs is not None else None)))
-        if delta.finished and self.metrics is not None:
-            _safe(lambda: self.metrics.on_finish(delta.num_prompt_tokens, delta.num_output_tokens,
-                                                 now - stream.arrival))
-
-    @staticmethod
-    def _response(stream: _Stream, delta: RequestDelta, text: str, num_tokens: int, logprobs) -> Response:
-        return Response(text, delta.finish_reason, delta.num_prompt_tokens, num_tokens,
-                        delta.cumulative_logprob, logprobs, delta.finished)
-
-    def _logprob_entries(self, delta: RequestDelta) -> list[dict]:
-        decode = self.engine.tokenizer.decode
-        return [{str(token_id): {"logprob": logprob, "rank": rank, "decoded_token": decode([token_id])}
-                 for token_id, (logprob, rank) in entry.items()}
-                for entry in delta.logprobs or []]
-
-
-def _safe(call, default=None):
-    """Client-side failures (a vanished client) must not take a loop thread down."""
-    try:
-        return call()
-    except Exception:
-        log.exception("sending to a client failed")
-        return default
+def _refusal(request_id: str, error: Exception, doing: str) -> Fail:
+    """An expected refusal (bad input) names the problem; anything else is an internal error."""
+    if isinstance(error, OrcaError):
+        return Fail(request_id, str(error), ErrorKind.INVALID)
+    log.error("%s failed for %s", doing, request_id, exc_info=error)
+    return Fail(request_id, f"internal error while {doing}: {type(error).__name__}", ErrorKind.INTERNAL)

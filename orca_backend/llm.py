@@ -18,12 +18,14 @@ class RequestOutput:
     finish_reason: str | None = None
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, tuple[float, int]]] | None = None
+    error: str | None = None  # set when the request failed inside the engine
 
     def add(self, delta: RequestDelta) -> None:
         self.token_ids += delta.token_ids
         self.text += delta.text
         self.finish_reason = delta.finish_reason
         self.cumulative_logprob = delta.cumulative_logprob
+        self.error = delta.error
         if delta.logprobs is not None:
             self.logprobs = (self.logprobs or []) + delta.logprobs
 

@@ -1,7 +1,7 @@
 """Token sampling with per-request parameters, vectorized over the rows of one iteration."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -13,6 +13,7 @@ class SamplerOutput:
     token_ids: list[int]
     sampled_logprobs: list[float | None]  # raw log-probability of the sampled token, if wanted
     top_logprobs: list[dict[int, tuple[float, int]] | None]  # {token_id: (logprob, rank)}
+    errors: list[str | None] = field(default_factory=list)  # per row, when sampled row by row
 
 
 class Sampler:
@@ -75,13 +76,18 @@ class Sampler:
             probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), 0.0)
         # Exponential race: argmax(p / q), q ~ Exp(1), draws from p. Seeded requests draw
         # their q from their own generator, so their output does not depend on the batch.
+        # Generators are made before any draw, so that a failure leaves none of them advanced.
+        seeded = [(i, self._generator(req)) for i, req in enumerate(requests) if req.params.seed is not None]
         q = torch.empty_like(probs).exponential_(generator=self.generator)
-        for i, req in enumerate(requests):
-            if req.params.seed is not None:
-                if req.generator is None:
-                    req.generator = torch.Generator(device=self.device).manual_seed(req.params.seed)
-                q[i].exponential_(generator=req.generator)
+        for i, generator in seeded:
+            q[i].exponential_(generator=generator)
         return (probs / q).argmax(dim=-1)
+
+
+    def _generator(self, req: Request) -> torch.Generator:
+        if req.generator is None:
+            req.generator = torch.Generator(device=self.device).manual_seed(req.params.seed)
+        return req.generator
 
 
 def _apply_penalties(row: torch.Tensor, req: Request, device: torch.device) -> None:
@@ -99,8 +105,9 @@ def _apply_penalties(row: torch.Tensor, req: Request, device: torch.device) -> N
 
 def _top_k_top_p(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     vocab = logits.shape[-1]
-    k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in requests],
-                     device=logits.device).clamp(max=vocab)
+    # Clamped before the tensor is made: a top_k beyond int64 would not fit in one.
+    k = torch.tensor([min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in requests],
+                     device=logits.device)
     top_p = torch.tensor([r.params.top_p for r in requests], device=logits.device)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=logits.device)[None, :]

@@ -9,6 +9,11 @@ from typing import Any
 
 from .errors import InvalidRequestError
 
+# Below this a temperature is greedy, as in vLLM: dividing logits by a tiny positive number
+# overflows them to inf, and softmax of inf is NaN.
+GREEDY_TEMPERATURE = 1e-5
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -39,7 +44,10 @@ class SamplingParams:
         _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
                f"must be <= max_tokens ({self.max_tokens})")
         _check(self.temperature >= 0, "temperature", self.temperature, "must be >= 0")
-        _check(self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "must be -1 (off) or >= 1")
+        _check(self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k,
+               "must be -1 (off) or >= 1 (values above the vocabulary mean the whole vocabulary)")
+        _check(self.seed is None or SEED_RANGE[0] <= self.seed <= SEED_RANGE[1], "seed", self.seed,
+               f"must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]")
         _check(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
         _check(0 <= self.min_p <= 1, "min_p", self.min_p, "must be in [0, 1]")
         _check(self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, "must be > 0")
@@ -55,7 +63,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def needs_penalties(self) -> bool:
@@ -72,16 +80,12 @@ class SamplingParams:
         unknown = sorted(set(values) - known)
         if unknown:
             raise InvalidRequestError(
-                f"unknown sampling parameter {unknown[0]!r}; supported: {', '.join(sorted(known))}")
+                f"unknown sampling parameter {_show(unknown[0])}; supported: {', '.join(sorted(known))}")
         return cls(**values)
 
     @classmethod
     def from_json(cls, text: str) -> SamplingParams:
-        try:
-            values = json.loads(text) if text.strip() else {}
-        except json.JSONDecodeError as e:
-            raise InvalidRequestError(f"sampling_parameters is not valid JSON: {e}") from None
-        return cls.from_dict(values)
+        return cls.from_dict(parse_json(text, "sampling_parameters") if text.strip() else {})
 
 
 _TYPES: dict[str, type] = {
@@ -93,9 +97,25 @@ _TYPES: dict[str, type] = {
 _OPTIONAL = {"seed", "logprobs"}
 
 
+def parse_json(text: str, what: str) -> Any:
+    """json.loads with a named InvalidRequestError for malformed or too deeply nested text."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidRequestError(f"{what} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise InvalidRequestError(f"{what} is nested too deeply to be valid input") from None
+
+
+def _show(value: Any, limit: int = 80) -> str:
+    """repr() cut to a length that fits in an error message, whatever the client sent."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def _check(ok: bool, name: str, value: Any, rule: str) -> None:
     if not ok:
-        raise InvalidRequestError(f"sampling parameter {name!r} {rule}, got {value!r}")
+        raise InvalidRequestError(f"sampling parameter {name!r} {rule}, got {_show(value)}")
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -115,19 +135,19 @@ def _coerce_list(name: str, value: Any, item_type) -> list:
     if isinstance(value, str) and name == "stop_token_ids":
         try:
             value = json.loads(value)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             raise InvalidRequestError(f"sampling parameter {name!r} must be a list of ints, "
-                                      f"got {value!r}") from None
+                                      f"got {_show(value)}") from None
     if isinstance(value, str):
         return [value]
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, item_type) for v in value):
-        raise InvalidRequestError(f"sampling parameter {name!r} has the wrong type: {value!r}")
+        raise InvalidRequestError(f"sampling parameter {name!r} has the wrong type: {_show(value)}")
     return list(value)
 
 
 def _scalar(name: str, value: Any, kind: type) -> Any:
     noun = {int: "an integer", float: "a number", bool: "true or false"}[kind]
-    bad = InvalidRequestError(f"sampling parameter {name!r} must be {noun}, got {value!r}")
+    bad = InvalidRequestError(f"sampling parameter {name!r} must be {noun}, got {_show(value)}")
     if kind is bool:
         if isinstance(value, bool):
             return value

@@ -6,12 +6,11 @@ a server.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 from .config import EngineConfig
 from .errors import ConfigError, InvalidRequestError
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, parse_json
 
 RETURN_FLAGS = ("return_finish_reason", "return_cumulative_logprob", "return_logprobs",
                 "return_num_input_tokens", "return_num_output_tokens")
@@ -66,10 +65,7 @@ class GenerateRequest:
 
 
 def _json_object(text: str | None) -> dict:
-    try:
-        values = json.loads(text) if text else {}
-    except json.JSONDecodeError as e:
-        raise InvalidRequestError(f"request parameters are not valid JSON: {e}") from None
+    values = parse_json(text, "request parameters") if text else {}
     if not isinstance(values, dict):
         raise InvalidRequestError("request parameters must be a JSON object")
     return values
@@ -90,9 +86,33 @@ def _bool(value, name: str) -> bool:
     raise InvalidRequestError(f"parameter {name!r} must be true or false, got {value!r}")
 
 
+@dataclass(slots=True)
+class ServingOptions:
+    """config.pbtxt parameters of the serving loop rather than of the engine."""
+
+    iteration_trace: str | None = None
+    max_queue_size: int | None = None  # None: unbounded
+
+
+def serving_options(parameters: dict[str, str]) -> ServingOptions:
+    """Take the serving loop's parameters out of `parameters`; empty means unset."""
+    trace = parameters.pop("iteration_trace", "").strip() or None
+    raw = parameters.pop("max_queue_size", "").strip()
+    if raw in ("", "auto"):
+        return ServingOptions(trace, None)
+    try:
+        size = int(raw)
+    except ValueError:
+        size = -1
+    if size < 1:
+        raise ConfigError(f"model parameter 'max_queue_size' must be an integer >= 1 or empty "
+                          f"(unbounded), got {raw!r}")
+    return ServingOptions(trace, size)
+
+
 # Engine options a model's config.pbtxt may set as `parameters`, and how to read each.
 _INT_OPTIONS = ("max_batch_size", "max_num_batched_tokens", "block_size", "kv_cache_tokens",
-                "kv_cache_bytes", "max_model_len", "seed")
+                "kv_cache_bytes", "max_model_len", "seed", "max_prompt_bytes")
 _STR_OPTIONS = ("model", "dtype", "device", "policy", "batching")
 
 

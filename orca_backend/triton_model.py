@@ -7,6 +7,7 @@ thread through each request's decoupled response sender.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import threading
@@ -15,13 +16,14 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from .engine import LLMEngine
-from .engine_loop import EngineLoop, Response
+from .engine_loop import EngineLoop, ErrorKind, Response
 from .errors import OrcaError
-from .serving import FLAG_INPUTS, GenerateRequest, engine_config_from_parameters
+from .serving import FLAG_INPUTS, GenerateRequest, engine_config_from_parameters, serving_options
 
+log = logging.getLogger(__name__)
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-_ERROR_CODES = {"invalid": "INVALID_ARG", "cancelled": "CANCELLED", "unavailable": "UNAVAILABLE",
-                "internal": "INTERNAL"}
+_ERROR_CODES = {ErrorKind.INVALID: "INVALID_ARG", ErrorKind.CANCELLED: "CANCELLED",
+                ErrorKind.UNAVAILABLE: "UNAVAILABLE", ErrorKind.INTERNAL: "INTERNAL"}
 _SECONDS_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
 _BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 
@@ -30,14 +32,15 @@ class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         config = json.loads(args["model_config"])
         parameters = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        trace_path = parameters.pop("iteration_trace", "").strip() or os.environ.get("ORCA_ITERATION_TRACE")
+        options = serving_options(parameters)  # takes its own parameters out
+        trace_path = options.iteration_trace or os.environ.get("ORCA_ITERATION_TRACE")
         engine_config = engine_config_from_parameters(
             parameters, args.get("model_instance_kind", "CPU"), int(args.get("model_instance_device_id", 0)))
         self.engine = LLMEngine(engine_config)
         name = args["model_name"]
         if trace_path:  # one file per model, so two models never share one
             trace_path = trace_path.replace("{model}", name)
-        self.loop = EngineLoop(self.engine, _TritonMetrics(name), trace_path)
+        self.loop = EngineLoop(self.engine, _TritonMetrics(name), trace_path, options.max_queue_size)
         self.loop.start()
         _close_on_interrupt(self.loop)
 
@@ -47,7 +50,11 @@ class TritonPythonModel:
             try:
                 sink.parsed = _parse(request)
             except OrcaError as e:
-                sink.fail(str(e), "invalid")
+                sink.fail(str(e), ErrorKind.INVALID)
+                continue
+            except Exception as e:  # never a traceback to the client: that one is in our log
+                log.exception("parsing a request failed")
+                sink.fail(f"internal error while reading the request ({type(e).__name__})", ErrorKind.INTERNAL)
                 continue
             self.loop.submit(sink.parsed, sink)
         return None
@@ -116,8 +123,8 @@ class _TritonSink:
                     if getattr(self.parsed, flag)]
         self.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=_FINAL if r.final else 0)
 
-    def fail(self, message: str, kind: str) -> None:
-        code = getattr(pb_utils.TritonError, _ERROR_CODES[kind])
+    def fail(self, message: str, kind: ErrorKind) -> None:
+        code = getattr(pb_utils.TritonError, _ERROR_CODES[ErrorKind(kind)])
         self.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)), flags=_FINAL)
 
     def is_cancelled(self) -> bool:
@@ -144,20 +151,23 @@ class _TritonMetrics:
         self.blocks_total = metric("kv_blocks_total", G, "K/V cache blocks in the pool")
         self.preemptions = metric("preemptions_total", C, "Requests preempted for lack of K/V blocks")
         self.iterations = metric("iterations_total", C, "Engine iterations run")
+        self.restarts = metric("engine_restarts_total", C, "Engine restarts after a failure of its thread")
+        self.rejected = metric("requests_rejected_total", C, "Requests refused because the queue was full")
         self.batch_size = metric("iteration_batch_size", H, "Requests per iteration", _BATCH_BUCKETS)
         self.ttft = metric("time_to_first_token_seconds", H, "Arrival to first token", _SECONDS_BUCKETS)
         self.itl = metric("inter_token_latency_seconds", H, "Time between tokens", _SECONDS_BUCKETS)
         self.e2e = metric("request_latency_seconds", H, "Arrival to last token", _SECONDS_BUCKETS)
         self.prompt_tokens = metric("prompt_tokens_total", C, "Prompt tokens of finished requests")
         self.generated_tokens = metric("generation_tokens_total", C, "Generated tokens")
-        self._seen = {"num_preemptions": 0, "num_iterations": 0}
+        self._seen = {"num_preemptions": 0, "num_iterations": 0, "num_engine_restarts": 0}
 
     def on_iteration(self, s: dict) -> None:
         self.running.set(s["num_running"])
         self.waiting.set(s["num_waiting"])
         self.blocks_used.set(s["num_used_blocks"])
         self.blocks_total.set(s["num_blocks"])
-        for key, counter in (("num_preemptions", self.preemptions), ("num_iterations", self.iterations)):
+        for key, counter in (("num_preemptions", self.preemptions), ("num_iterations", self.iterations),
+                             ("num_engine_restarts", self.restarts)):
             if s[key] > self._seen[key]:
                 counter.increment(s[key] - self._seen[key])
                 self._seen[key] = s[key]
@@ -167,6 +177,9 @@ class _TritonMetrics:
     def on_tokens(self, num_tokens: int, first: bool, seconds_since_last: float) -> None:
         (self.ttft if first else self.itl).observe(seconds_since_last)
         self.generated_tokens.increment(num_tokens)
+
+    def on_rejected(self) -> None:
+        self.rejected.increment(1)
 
     def on_finish(self, num_prompt_tokens: int, num_output_tokens: int, seconds: float) -> None:
         self.e2e.observe(seconds)

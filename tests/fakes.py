@@ -1,5 +1,8 @@
-"""A fake model runner for scheduler tests: token ids are chosen, not computed."""
+"""Fakes for tests of pure logic: a runner whose token ids are chosen, not computed, and a
+response sink that records what a client would have received."""
 from __future__ import annotations
+
+import threading
 
 from orca_backend.batch import SampledTokens, ScheduledBatch
 from orca_backend.kv_manager import BlockManager
@@ -39,3 +42,30 @@ class FakeEngine:
                 return
             self.step()
         raise AssertionError("requests did not finish")
+
+
+class FakeSink:
+    """A client stream: every response, the error, and whether it was told to cancel."""
+
+    def __init__(self):
+        self.responses, self.error, self.cancelled = [], None, False
+        self.num_finals = 0  # exactly one, whatever happened
+        self.done = threading.Event()
+
+    def send(self, response):
+        self.responses.append(response)
+        if response.final:
+            self.num_finals += 1
+            self.done.set()
+
+    def fail(self, message, kind):
+        self.error = (kind, message)
+        self.num_finals += 1
+        self.done.set()
+
+    def is_cancelled(self):
+        return self.cancelled
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(r.num_output_tokens for r in self.responses)

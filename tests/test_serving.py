@@ -11,6 +11,8 @@ from orca_backend import ConfigError, EngineConfig, InvalidRequestError, LLMEngi
 from orca_backend.engine_loop import EngineLoop
 from orca_backend.serving import GenerateRequest, engine_config_from_parameters
 
+from fakes import FakeSink
+
 
 def _parse(text=b"hi", flags=None, sampling=None, parameters=None):
     return GenerateRequest.parse(text, dict(flags or {}), sampling, parameters)
@@ -57,24 +59,6 @@ def test_config_parameters_become_engine_options():
 def test_bad_config_parameters_fail_the_load_with_a_named_error(parameters, message):
     with pytest.raises(ConfigError, match=message):
         engine_config_from_parameters(parameters)
-
-
-class FakeSink:
-    def __init__(self):
-        self.responses, self.error, self.cancelled = [], None, False
-        self.done = threading.Event()
-
-    def send(self, response):
-        self.responses.append(response)
-        if response.final:
-            self.done.set()
-
-    def fail(self, message, kind):
-        self.error = (kind, message)
-        self.done.set()
-
-    def is_cancelled(self):
-        return self.cancelled
 
 
 @pytest.fixture(scope="module")
@@ -130,9 +114,11 @@ def test_shutdown_ends_open_requests_and_refuses_new_ones(engine):
     loop.shutdown()
     late = FakeSink()
     loop.submit(_request(2), late)
-    assert all(s.done.is_set() for s in sinks + [late])
-    assert all(s.error == ("unavailable", "the server is shutting down") for s in sinks + [late]
-               if s.error) and late.error is not None
+    shutting_down = ("unavailable", "the server is shutting down")
+    assert [s.error for s in sinks + [late]] == [shutting_down] * 4
+    assert [s.num_finals for s in sinks + [late]] == [1] * 4
+    assert not any(r.final for s in sinks for r in s.responses)
+    assert engine.kv.num_used_blocks == 0
 
 
 def test_iteration_trace_records_each_iteration(engine, tmp_path):
