@@ -41,7 +41,9 @@ SEEDED = SamplingParams(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def solo(engine):
-    return {"good": _run(engine, {"good": GOOD})["good"], "seeded": _run(engine, {"seeded": SEEDED})["seeded"]}
+    results = {"good": _run(engine, {"good": GOOD})["good"], "seeded": _run(engine, {"seeded": SEEDED})["seeded"]}
+    assert [r["error"] for r in results.values()] == [None, None]
+    return results
 
 
 def test_a_request_that_breaks_the_sampler_fails_alone(engine, solo, monkeypatch):
@@ -58,6 +60,14 @@ def test_a_request_that_breaks_the_sampler_fails_alone(engine, solo, monkeypatch
     assert "injected sampler fault" in out["bad"]["error"] and out["bad"]["token_ids"] == []
     # Neighbours get exactly their solo tokens, the seeded one included (its generator was
     # not advanced by the failed batched attempt).
+    assert out["good"] == solo["good"] and out["seeded"] == solo["seeded"]
+
+
+def test_a_seed_that_breaks_the_generator_fails_alone_and_advances_no_other_generator(engine, solo):
+    broken = SamplingParams(temperature=1.0, seed=1, max_tokens=8)
+    broken.seed = 1 << 70  # past validation, as an unforeseen fault would be
+    out = _run(engine, {"seeded": SEEDED, "bad": broken, "good": GOOD})
+    assert out["bad"]["error"] is not None and out["bad"]["token_ids"] == []
     assert out["good"] == solo["good"] and out["seeded"] == solo["seeded"]
 
 

@@ -1,0 +1,215 @@
+"""The serving loop under faults, cancellation races, backpressure and long prompts, with the
+default model and sinks that record what clients would receive."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from orca_backend import EngineConfig, LLMEngine
+from orca_backend.engine_loop import EngineLoop
+from orca_backend.serving import GenerateRequest
+
+from fakes import FakeSink
+
+
+@pytest.fixture(scope="module")
+def engine(default_model):
+    return LLMEngine(EngineConfig(model=str(default_model), kv_cache_tokens=2048))
+
+
+@pytest.fixture
+def loop(engine):
+    loop = EngineLoop(engine)
+    loop.start()
+    yield loop
+    loop.shutdown()
+    assert engine.kv.num_used_blocks == 0
+
+
+def _request(max_tokens=4, stream=True, prompt="hello there", **sampling) -> GenerateRequest:
+    values = {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, **sampling}
+    return GenerateRequest.parse(prompt.encode(), {"stream": stream}, json.dumps(values).encode(), None)
+
+
+def _submit(loop, n=1, **options) -> list[FakeSink]:
+    sinks = [FakeSink() for _ in range(n)]
+    for sink in sinks:
+        loop.submit(_request(**options), sink)
+    return sinks
+
+
+def _wait(predicate, timeout=60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met in time")
+        time.sleep(0.01)
+
+
+def _finished(sinks, timeout=60.0) -> None:
+    for sink in sinks:
+        assert sink.done.wait(timeout), "a request got no final response"
+    assert [s.num_finals for s in sinks] == [1] * len(sinks)
+
+
+def test_an_unexpected_failure_adding_one_request_fails_it_alone(loop, monkeypatch):
+    real = loop.engine.add_request
+
+    def broken(request_id, prompt, params, **kwargs):
+        if params.max_tokens == 7:
+            raise RuntimeError("injected add fault")
+        return real(request_id, prompt, params, **kwargs)
+
+    monkeypatch.setattr(loop.engine, "add_request", broken)
+    good, bad = _submit(loop, max_tokens=5), _submit(loop, max_tokens=7)
+    _finished(good + bad)
+    assert bad[0].error == ("internal", "internal error while adding the request: RuntimeError")
+    assert good[0].error is None and good[0].num_output_tokens == 5
+
+
+def test_a_crash_of_the_engine_thread_ends_every_open_request_and_the_engine_restarts(loop, monkeypatch):
+    real = loop.engine.abort_request
+    crashed = []
+
+    def crash_once(request_id):
+        if not crashed:
+            crashed.append(request_id)
+            raise RuntimeError("injected abort fault")
+        return real(request_id)
+
+    sinks = _submit(loop, 3, max_tokens=500)
+    _wait(lambda: all(s.responses for s in sinks))
+    monkeypatch.setattr(loop.engine, "abort_request", crash_once)
+    sinks[0].cancelled = True
+    _finished(sinks)
+    for sink in sinks:
+        kind, message = sink.error
+        assert kind == "internal" and "injected abort fault" in message and "restarted" in message
+    assert loop.num_restarts == 1 and loop.engine.kv.num_used_blocks == 0
+    after = _submit(loop, max_tokens=3)  # and it serves again
+    _finished(after)
+    assert after[0].error is None and after[0].num_output_tokens == 3
+
+
+def test_a_crash_of_the_sender_ends_every_open_request_and_frees_their_blocks(loop, monkeypatch):
+    sinks = _submit(loop, 2, max_tokens=500)
+    _wait(lambda: all(s.responses for s in sinks))
+    real = loop.sender._handle
+    crashed = []
+
+    def crash_once(message):
+        if not crashed:
+            crashed.append(message)
+            raise RuntimeError("injected sender fault")
+        real(message)
+
+    monkeypatch.setattr(loop.sender, "_handle", crash_once)
+    _finished(sinks)
+    assert [s.error for s in sinks] == [("internal", "internal error while sending responses")] * 2
+    _wait(lambda: not loop.engine.has_unfinished_requests())  # aborted in the engine too
+    after = _submit(loop, max_tokens=3)
+    _finished(after)
+    assert after[0].error is None
+
+
+def test_a_failing_trace_is_switched_off_and_serving_goes_on(engine, tmp_path):
+    loop = EngineLoop(engine, trace_path=str(tmp_path / "trace.jsonl"))
+    loop._trace.close()  # writing to it now raises
+    loop.start()
+    try:
+        sinks = _submit(loop, 2, max_tokens=4)
+        _finished(sinks)
+        assert [s.error for s in sinks] == [None, None] and loop._trace is None
+    finally:
+        loop.shutdown()
+
+
+def test_a_full_queue_refuses_new_requests_at_once(engine, monkeypatch):
+    monkeypatch.setattr(engine.scheduler.config, "max_batch_size", 1)
+    loop = EngineLoop(engine, max_queue_size=2)
+    loop.start()
+    try:
+        running = _submit(loop, max_tokens=200)
+        _wait(lambda: running[0].responses)
+        queued = _submit(loop, 2, max_tokens=2)
+        refused = _submit(loop, max_tokens=2)
+        assert refused[0].done.is_set()  # refused in submit(), before any queue
+        assert refused[0].error == ("unavailable", "the queue is full: 2 requests are waiting "
+                                                   "(max_queue_size 2); retry later")
+        running[0].cancelled = True
+        _finished(running + queued)
+        assert [s.error for s in queued] == [None, None]
+    finally:
+        loop.shutdown()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_every_generated_token_is_counted_and_has_its_logprob(loop, stream):
+    # The chat template's special tokens decode to empty text: they ride with the next response.
+    sink, = _submit(loop, prompt="What is 2+2?", max_tokens=40, logprobs=0, stream=stream)
+    _finished([sink])
+    assert sink.num_output_tokens == 40
+    assert sum(len(r.logprobs) for r in sink.responses) == 40
+    if stream:
+        assert all(r.text or r.final for r in sink.responses)
+        assert len(sink.responses) < 40  # some responses did carry more than one token
+
+
+def test_a_long_tokenization_never_holds_up_the_running_streams(loop, monkeypatch):
+    release = threading.Event()
+    real = loop.engine.prepare
+    tokenized_on = []
+
+    def slow(prompt, params):
+        if isinstance(prompt, str):  # the engine thread re-checks token ids only
+            tokenized_on.append(threading.current_thread().name)
+        if prompt == "slow":
+            assert release.wait(60)
+        return real(prompt, params)
+
+    monkeypatch.setattr(loop.engine, "prepare", slow)
+    running = _submit(loop, max_tokens=200)
+    _wait(lambda: running[0].responses)
+    slow_sink = FakeSink()
+    loop.submit(_request(prompt="slow", max_tokens=3), slow_sink)
+    _wait(lambda: len(tokenized_on) == 2)
+    seen = len(running[0].responses)
+    _wait(lambda: len(running[0].responses) >= seen + 5)  # iterations go on meanwhile
+    release.set()
+    running[0].cancelled = True
+    _finished(running + [slow_sink])
+    assert slow_sink.error is None and set(tokenized_on) == {"orca-tokenizer"}
+
+
+def test_cancelling_a_waiting_request_leaves_the_running_one_alone(engine, monkeypatch):
+    monkeypatch.setattr(engine.scheduler.config, "max_batch_size", 1)
+    loop = EngineLoop(engine)
+    loop.start()
+    try:
+        running = _submit(loop, max_tokens=30)
+        _wait(lambda: running[0].responses)
+        waiting = _submit(loop, max_tokens=30)
+        _wait(lambda: len(engine.scheduler.waiting) == 1)
+        waiting[0].cancelled = True
+        _finished(running + waiting)
+        assert waiting[0].error[0] == "cancelled" and waiting[0].responses == []
+        assert running[0].error is None and running[0].num_output_tokens == 30
+    finally:
+        loop.shutdown()
+
+
+class _CancelOnFirstResponse(FakeSink):
+    def send(self, response):
+        super().send(response)
+        self.cancelled = True
+
+
+def test_a_cancel_racing_the_final_token_gets_exactly_one_final_response(loop):
+    sinks = [_CancelOnFirstResponse() for _ in range(20)]
+    for i, sink in enumerate(sinks):
+        loop.submit(_request(max_tokens=2 + i % 3), sink)
+    _finished(sinks)  # each exactly one final: a last token or a cancellation, never both
+    assert all((s.error is None) == any(r.final for r in s.responses) for s in sinks)
