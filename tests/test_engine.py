@@ -6,6 +6,9 @@ import json
 import pytest
 
 from orca_backend import LLM, ConfigError, EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
+from orca_backend.request import RequestStatus
+
+from test_numerics import ENGINE_VARIANTS
 
 GREEDY = dict(temperature=0)
 
@@ -78,6 +81,60 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(llm):
     assert crowd[1].token_ids == alone.token_ids
     other = _gen(llm, "Tell me a joke", temperature=1.0, seed=99, max_tokens=12)
     assert other.token_ids != alone.token_ids
+
+
+# Unfinished sentences, so the next tokens are far from certain. Each is longer than the chunked
+# variant's token budget; together they outgrow the preempt variant's K/V pool.
+SEEDED_PROMPTS = [
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who every morning",
+    "The recipe for my grandmother's apple pie is simple: first you take a few fresh apples and then",
+    "When the spaceship finally landed on the red planet after a long journey, the crew opened the hatch and saw",
+    "My favourite thing about walking in the high mountains in early autumn is the way the light",
+]
+SEEDED_PARAMS = [SamplingParams(temperature=1.0, seed=seed, max_tokens=12, ignore_eos=True)
+                 for seed in (11, 22, 33, 44)]
+
+
+def _run_seeded(engine: LLMEngine, max_steps: int = 500) -> tuple[list[list[int]], bool]:
+    """All seeded requests at once: their tokens, and whether one was preempted mid-generation."""
+    requests = [engine.add_request(f"seeded-{i}", prompt, params)
+                for i, (prompt, params) in enumerate(zip(SEEDED_PROMPTS, SEEDED_PARAMS))]
+    tokens = {req.request_id: [] for req in requests}
+    preempted_with_output = False
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
+        for delta in engine.step():
+            tokens[delta.request_id] += delta.token_ids
+        # A preemption before the first sampled token would not test the generator's state.
+        preempted_with_output |= any(r.status == RequestStatus.PREEMPTED and r.num_output_tokens
+                                     for r in requests)
+    else:
+        raise AssertionError(f"seeded requests unfinished after {max_steps} steps")
+    engine.kv.check_integrity()
+    assert engine.kv.num_used_blocks == 0
+    return list(tokens.values()), preempted_with_output
+
+
+def test_seeded_sampling_survives_chunked_prefill_and_preemption(llm, default_model):
+    # The reference: each request alone, its prompt in one iteration, nothing preempted.
+    assert all(len(llm.engine.encode(p)) <= llm.engine.config.max_num_batched_tokens for p in SEEDED_PROMPTS)
+    alone = [llm.generate([prompt], params)[0].token_ids
+             for prompt, params in zip(SEEDED_PROMPTS, SEEDED_PARAMS)]
+    assert all(len(t) == 12 for t in alone) and len({tuple(t) for t in alone}) == len(alone)
+
+    # A small pool, still without preemption: the default one takes seconds to allocate.
+    chunked = LLMEngine(EngineConfig(model=str(default_model), kv_cache_tokens=2048,
+                                     **ENGINE_VARIANTS["chunked"]))
+    budget = chunked.config.max_num_batched_tokens
+    assert all(len(chunked.encode(p)) > budget for p in SEEDED_PROMPTS), "prompts must be chunked"
+    tokens, _ = _run_seeded(chunked)
+    assert tokens == alone and chunked.scheduler.num_preemptions == 0
+
+    preempting = LLMEngine(EngineConfig(model=str(default_model), **ENGINE_VARIANTS["preempt"]))
+    tokens, preempted_with_output = _run_seeded(preempting)
+    assert preempting.scheduler.num_preemptions > 0 and preempted_with_output
+    assert tokens == alone
 
 
 def test_top_k_1_and_tiny_top_p_equal_greedy(llm):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import pytest
 
@@ -13,6 +12,7 @@ from orca_backend.engine_loop import EngineLoop
 from orca_backend.serving import GenerateRequest
 
 from fakes import FakeSink
+from helpers import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -39,14 +39,6 @@ def _submit(loop, n=1, **options) -> list[FakeSink]:
     for sink in sinks:
         loop.submit(_request(**options), sink)
     return sinks
-
-
-def _wait(predicate, timeout=60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met in time")
-        time.sleep(0.01)
 
 
 def _finished(sinks, timeout=60.0) -> None:
@@ -81,7 +73,7 @@ def test_a_crash_of_the_engine_thread_ends_every_open_request_and_the_engine_res
         return real(request_id)
 
     sinks = _submit(loop, 3, max_tokens=500)
-    _wait(lambda: all(s.responses for s in sinks))
+    wait_until(lambda: all(s.responses for s in sinks))
     monkeypatch.setattr(loop.engine, "abort_request", crash_once)
     sinks[0].cancelled = True
     _finished(sinks)
@@ -96,7 +88,7 @@ def test_a_crash_of_the_engine_thread_ends_every_open_request_and_the_engine_res
 
 def test_a_crash_of_the_sender_ends_every_open_request_and_frees_their_blocks(loop, monkeypatch):
     sinks = _submit(loop, 2, max_tokens=500)
-    _wait(lambda: all(s.responses for s in sinks))
+    wait_until(lambda: all(s.responses for s in sinks))
     real = loop.sender._handle
     crashed = []
 
@@ -109,7 +101,7 @@ def test_a_crash_of_the_sender_ends_every_open_request_and_frees_their_blocks(lo
     monkeypatch.setattr(loop.sender, "_handle", crash_once)
     _finished(sinks)
     assert [s.error for s in sinks] == [("internal", "internal error while sending responses")] * 2
-    _wait(lambda: not loop.engine.has_unfinished_requests())  # aborted in the engine too
+    wait_until(lambda: not loop.engine.has_unfinished_requests())  # aborted in the engine too
     after = _submit(loop, max_tokens=3)
     _finished(after)
     assert after[0].error is None
@@ -133,7 +125,7 @@ def test_a_full_queue_refuses_new_requests_at_once(engine, monkeypatch):
     loop.start()
     try:
         running = _submit(loop, max_tokens=200)
-        _wait(lambda: running[0].responses)
+        wait_until(lambda: running[0].responses)
         queued = _submit(loop, 2, max_tokens=2)
         refused = _submit(loop, max_tokens=2)
         assert refused[0].done.is_set()  # refused in submit(), before any queue
@@ -172,12 +164,12 @@ def test_a_long_tokenization_never_holds_up_the_running_streams(loop, monkeypatc
 
     monkeypatch.setattr(loop.engine, "prepare", slow)
     running = _submit(loop, max_tokens=200)
-    _wait(lambda: running[0].responses)
+    wait_until(lambda: running[0].responses)
     slow_sink = FakeSink()
     loop.submit(_request(prompt="slow", max_tokens=3), slow_sink)
-    _wait(lambda: len(tokenized_on) == 2)
+    wait_until(lambda: len(tokenized_on) == 2)
     seen = len(running[0].responses)
-    _wait(lambda: len(running[0].responses) >= seen + 5)  # iterations go on meanwhile
+    wait_until(lambda: len(running[0].responses) >= seen + 5)  # iterations go on meanwhile
     release.set()
     running[0].cancelled = True
     _finished(running + [slow_sink])
@@ -190,9 +182,9 @@ def test_cancelling_a_waiting_request_leaves_the_running_one_alone(engine, monke
     loop.start()
     try:
         running = _submit(loop, max_tokens=30)
-        _wait(lambda: running[0].responses)
+        wait_until(lambda: running[0].responses)
         waiting = _submit(loop, max_tokens=30)
-        _wait(lambda: len(engine.scheduler.waiting) == 1)
+        wait_until(lambda: len(engine.scheduler.waiting) == 1)
         waiting[0].cancelled = True
         _finished(running + waiting)
         assert waiting[0].error[0] == "cancelled" and waiting[0].responses == []

@@ -51,11 +51,34 @@ def test_min_tokens_bans_eos_and_stop_ids_until_reached():
     assert _sample(logits, eos_allowed).token_ids == [EOS]  # ignore_eos: EOS is an ordinary token
 
 
-def test_top_k_top_p_and_min_p_restrict_the_draw():
-    logits = [[4.0, 3.9, 0.0, -1.0]]
-    for params in (dict(top_k=2), dict(top_p=0.6), dict(min_p=0.5)):
-        drawn = {_sample(logits, _req(temperature=1.0, **params), seed=s).token_ids[0] for s in range(40)}
-        assert drawn == {0, 1}, params
+def _drawn(logits, num_draws=200, **params) -> set[int]:
+    """The tokens drawn from one row over many sampler seeds."""
+    request = _req(temperature=1.0, **params)
+    return {_sample([logits], request, seed=s).token_ids[0] for s in range(num_draws)}
+
+
+def _log(*probs) -> list[float]:
+    return [math.log(p) for p in probs]
+
+
+# Each filter test leaves 20-45% of the probability outside the allowed set, so a filter that
+# does nothing shows up, and gives every allowed token >= 19%, so dropping one shows up too.
+# The allowed tokens are not the first positions: a filter must rank by value, not by index.
+def test_top_k_draws_exactly_the_k_most_likely_tokens():
+    logits = [1.7, 2.0, 1.5, 1.9, 1.6, 1.8]
+    assert _drawn(logits, top_k=3) == {1, 3, 5}
+
+
+def test_top_p_keeps_the_smallest_set_that_covers_p():
+    # Sorted: 0.3, 0.3, 0.2 | 0.1, 0.1. The third token is kept (0.6 before it is < 0.7).
+    logits = _log(0.1, 0.3, 0.1, 0.2, 0.3)
+    assert _drawn(logits, top_p=0.7) == {1, 3, 4}
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_top_probability():
+    # Threshold 0.3 * 0.4 = 0.12: 0.15 stays, the two at 0.1 go.
+    logits = _log(0.1, 0.4, 0.1, 0.15, 0.25)
+    assert _drawn(logits, min_p=0.3) == {1, 3, 4}
 
 
 def test_rows_keep_their_own_parameters_in_one_batch():

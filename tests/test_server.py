@@ -11,6 +11,8 @@ from client.triton_client import StreamingClient
 from orca_backend import LLM, SamplingParams
 from orca_backend.launch import Server
 
+from helpers import assert_no_leak, wait_until
+
 PROMPT = "Once upon a time"
 
 
@@ -39,14 +41,6 @@ def _local_deltas(local, prompt, max_tokens):
     return texts
 
 
-def _assert_no_leak(server, model="orca"):
-    deadline = time.monotonic() + 10
-    while server.metric("orca_kv_blocks_used", model) != 0 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert server.metric("orca_kv_blocks_used", model) == 0
-    assert server.metric("orca_requests_running", model) == 0
-
-
 def test_streamed_deltas_are_the_iterations_text(client, local):
     streamed = client.generate(PROMPT, sampling=greedy(24), stream=True)
     whole = client.generate(PROMPT, sampling=greedy(24), stream=False, exclude_input=True)
@@ -73,14 +67,13 @@ def test_concurrent_streams_match_their_solo_text(server, local):
         results = [c.wait(i) for i in ids]
     assert [r.error for r in results] == [None] * len(prompts)
     assert [r.text for r in results] == expected
-    _assert_no_leak(server)
+    assert_no_leak(server)
 
 
 def test_a_late_request_starts_before_the_running_ones_finish(server):
     with StreamingClient(server.grpc_url) as c:
         long_ids = [c.send(f"Long story number {i}", sampling=greedy(120, ignore_eos=True)) for i in range(3)]
-        while not all(c._results[i].responses for i in long_ids):
-            time.sleep(0.05)
+        wait_until(lambda: all(c._results[i].responses for i in long_ids), what="first responses")
         late = c.send("Quick question:", sampling=greedy(2, ignore_eos=True))
         late_result = c.wait(late)
         long_results = [c.wait(i) for i in long_ids]
@@ -91,11 +84,10 @@ def test_a_late_request_starts_before_the_running_ones_finish(server):
 def test_cancel_mid_stream_frees_the_blocks(server):
     c = StreamingClient(server.grpc_url)
     rid = c.send("Tell me a very long story", sampling=greedy(400, ignore_eos=True))
-    while len(c._results[rid].responses) < 3:
-        time.sleep(0.05)
+    wait_until(lambda: len(c._results[rid].responses) >= 3, what="three responses")
     assert server.metric("orca_kv_blocks_used") > 0
     c.close(cancel=True)
-    _assert_no_leak(server)
+    assert_no_leak(server)
     with StreamingClient(server.grpc_url) as again:  # and the server carries on
         assert again.generate(PROMPT, sampling=greedy(2)).error is None
 
@@ -159,7 +151,7 @@ def test_bad_input_gets_a_named_error_and_harms_nothing(server, prompt, sampling
         good_result = other.wait(good)
     assert good_result.error is None and len(good_result.responses) == 12
     assert server.is_ready()
-    _assert_no_leak(server)
+    assert_no_leak(server)
 
 
 def test_missing_text_input_is_refused(server):
@@ -199,7 +191,7 @@ def test_request_level_model_serves_the_same_text(server, client):
     with StreamingClient(server.grpc_url, model="orca_request_level") as c:
         result = c.generate(PROMPT, sampling=greedy(10))
     assert result.text == client.generate(PROMPT, sampling=greedy(10)).text
-    _assert_no_leak(server, "orca_request_level")
+    assert_no_leak(server, "orca_request_level")
 
 
 def test_shutdown_ends_every_open_stream(tmp_path, default_model):
@@ -208,8 +200,7 @@ def test_shutdown_ends_every_open_stream(tmp_path, default_model):
         s.wait_ready()
         c = StreamingClient(s.grpc_url)
         ids = [c.send(f"Endless tale {i}", sampling=greedy(2000, ignore_eos=True)) for i in range(4)]
-        while not all(c._results[i].responses for i in ids):
-            time.sleep(0.05)
+        wait_until(lambda: all(c._results[i].responses for i in ids), what="first responses")
         s.terminate()
         results = [c.wait(i, timeout=30) for i in ids]  # raises if any client hangs
         assert [r.error for r in results] == ["the server is shutting down"] * 4

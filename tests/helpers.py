@@ -1,0 +1,22 @@
+"""Small helpers shared by tests."""
+from __future__ import annotations
+
+import time
+
+
+def wait_until(predicate, timeout: float = 60.0, what: str = "condition") -> None:
+    """Poll `predicate` until it holds; a regression fails the test instead of hanging it."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not met in {timeout} s")
+        time.sleep(0.01)
+
+
+def assert_no_leak(server, model: str = "orca", timeout: float = 10.0) -> None:
+    """Every K/V block of `model` is back in the pool and nothing runs."""
+    deadline = time.monotonic() + timeout
+    while server.metric("orca_kv_blocks_used", model) != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.metric("orca_kv_blocks_used", model) == 0
+    assert server.metric("orca_requests_running", model) == 0
