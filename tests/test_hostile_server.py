@@ -1,0 +1,120 @@
+"""A second real tritonserver with models configured to be pushed over their limits: a small
+queue (backpressure) and a model whose engine thread is made to crash once (fault injection
+from a test-only model.py that wraps ours; the product itself has no fault hooks)."""
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+
+import pytest
+
+from client.triton_client import StreamingClient
+from orca_backend.launch import REPO_ROOT, Server
+
+from helpers import assert_no_leak, wait_until
+
+FAULTY_MODEL_PY = '''
+from orca_backend.triton_model import TritonPythonModel as _Served
+
+
+class TritonPythonModel(_Served):
+    """Crashes the engine thread (outside an iteration) while a request with the stop string
+    CRASH-ENGINE is in the engine."""
+
+    def initialize(self, args):
+        super().initialize(args)
+        engine, step = self.engine, self.engine.step
+
+        def crashing_step():
+            if any("CRASH-ENGINE" in t.request.params.stop for t in engine._tracked.values()):
+                raise RuntimeError("injected engine-thread fault")
+            return step()
+
+        engine.step = crashing_step
+'''
+
+
+def _model(repository, name, parameters: dict[str, str], model_py: str | None = None) -> None:
+    source = REPO_ROOT / "model_repository" / "orca"
+    folder = repository / name
+    shutil.copytree(source, folder)
+    config = (source / "config.pbtxt").read_text().replace('name: "orca"', f'name: "{name}"')
+    for key, value in parameters.items():
+        line = f'parameters: {{ key: "{key}" value: {{ string_value: "'
+        start = config.index(line) + len(line)
+        config = config[:start] + value + config[config.index('"', start):]
+    (folder / "config.pbtxt").write_text(config)
+    if model_py is not None:
+        (folder / "1" / "model.py").write_text(model_py)
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory, default_model):
+    root = tmp_path_factory.mktemp("hostile")
+    repository = root / "models"
+    repository.mkdir()
+    _model(repository, "orca_small_queue", {"max_batch_size": "1", "max_queue_size": "2",
+                                            "kv_cache_tokens": "2048"})
+    _model(repository, "orca_faulty", {"kv_cache_tokens": "2048"}, FAULTY_MODEL_PY)
+    server = Server(root, model_repository=repository)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def test_a_full_queue_refuses_at_once_and_harms_nothing_queued(hostile):
+    model = "orca_small_queue"
+    with StreamingClient(hostile.grpc_url, model=model) as c:
+        running = c.send("Tell me a long story", sampling={"max_tokens": 60, **GREEDY})
+        wait_until(lambda: c._results[running].responses, 120, "the first request to run")
+        queued = [c.send(f"Queued {i}", sampling={"max_tokens": 3, **GREEDY}) for i in range(2)]
+        wait_until(lambda: hostile.metric("orca_requests_waiting", model) == 2, 30, "two waiting")
+        # Flood: every one of these finds the queue full.
+        with StreamingClient(hostile.grpc_url, model=model) as flood:
+            refused = [flood.generate("Flood", sampling={"max_tokens": 3}, timeout=60) for _ in range(5)]
+        status, text = hostile.http(f"/v2/models/{model}/generate",
+                                    json.dumps({"text_input": "Flood", "parameters": {"max_tokens": 3}}).encode())
+        results = [c.wait(i, timeout=120) for i in [running, *queued]]
+    for r in refused:
+        assert r.error == "the queue is full: 2 requests are waiting (max_queue_size 2); retry later"
+    # The error carries Triton's UNAVAILABLE code; tritonserver 2.51's generate endpoint
+    # answers every error a model sends with HTTP 400.
+    assert status in (400, 503) and "the queue is full" in json.loads(text)["error"]
+    assert [r.error for r in results] == [None] * 3
+    assert [len(r.responses) for r in results] == [60, 3, 3]
+    assert hostile.metric("orca_requests_rejected_total", model) == 6
+    assert_no_leak(hostile, model)
+
+
+def test_a_crashed_engine_thread_ends_every_open_request_and_the_model_serves_on(hostile):
+    model = "orca_faulty"
+    outcomes = []
+
+    def victim(i):  # each on its own stream: tritonclient does not say whose an error is
+        with StreamingClient(hostile.grpc_url, model=model) as c:
+            outcomes.append(c.generate(f"Victim {i}", sampling={"max_tokens": 500, **GREEDY}, timeout=120))
+
+    threads = [threading.Thread(target=victim, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: hostile.metric("orca_requests_running", model) == 3, 60, "three running")
+    with StreamingClient(hostile.grpc_url, model=model) as trigger:
+        crash = trigger.generate("Crash", sampling={"max_tokens": 5, "stop": ["CRASH-ENGINE"]})
+    for t in threads:
+        t.join(120)
+    assert "injected engine-thread fault" in crash.error and "engine restarted" in crash.error
+    assert len(outcomes) == 3
+    for r in outcomes:  # streamed, then one final error
+        assert r.responses and "engine restarted" in r.error
+    assert hostile.metric("orca_engine_restarts_total", model) == 1
+    assert_no_leak(hostile, model)
+    assert hostile.is_ready()
+    with StreamingClient(hostile.grpc_url, model=model) as again:
+        after = again.generate("Once upon a time", sampling={"max_tokens": 4, **GREEDY})
+    assert after.error is None and len(after.responses) == 4
