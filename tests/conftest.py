@@ -60,3 +60,23 @@ def tiny_models(tmp_path_factory, default_model) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
     return {kind: _save_tiny(kind, root / kind, default_model / "tokenizer.json")
             for kind in ("llama", "qwen2", "gpt2")}
+
+
+@pytest.fixture(scope="module")
+def engine(default_model):
+    """The default model with a small K/V pool, one per test module."""
+    from orca_backend import EngineConfig, LLMEngine
+
+    return LLMEngine(EngineConfig(model=str(default_model), kv_cache_tokens=2048))
+
+
+@pytest.fixture
+def loop(engine):
+    """A running serving loop over `engine`; it must leave no K/V block behind."""
+    from orca_backend.engine_loop import EngineLoop
+
+    loop = EngineLoop(engine)
+    loop.start()
+    yield loop
+    loop.shutdown()
+    assert engine.kv.num_used_blocks == 0

@@ -112,7 +112,7 @@ def test_a_crashed_engine_thread_ends_every_open_request_and_the_model_serves_on
     assert len(outcomes) == 3
     for r in outcomes:  # streamed, then one final error
         assert r.responses and "engine restarted" in r.error
-    assert hostile.metric("orca_engine_restarts_total", model) == 1
+    wait_until(lambda: hostile.metric("orca_engine_restarts_total", model) == 1, 10, "the restart counted")
     assert_no_leak(hostile, model)
     assert hostile.is_ready()
     with StreamingClient(hostile.grpc_url, model=model) as again:

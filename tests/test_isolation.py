@@ -12,11 +12,6 @@ from orca_backend.request import RequestStatus
 PROMPT = "Once upon a time"
 
 
-@pytest.fixture(scope="module")
-def engine(default_model):
-    return LLMEngine(EngineConfig(model=str(default_model), kv_cache_tokens=2048))
-
-
 def _run(engine, requests: dict[str, SamplingParams], prompt=PROMPT) -> dict[str, dict]:
     """Run requests to the end; per request its token ids, text and error."""
     for request_id, params in requests.items():

@@ -7,26 +7,11 @@ import threading
 
 import pytest
 
-from orca_backend import EngineConfig, LLMEngine
 from orca_backend.engine_loop import EngineLoop
 from orca_backend.serving import GenerateRequest
 
 from fakes import FakeSink
 from helpers import wait_until
-
-
-@pytest.fixture(scope="module")
-def engine(default_model):
-    return LLMEngine(EngineConfig(model=str(default_model), kv_cache_tokens=2048))
-
-
-@pytest.fixture
-def loop(engine):
-    loop = EngineLoop(engine)
-    loop.start()
-    yield loop
-    loop.shutdown()
-    assert engine.kv.num_used_blocks == 0
 
 
 def _request(max_tokens=4, stream=True, prompt="hello there", **sampling) -> GenerateRequest:

@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import pytest
 
-from orca_backend import ConfigError, EngineConfig, InvalidRequestError, LLMEngine
+from orca_backend import ConfigError, InvalidRequestError
 from orca_backend.engine_loop import EngineLoop
 from orca_backend.serving import GenerateRequest, engine_config_from_parameters
 
@@ -59,19 +58,6 @@ def test_config_parameters_become_engine_options():
 def test_bad_config_parameters_fail_the_load_with_a_named_error(parameters, message):
     with pytest.raises(ConfigError, match=message):
         engine_config_from_parameters(parameters)
-
-
-@pytest.fixture(scope="module")
-def engine(default_model):
-    return LLMEngine(EngineConfig(model=str(default_model), kv_cache_tokens=2048))
-
-
-@pytest.fixture
-def loop(engine):
-    loop = EngineLoop(engine)
-    loop.start()
-    yield loop
-    loop.shutdown()
 
 
 def _request(max_tokens, stream=True, **flags):
