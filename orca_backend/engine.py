@@ -87,13 +87,12 @@ class LLMEngine:
 
     def reset(self) -> None:
         """Forget every request: a fresh scheduler and K/V pool (the weights stay loaded)."""
-        self.kv = BlockManager(self.runner.num_blocks, self.config.block_size)
         c = self.config
-        old = getattr(self, "scheduler", None)
+        num_preemptions = self.scheduler.num_preemptions if hasattr(self, "scheduler") else 0
+        self.kv = BlockManager(self.runner.num_blocks, c.block_size)
         self.scheduler = Scheduler(SchedulerConfig(
             c.max_batch_size, c.max_num_batched_tokens, c.policy, c.batching), self.kv)
-        if old is not None:  # counters run on across a reset, as metrics counters must
-            self.scheduler.num_preemptions = old.num_preemptions
+        self.scheduler.num_preemptions = num_preemptions  # a counter runs on across a reset
         self._tracked: dict[str, _Tracked] = {}
 
     # -- requests ---------------------------------------------------------------------------
