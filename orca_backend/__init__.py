@@ -1,10 +1,22 @@
 """ORCA-style LLM serving core: iteration-level scheduling and selective batching over a
-paged K/V cache."""
-from .config import EngineConfig
-from .engine import LLMEngine, RequestDelta
-from .errors import ConfigError, InvalidRequestError, OrcaError
-from .llm import LLM, RequestOutput
-from .sampling_params import SamplingParams
+paged K/V cache.
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "LLMEngine", "EngineConfig", "RequestDelta",
-           "OrcaError", "InvalidRequestError", "ConfigError"]
+The names below load on first use, so that the bookkeeping modules (`orca_backend.scheduler`,
+`request`, `kv_manager`, `messages`) import without torch.
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "LLM": "llm", "RequestOutput": "llm", "LLMEngine": "engine", "RequestDelta": "engine",
+    "EngineConfig": "config", "SamplingParams": "sampling_params",
+    "OrcaError": "errors", "InvalidRequestError": "errors", "ConfigError": "errors",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'orca_backend' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)

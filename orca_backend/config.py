@@ -3,12 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from .errors import ConfigError
+from .executor import EXECUTORS
 from .scheduler import BATCHING_MODES, POLICIES
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}  # bytes per element; torch's names
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 DEFAULT_MAX_PROMPT_BYTES = 1 << 20
 
@@ -31,14 +30,17 @@ class EngineConfig:
     seed: int = 0
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES  # longer prompts are refused untokenized
     keep_logits: bool = False  # return each iteration's logits (for tests)
+    executor: str = "inline"  # where the model runner lives: "inline" or "process"
+    max_inflight: int = 1  # iterations submitted to the executor and not yet returned
 
     def __post_init__(self) -> None:
-        _need(self.dtype in DTYPES, "dtype", self.dtype, f"one of {', '.join(DTYPES)}")
+        _need(self.dtype in DTYPE_SIZES, "dtype", self.dtype, f"one of {', '.join(DTYPE_SIZES)}")
         _need(self.device == "cpu" or self.device.startswith("cuda"), "device", self.device,
               "'cpu' or 'cuda[:N]'")
         if self.device == "cpu" and self.dtype != "float32":
             raise ConfigError(f"dtype {self.dtype!r} is for GPUs; use 'float32' on cpu")
-        for name in ("max_batch_size", "max_num_batched_tokens", "block_size", "max_prompt_bytes"):
+        for name in ("max_batch_size", "max_num_batched_tokens", "block_size", "max_prompt_bytes",
+                     "max_inflight"):
             value = getattr(self, name)
             _need(isinstance(value, int) and value >= 1, name, value, "an integer >= 1")
         for name in ("kv_cache_tokens", "kv_cache_bytes", "max_model_len"):
@@ -48,16 +50,13 @@ class EngineConfig:
         _need(self.policy in POLICIES, "policy", self.policy, f"one of {', '.join(POLICIES)}")
         _need(self.batching in BATCHING_MODES, "batching", self.batching,
               f"one of {', '.join(BATCHING_MODES)}")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        _need(self.executor in EXECUTORS, "executor", self.executor, f"one of {', '.join(EXECUTORS)}")
 
     def num_kv_blocks(self, kv_elements_per_token: int) -> int:
         """Pool size in blocks from kv_cache_tokens, else from the byte budget."""
         tokens = self.kv_cache_tokens
         if tokens is None:
-            bytes_per_token = kv_elements_per_token * self.torch_dtype.itemsize
+            bytes_per_token = kv_elements_per_token * DTYPE_SIZES[self.dtype]
             tokens = (self.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // bytes_per_token
         num_blocks = tokens // self.block_size
         if num_blocks < 1:

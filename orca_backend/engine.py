@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,10 +14,11 @@ from tokenizers import Tokenizer
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .errors import ConfigError, InvalidRequestError
+from .executor import Executor, RunnerDiedError, RunnerSpec, make_executor
 from .kv_manager import BlockManager
-from .model_runner import ModelRunner
+from .messages import RunnerOutput, SampledToken, SchedulerOutput
 from .model_store import prepare_default_model
-from .models import load_model
+from .models.config import ModelConfig
 from .request import Request, RequestStatus
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
@@ -66,34 +68,59 @@ class IterationRecord:
 @dataclass(slots=True)
 class EngineStats:
     num_iterations: int = 0
-    step_seconds: float = 0.0  # whole step() time; the runner keeps the forward's share
+    step_seconds: float = 0.0  # whole step() time
+    forward_seconds: float = 0.0  # the runner's model forward, as it reports it
+    num_runner_restarts: int = 0
     last_iteration: IterationRecord | None = None
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None) -> None:
+    """Requests in, deltas out. The scheduler decides each iteration; the executor runs it.
+
+    `executor` replaces the one `config.executor` names (tests pass fakes)."""
+
+    def __init__(self, config: EngineConfig | None = None, executor: Executor | None = None) -> None:
         self.config = config = config or EngineConfig()
         self.model_path = Path(config.model) if config.model else prepare_default_model()
-        device = torch.device(config.device)
-        model = load_model(self.model_path, config.torch_dtype, device)
+        self.model_config = ModelConfig.from_folder(self.model_path)
         self.tokenizer = _load_tokenizer(self.model_path)
-        self.model_config = model.config
-        self.max_model_len = min(config.max_model_len or math.inf, model.config.max_model_len)
-        num_blocks = config.num_kv_blocks(model.config.kv_elements_per_token)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, device,
-                                  config.torch_dtype, config.seed, config.keep_logits)
+        self.max_model_len = min(config.max_model_len or math.inf, self.model_config.max_model_len)
+        num_blocks = config.num_kv_blocks(self.model_config.kv_elements_per_token)
+        self.runner_spec = RunnerSpec(str(self.model_path), config.dtype, config.device, num_blocks,
+                                      config.block_size, config.seed, config.keep_logits)
+        self.executor = executor or make_executor(config.executor, self.runner_spec)
         self.stats = EngineStats()
         self.reset()
 
     def reset(self) -> None:
-        """Forget every request: a fresh scheduler and K/V pool (the weights stay loaded)."""
+        """Forget every request: a fresh scheduler and K/V pool. The weights stay loaded; a
+        runner that died is started again."""
+        old = getattr(self, "scheduler", None)
         c = self.config
-        num_preemptions = self.scheduler.num_preemptions if hasattr(self, "scheduler") else 0
-        self.kv = BlockManager(self.runner.num_blocks, c.block_size)
-        self.scheduler = Scheduler(SchedulerConfig(
-            c.max_batch_size, c.max_num_batched_tokens, c.policy, c.batching), self.kv)
-        self.scheduler.num_preemptions = num_preemptions  # a counter runs on across a reset
+        self.kv = BlockManager(self.runner_spec.num_blocks, c.block_size)
+        self.scheduler = Scheduler(SchedulerConfig(c.max_batch_size, c.max_num_batched_tokens, c.policy,
+                                                   c.batching, c.max_inflight), self.kv)
         self._tracked: dict[str, _Tracked] = {}
+        self._in_flight: dict[int, tuple[SchedulerOutput, Future[RunnerOutput]]] = {}
+        if old is None:
+            return
+        self.scheduler.num_preemptions = old.num_preemptions  # a counter runs on across a reset
+        try:
+            self.executor.check_health()
+        except RunnerDiedError:
+            self._restart_runner()
+            return
+        self.scheduler.forget_on_runner(old.runner_request_ids())
+
+    def _restart_runner(self) -> None:
+        log.warning("starting a new model runner")
+        self.executor.shutdown()
+        self.executor = make_executor(self.config.executor, self.runner_spec)
+        self.stats.num_runner_restarts += 1
+
+    def shutdown(self) -> None:
+        """Stop the runner (a child process, with the `process` executor)."""
+        self.executor.shutdown()
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int],
@@ -158,7 +185,8 @@ class LLMEngine:
                 f"prompt plus max_tokens needs {need} K/V blocks, the pool has {self.kv.num_blocks}")
 
     def abort_request(self, request_id: str) -> bool:
-        """Drop a request now and free its K/V blocks; False if it is unknown or finished."""
+        """Drop a request and free its K/V blocks (when its iteration returns, if one is in
+        flight; nothing more of it is reported); False if it is unknown or finished."""
         tracked = self._tracked.pop(request_id, None)
         if tracked is None:
             return False
@@ -166,46 +194,93 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._tracked)
+        """Requests to run, or iterations still to collect."""
+        return bool(self._tracked) or bool(self._in_flight)
 
     def unfinished_request_ids(self) -> list[str]:
         return list(self._tracked)
 
-    # -- one iteration ----------------------------------------------------------------------
+    # -- iterations -------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
-        """Schedule and run one iteration; return a delta per request that got a token.
+        """Submit iterations until `max_inflight` are out, wait for one to return, and
+        return a delta per request that got a token or failed.
 
         A failure that belongs to one request (its sampling, its detokenization) ends that
-        request alone, with a delta whose `error` says why. A failure of the forward pass
-        cannot be pinned on one request: it ends this iteration's requests, and the engine
-        goes on with the rest."""
+        request alone, with a delta whose `error` says why. A failed iteration ends its own
+        requests. A dead runner ends the requests it held, and is restarted."""
         start = time.perf_counter()
-        batch, requests = self.scheduler.schedule()
-        if not requests:
-            return []
         try:
-            out = self.runner.execute(batch, requests)
-        except Exception as e:
-            log.exception("an iteration of %d requests failed", len(requests))
-            return [self._fail(req, f"internal error in the engine's iteration: {e}") for req in requests]
-        self.scheduler.update(batch, requests, out)
-        deltas = []
-        for i, (req, token_id) in enumerate(zip(requests, out.token_ids)):
-            if out.errors and out.errors[i] is not None:
-                deltas.append(self._fail(req, out.errors[i]))
-            elif token_id is not None:
-                deltas.append(self._process_safely(req, out, i))
-        self.stats.num_iterations += 1
-        self.stats.last_iteration = IterationRecord(
-            batch.num_requests, batch.num_tokens, batch.num_prefill_requests,
-            batch.num_decode_requests, self.kv.num_used_blocks, len(self.scheduler.waiting))
+            self.executor.check_health()
+            self._submit()
+            if not self._in_flight:
+                return []
+            deltas = []
+            for message, future in self._returned():
+                deltas += self._complete(message, future)
+        except RunnerDiedError as e:
+            deltas = self._recover(e)
         self.stats.step_seconds += time.perf_counter() - start
         return deltas
 
-    def _process_safely(self, req: Request, out, i: int) -> RequestDelta:
+    def _submit(self) -> None:
+        while len(self._in_flight) < self.config.max_inflight:
+            message = self.scheduler.schedule()
+            if message is None:
+                return
+            self._in_flight[message.iteration_id] = (message, self.executor.submit(message))
+
+    def _returned(self) -> list[tuple[SchedulerOutput, Future[RunnerOutput]]]:
+        """Wait for at least one iteration; every one that has returned, oldest first."""
+        wait([future for _, future in self._in_flight.values()], return_when=FIRST_COMPLETED)
+        done = sorted(i for i, (_, future) in self._in_flight.items() if future.done())
+        return [self._in_flight.pop(i) for i in done]
+
+    def _complete(self, message: SchedulerOutput, future: Future[RunnerOutput]) -> list[RequestDelta]:
         try:
-            return self._process(req, out.token_ids[i], out.sampled_logprobs[i], out.logprobs[i],
-                                 out.logits[i] if out.logits is not None else None)
+            out = future.result()
+        except RunnerDiedError:
+            raise
+        except Exception as e:
+            log.error("an iteration of %d requests failed", message.num_requests, exc_info=e)
+            return [self._fail(req, f"internal error in the engine's iteration: {e}")
+                    for req in self.scheduler.fail_iteration(message.iteration_id)]
+        live = self.scheduler.update(out)
+        sampling = {s.request_id for s in message.scheduled if s.sample}
+        deltas = []
+        for req in live:
+            token = out.sampled.get(req.request_id)
+            if req.request_id in out.errors:
+                deltas.append(self._fail(req, out.errors[req.request_id]))
+            elif token is not None:
+                deltas.append(self._process_safely(req, token, out))
+            elif req.request_id in sampling:
+                deltas.append(self._fail(req, "internal error: the runner returned no token"))
+        self.stats.num_iterations += 1
+        self.stats.forward_seconds += out.forward_seconds
+        self.stats.last_iteration = IterationRecord(
+            message.num_requests, message.num_tokens, message.num_prefill_requests,
+            message.num_decode_requests, self.kv.num_used_blocks, len(self.scheduler.waiting))
+        return deltas
+
+    def _recover(self, error: RunnerDiedError) -> list[RequestDelta]:
+        """The runner died: end every request it held state for, start a new runner, and
+        keep the requests it never saw."""
+        log.error("%s; restarting it", error)
+        unseen = [self._tracked[r.request_id] for r in self.scheduler.waiting
+                  if not r.num_sent_tokens and r.request_id in self._tracked]
+        message = f"internal error: {error}; the runner was restarted"
+        deltas = [_error_delta(t.request, message) for t in self._tracked.values() if t.request.num_sent_tokens]
+        self._restart_runner()
+        self.reset()
+        for tracked in unseen:
+            self._tracked[tracked.request.request_id] = tracked
+            self.scheduler.add(tracked.request)
+        return deltas
+
+    def _process_safely(self, req: Request, token: SampledToken, out: RunnerOutput) -> RequestDelta:
+        try:
+            logits = out.logits.get(req.request_id) if out.logits is not None else None
+            return self._process(req, token, logits)
         except Exception as e:
             log.exception("request %s failed after its token was sampled", req.request_id)
             return self._fail(req, f"internal error while processing this request's output: {e}")
@@ -215,21 +290,21 @@ class LLMEngine:
         self._tracked.pop(req.request_id, None)
         if not req.status.finished:
             self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
-        return RequestDelta(req.request_id, [], "", None, req.num_prompt_tokens,
-                            req.num_output_tokens, None, error=message)
+        return _error_delta(req, message)
 
-    def _process(self, req: Request, token_id: int, logprob: float | None, top, logits) -> RequestDelta:
+    def _process(self, req: Request, token: SampledToken, logits: bytes | None) -> RequestDelta:
         tracked = self._tracked[req.request_id]
-        if logprob is not None:
-            tracked.cumulative_logprob = (tracked.cumulative_logprob or 0.0) + logprob
-        status = self._finish_status(req, tracked, token_id)
+        if token.logprob is not None:
+            tracked.cumulative_logprob = (tracked.cumulative_logprob or 0.0) + token.logprob
+        status = self._finish_status(req, tracked, token.token_id)
         if status is not None:
             self.scheduler.finish(req, status)
             del self._tracked[req.request_id]
         return RequestDelta(
-            req.request_id, [token_id], tracked.detokenizer.take_delta(final=status is not None),
-            req.finish_reason, req.num_prompt_tokens, req.num_output_tokens,
-            tracked.cumulative_logprob, [top] if top is not None else None, logits)
+            req.request_id, [token.token_id], tracked.detokenizer.take_delta(final=status is not None),
+            req.finish_reason, req.num_prompt_tokens, req.num_output_tokens, tracked.cumulative_logprob,
+            [token.top_logprobs] if token.top_logprobs is not None else None,
+            torch.frombuffer(bytearray(logits), dtype=torch.float32) if logits is not None else None)
 
     def _finish_status(self, req: Request, tracked: _Tracked, token_id: int) -> RequestStatus | None:
         p = req.params
@@ -242,6 +317,11 @@ class LLMEngine:
         if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+
+def _error_delta(req: Request, message: str) -> RequestDelta:
+    return RequestDelta(req.request_id, [], "", None, req.num_prompt_tokens, req.num_output_tokens,
+                        None, error=message)
 
 
 def _load_tokenizer(folder: Path) -> Tokenizer:

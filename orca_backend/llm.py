@@ -34,6 +34,16 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_options) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
 
+    def shutdown(self) -> None:
+        """Stop the model runner (a child process with executor="process")."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     @property
     def model_path(self) -> Path:
         """The Hugging Face-format folder the engine loaded."""

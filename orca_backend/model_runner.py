@@ -1,65 +1,140 @@
-"""Runs one iteration of a ScheduledBatch: selective batching over the paged K/V cache."""
+"""Runs one iteration from a `SchedulerOutput`: selective batching over the paged K/V cache.
+
+The runner owns every piece of per-request execution state (`RunnerRequest`: token history
+for penalties, the seeded generator, the block table). It learns of requests from the
+messages alone, so it can live in another process or another Triton model.
+"""
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 
 import torch
 
-from .batch import SampledTokens, ScheduledBatch
-from .models.attention import AttentionMetadata
-from .request import Request
+from .messages import NewRequest, RunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
+from .models.attention import AttentionBackend, BatchLayout, TorchPagedAttention
 from .sampler import Sampler, SamplerOutput
+from .sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
 
+class RunnerError(RuntimeError):
+    """A message the runner cannot carry out (it contradicts the runner's state)."""
+
+
+@dataclass(slots=True, eq=False)
+class RunnerRequest:
+    """What the runner keeps of one request between iterations."""
+
+    request_id: str
+    num_prompt_tokens: int
+    token_ids: list[int]  # every token it has been sent: the prompt, then outputs as fed back
+    params: SamplingParams
+    seed: int | None
+    wants_logprob: bool
+    block_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None  # made on first use when seeded
+
+    @classmethod
+    def new(cls, new: NewRequest) -> RunnerRequest:
+        return cls(new.request_id, len(new.prompt_token_ids), list(new.prompt_token_ids),
+                   new.params, new.seed, new.wants_logprob)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """Outputs so far: when it samples, every earlier output has been fed back."""
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, device: torch.device,
-                 dtype: torch.dtype, seed: int, keep_logits: bool = False) -> None:
+                 dtype: torch.dtype, seed: int, keep_logits: bool = False,
+                 attention: AttentionBackend | None = None) -> None:
         cfg = model.config
         self.model = model
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = device
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
-                           torch.zeros(shape, dtype=dtype, device=device))
-                          for _ in range(cfg.num_layers)]
+        self.attention = attention or TorchPagedAttention(block_size, device)
+        self.kv_caches = self.attention.allocate_kv_cache(cfg.num_layers, num_blocks, cfg.num_kv_heads,
+                                                          cfg.head_dim, dtype)
         self.sampler = Sampler(device, seed, cfg.eos_token_ids)
         self.keep_logits = keep_logits
-        self.forward_seconds = 0.0  # time in the model forward, for the overhead benchmark
+        self.requests: dict[str, RunnerRequest] = {}
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, requests: list[Request]) -> SampledTokens:
-        meta = AttentionMetadata.build(batch, self.block_size, self.device)
-        input_ids = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
-        last_rows, sampling = [], []
-        row = 0
-        for n, sample, req in zip(batch.num_scheduled_tokens, batch.sample, requests):
-            row += n
-            if sample:
-                last_rows.append(row - 1)
-                sampling.append(req)
+    def execute(self, message: SchedulerOutput) -> RunnerOutput:
+        layout, token_ids, sampling = self._apply(message)
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        last_rows = [row for row, _ in sampling]
+        meta = self.attention.plan(layout)
         start = time.perf_counter()
         h = self.model.embed_tokens(input_ids, meta)  # [num_tokens, hidden]
         h = self.model.run_layers(h, meta, self.kv_caches, range(self.model.config.num_layers))
         logits = self.model.logits(h[last_rows])  # [num_sampled, vocab]: LM head on sampled rows only
-        self.forward_seconds += time.perf_counter() - start
-        out = self._sample(logits, sampling) if sampling else None
-        return _align(batch, out, logits if self.keep_logits else None)
+        out = RunnerOutput(message.iteration_id, forward_seconds=time.perf_counter() - start)
+        states = [state for _, state in sampling]
+        if states:
+            self._collect(out, self._sample(logits, states), states)
+        if self.keep_logits:
+            out.logits = {s.request_id: logits[j].cpu().numpy().tobytes() for j, s in enumerate(states)}
+        return out
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+    def _apply(self, message: SchedulerOutput) -> tuple[BatchLayout, list[int], list]:
+        """Bring the per-request state up to date; returns the rows to run."""
+        for request_id in message.finished_request_ids:
+            self.requests.pop(request_id, None)
+        for request_id in message.preempted_request_ids:
+            if request_id in self.requests:
+                self.requests[request_id].block_ids.clear()  # a new table comes on resume
+        for new in message.new_requests:
+            self.requests[new.request_id] = RunnerRequest.new(new)
+        layout = BatchLayout([], [], [])
+        token_ids: list[int] = []
+        sampling = []  # (last row, state) of each request that samples
+        for s in message.scheduled:
+            state = self._update(s)
+            token_ids += state.token_ids[s.num_computed_tokens:s.num_computed_tokens + s.num_scheduled_tokens]
+            layout.num_computed_tokens.append(s.num_computed_tokens)
+            layout.num_scheduled_tokens.append(s.num_scheduled_tokens)
+            layout.block_tables.append(state.block_ids)
+            if s.sample:
+                sampling.append((len(token_ids) - 1, state))
+        return layout, token_ids, sampling
+
+    def _update(self, s: ScheduledRequest) -> RunnerRequest:
+        state = self.requests.get(s.request_id)
+        if state is None:
+            raise RunnerError(f"iteration schedules request {s.request_id!r}, which the runner "
+                              f"was never sent")
+        if any(not 0 <= b < self.num_blocks for b in s.new_block_ids):
+            raise RunnerError(f"request {s.request_id!r} got K/V blocks outside [0, {self.num_blocks})")
+        state.token_ids += s.new_token_ids
+        state.block_ids += s.new_block_ids
+        end = s.num_computed_tokens + s.num_scheduled_tokens
+        if end > len(state.token_ids) or end > len(state.block_ids) * self.block_size:
+            raise RunnerError(f"request {s.request_id!r} is scheduled up to token {end}, but the "
+                              f"runner has {len(state.token_ids)} tokens and "
+                              f"{len(state.block_ids)} K/V blocks for it")
+        return state
+
+    def _sample(self, logits: torch.Tensor, states: list[RunnerRequest]) -> SamplerOutput:
         """Sample the batch at once; if that fails, row by row, so that a request whose
         parameters break the sampler fails alone and its neighbours still get their token."""
         try:
-            return self.sampler(logits, requests)
+            return self.sampler(logits, states)
         except Exception:
             log.exception("batched sampling failed; sampling row by row")
         out = SamplerOutput([], [], [], [])
-        for i, req in enumerate(requests):
+        for i, state in enumerate(states):
             try:
-                row = self.sampler(logits[i:i + 1], [req])
+                row = self.sampler(logits[i:i + 1], [state])
                 error = None
             except Exception as e:
                 row = SamplerOutput([None], [None], [None])
@@ -70,19 +145,12 @@ class ModelRunner:
             out.errors.append(error)
         return out
 
-
-def _align(batch: ScheduledBatch, out, logits) -> SampledTokens:
-    """Spread the sampler's per-sampled-row results over all requests of the batch."""
-    index, j = [], 0
-    for sample in batch.sample:
-        index.append(j if sample else None)
-        j += sample
-
-    def pick(values):
-        return [values[i] if i is not None else None for i in index]
-
-    if out is None:
-        return SampledTokens(token_ids=pick([]))
-    return SampledTokens(pick(out.token_ids), pick(out.top_logprobs), pick(out.sampled_logprobs),
-                         pick(logits) if logits is not None else None,
-                         pick(out.errors) if out.errors else [])
+    @staticmethod
+    def _collect(out: RunnerOutput, sampled: SamplerOutput, states: list[RunnerRequest]) -> None:
+        for i, state in enumerate(states):
+            error = sampled.errors[i] if sampled.errors else None
+            if error is not None:
+                out.errors[state.request_id] = error
+            else:
+                out.sampled[state.request_id] = SampledToken(
+                    sampled.token_ids[i], sampled.sampled_logprobs[i], sampled.top_logprobs[i])

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
 
 from .sampling_params import SamplingParams
 
@@ -42,7 +41,11 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     track_logprob: bool = False  # compute each sampled token's log-probability
-    generator: Any = None  # torch.Generator for seeded sampling, owned by the sampler
+    # What the runner has been sent, so that each message carries only what is new to it.
+    num_sent_tokens: int = 0  # 0: the runner does not know this request
+    num_sent_blocks: int = 0
+    in_flight: bool = False  # in an iteration that has not returned: not scheduled again
+    finish_on_return: RequestStatus | None = None  # finished while in flight: applied on return
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -60,6 +63,15 @@ class Request:
     def max_num_tokens(self) -> int:
         """Tokens whose K/V may be needed: the last sampled token is never fed back."""
         return self.num_prompt_tokens + self.params.max_tokens - 1
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output."""
+        n = self.num_prompt_tokens
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
 
     @property
     def wants_logprob(self) -> bool:

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from .request import Request
+if TYPE_CHECKING:
+    from .model_runner import RunnerRequest
 
 
 @dataclass(slots=True)
@@ -22,7 +24,7 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.eos_token_ids = eos_token_ids
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, requests: list[RunnerRequest]) -> SamplerOutput:
         """logits [num_requests, vocab] fp32, one row per request that samples this iteration."""
         logprob_rows = [i for i, r in enumerate(requests) if r.wants_logprob]
         # Raw model log-probabilities (before penalties and temperature), only where asked:
@@ -43,7 +45,7 @@ class Sampler:
                 top[i] = _top_logprobs(raw_logprobs[j], token_list[i], n)
         return SamplerOutput(token_list, sampled, top)
 
-    def _adjust(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _adjust(self, logits: torch.Tensor, requests: list[RunnerRequest]) -> torch.Tensor:
         """Penalties and min_tokens, row by row, only for the rows that ask for them."""
         changed = False
         for i, req in enumerate(requests):
@@ -59,13 +61,13 @@ class Sampler:
                 logits[i, banned] = float("-inf")
         return logits
 
-    def _banned_tokens(self, req: Request) -> list[int]:
+    def _banned_tokens(self, req: RunnerRequest) -> list[int]:
         p = req.params
         if req.num_output_tokens >= p.min_tokens:
             return []
         return p.stop_token_ids + ([] if p.ignore_eos else self.eos_token_ids)
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, requests: list[RunnerRequest]) -> torch.Tensor:
         temps = torch.tensor([r.params.temperature for r in requests], device=logits.device)
         logits = logits / temps[:, None]
         if any(r.params.top_k > 0 or r.params.top_p < 1 for r in requests):
@@ -77,25 +79,25 @@ class Sampler:
         # Exponential race: argmax(p / q), q ~ Exp(1), draws from p. Seeded requests draw
         # their q from their own generator, so their output does not depend on the batch.
         # Generators are made before any draw, so that a failure leaves none of them advanced.
-        seeded = [(i, self._generator(req)) for i, req in enumerate(requests) if req.params.seed is not None]
+        seeded = [(i, self._generator(req)) for i, req in enumerate(requests) if req.seed is not None]
         q = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, generator in seeded:
             q[i].exponential_(generator=generator)
         return (probs / q).argmax(dim=-1)
 
 
-    def _generator(self, req: Request) -> torch.Generator:
+    def _generator(self, req: RunnerRequest) -> torch.Generator:
         if req.generator is None:
-            req.generator = torch.Generator(device=self.device).manual_seed(req.params.seed)
+            req.generator = torch.Generator(device=self.device).manual_seed(req.seed)
         return req.generator
 
 
-def _apply_penalties(row: torch.Tensor, req: Request, device: torch.device) -> None:
+def _apply_penalties(row: torch.Tensor, req: RunnerRequest, device: torch.device) -> None:
     p = req.params
     vocab = row.shape[0]
     output = torch.tensor(req.output_token_ids, dtype=torch.long, device=device)
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(req.prompt_token_ids + req.output_token_ids, device=device).unique()
+        seen = torch.tensor(req.token_ids, device=device).unique()
         vals = row[seen]
         row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
     if len(output) and (p.frequency_penalty or p.presence_penalty):
@@ -103,7 +105,7 @@ def _apply_penalties(row: torch.Tensor, req: Request, device: torch.device) -> N
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
 
-def _top_k_top_p(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+def _top_k_top_p(logits: torch.Tensor, requests: list[RunnerRequest]) -> torch.Tensor:
     vocab = logits.shape[-1]
     # Clamped before the tensor is made: a top_k beyond int64 would not fit in one.
     k = torch.tensor([min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in requests],

@@ -6,11 +6,12 @@ are the same code path and share an iteration.
 """
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 
-from .batch import SampledTokens, ScheduledBatch
 from .kv_manager import BlockManager
+from .messages import NewRequest, RunnerOutput, ScheduledRequest, SchedulerOutput
 from .request import Request, RequestStatus
 
 POLICIES = ("paged", "reserve")
@@ -19,16 +20,16 @@ BATCHING_MODES = ("iteration", "request")
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    max_batch_size: int = 32
+    max_batch_size: int = 32  # requests per iteration
     max_num_batched_tokens: int = 512
     policy: str = "paged"
     batching: str = "iteration"
+    max_inflight: int = 1  # iterations submitted and not yet returned
 
     def __post_init__(self) -> None:
-        if self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        for name in ("max_batch_size", "max_num_batched_tokens", "max_inflight"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.batching not in BATCHING_MODES:
@@ -36,6 +37,13 @@ class SchedulerConfig:
 
 
 class Scheduler:
+    """Bookkeeping only: which requests run, how many tokens each, which K/V blocks they own.
+
+    Several iterations may be in flight. A request in an unreturned iteration is not
+    scheduled again, is never preempted, and keeps its K/V blocks until that iteration
+    returns: finishing it then (an abort) takes effect on return, and its output is dropped.
+    """
+
     def __init__(self, config: SchedulerConfig, kv: BlockManager) -> None:
         self.config = config
         self.kv = kv
@@ -43,6 +51,11 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the last is preempted first
         self.num_preemptions = 0
         self.num_iterations = 0
+        self._iteration_ids = itertools.count()
+        self._in_flight: dict[int, list[tuple[Request, int]]] = {}
+        # For the runner, since the last message: requests to forget, tables to drop.
+        self._finished_ids: list[str] = []
+        self._preempted_ids: list[str] = []
 
     # -- requests in and out ------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -50,47 +63,70 @@ class Scheduler:
         self.waiting.append(req)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
-        """Retire a request (stopped, length, or aborted) and free its blocks at once."""
+        """Retire a request (stopped, length, aborted, error) and free its blocks; a request
+        in flight is retired when its iteration returns."""
+        if req.in_flight:
+            req.finish_on_return = status
+            return
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         elif not req.status.finished:
             self.waiting.remove(req)
         req.status = status
         self.kv.free(req.request_id)
+        if req.num_sent_tokens:
+            self._finished_ids.append(req.request_id)
 
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    @property
+    def num_in_flight_iterations(self) -> int:
+        return len(self._in_flight)
+
+    def runner_request_ids(self) -> list[str]:
+        """Every request the runner may hold state for (to drop them all after a reset)."""
+        return [r.request_id for r in (*self.running, *self.waiting) if r.num_sent_tokens] + self._finished_ids
+
+    def forget_on_runner(self, request_ids: list[str]) -> None:
+        """Tell the runner, with the next message, to drop these requests' state."""
+        self._finished_ids += request_ids
+
     # -- one iteration ----------------------------------------------------------------------
-    def schedule(self) -> tuple[ScheduledBatch, list[Request]]:
-        """Pick this iteration's requests and token counts; reserve their K/V slots."""
+    def schedule(self) -> SchedulerOutput | None:
+        """Pick this iteration's requests and token counts and reserve their K/V slots;
+        None when no request can run now."""
         scheduled: list[tuple[Request, int]] = []
         num_preemptions = self.num_preemptions
         budget = self._schedule_running(scheduled, self.config.max_num_batched_tokens)
         if self.num_preemptions == num_preemptions:  # no room was short: admit newcomers
             self._schedule_waiting(scheduled, budget)
-        if scheduled:
-            self.num_iterations += 1
-        return self._describe(scheduled), [req for req, _ in scheduled]
+        if not scheduled:
+            return None
+        self.num_iterations += 1
+        return self._describe(scheduled)
 
     def _schedule_running(self, scheduled: list, budget: int) -> int:
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(scheduled) < self.config.max_batch_size:
             req = self.running[i]
+            i += 1
+            if req.in_flight:
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._make_room(req, req.num_computed_tokens + n):
                 break  # req itself was the newest and got preempted
             self.kv.allocate(req.request_id, req.num_computed_tokens + n)
             scheduled.append((req, n))
             budget -= n
-            i += 1
         return budget
 
     def _make_room(self, req: Request, num_tokens: int) -> bool:
-        """Preempt the newest running requests until `req` fits; False if `req` went too."""
+        """Preempt the newest running requests not in flight until `req` fits; False if
+        `req` went too."""
         while not self.kv.can_allocate(req.request_id, num_tokens):
-            victim = self.running[-1]
+            victim = next(r for r in reversed(self.running) if not r.in_flight)  # req qualifies
             self._preempt(victim)
             if victim is req:
                 return False
@@ -105,12 +141,17 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
         self.num_preemptions += 1
+        if req.num_sent_blocks:
+            self._preempted_ids.append(req.request_id)
+            req.num_sent_blocks = 0
 
     def _schedule_waiting(self, scheduled: list, budget: int) -> None:
-        request_mode = self.config.batching == "request"
+        c = self.config
+        request_mode = c.batching == "request"
         if request_mode and self.running:
             return  # request-level batching: nobody joins a batch that is running
-        while self.waiting and len(self.running) < self.config.max_batch_size:
+        while (self.waiting and len(scheduled) < c.max_batch_size
+               and len(self.running) < c.max_batch_size * c.max_inflight):
             if budget <= 0 and not request_mode:
                 break
             req = self.waiting[0]
@@ -131,30 +172,49 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         return True
 
-    def _describe(self, scheduled: list[tuple[Request, int]]) -> ScheduledBatch:
-        batch = ScheduledBatch()
+    def _describe(self, scheduled: list[tuple[Request, int]]) -> SchedulerOutput:
+        out = SchedulerOutput(next(self._iteration_ids), finished_request_ids=self._finished_ids,
+                              preempted_request_ids=self._preempted_ids)
+        self._finished_ids, self._preempted_ids = [], []
         for req, n in scheduled:
-            start = req.num_computed_tokens
-            batch.request_ids.append(req.request_id)
-            batch.num_scheduled_tokens.append(n)
-            batch.num_computed_tokens.append(start)
-            batch.block_tables.append(list(self.kv.block_tables[req.request_id]))
-            batch.token_ids.extend(_token_slice(req, start, start + n))
-            batch.sample.append(start + n == req.num_tokens)
-        return batch
+            if not req.num_sent_tokens:
+                out.new_requests.append(NewRequest(req.request_id, req.prompt_token_ids, req.params,
+                                                   req.params.seed, req.wants_logprob))
+                req.num_sent_tokens = req.num_prompt_tokens
+            end = req.num_computed_tokens + n
+            new_token_ids = req.token_slice(req.num_sent_tokens, end) if end > req.num_sent_tokens else []
+            req.num_sent_tokens = max(req.num_sent_tokens, end)
+            table = self.kv.block_tables[req.request_id]
+            new_block_ids, req.num_sent_blocks = table[req.num_sent_blocks:], len(table)
+            out.scheduled.append(ScheduledRequest(req.request_id, req.num_computed_tokens, n,
+                                                  new_token_ids, new_block_ids, end == req.num_tokens))
+            req.in_flight = True
+        self._in_flight[out.iteration_id] = scheduled
+        return out
 
-    def update(self, batch: ScheduledBatch, requests: list[Request], out: SampledTokens) -> None:
-        """Record an iteration's result: computed tokens advance, sampled tokens append."""
-        for req, n, token_id in zip(requests, batch.num_scheduled_tokens, out.token_ids):
+    # -- an iteration returns ---------------------------------------------------------------
+    def update(self, output: RunnerOutput) -> list[Request]:
+        """Record a returned iteration: computed tokens advance, sampled tokens append.
+        Returns its requests that are still live (those finished meanwhile retire now)."""
+        live = self._returned(output.iteration_id)
+        for req, n in live:
             req.num_computed_tokens += n
-            if token_id is not None:
-                req.output_token_ids.append(token_id)
+            token = output.sampled.get(req.request_id)
+            if token is not None:
+                req.output_token_ids.append(token.token_id)
+        return [req for req, _ in live]
 
+    def fail_iteration(self, iteration_id: int) -> list[Request]:
+        """The iteration failed as a whole: returns its live requests, for the caller to end."""
+        return [req for req, _ in self._returned(iteration_id)]
 
-def _token_slice(req: Request, start: int, end: int) -> list[int]:
-    n = req.num_prompt_tokens
-    if end <= n:
-        return req.prompt_token_ids[start:end]
-    if start >= n:
-        return req.output_token_ids[start - n:end - n]
-    return req.prompt_token_ids[start:] + req.output_token_ids[:end - n]
+    def _returned(self, iteration_id: int) -> list[tuple[Request, int]]:
+        scheduled = self._in_flight.pop(iteration_id)
+        live = []
+        for req, n in scheduled:
+            req.in_flight = False
+            if req.finish_on_return is not None:
+                self.finish(req, req.finish_on_return)
+            else:
+                live.append((req, n))
+        return live

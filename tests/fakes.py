@@ -3,38 +3,99 @@ response sink that records what a client would have received."""
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass, field
 
-from orca_backend.batch import SampledTokens, ScheduledBatch
 from orca_backend.kv_manager import BlockManager
+from orca_backend.messages import RunnerOutput, SampledToken, SchedulerOutput
 from orca_backend.request import Request, RequestStatus
 from orca_backend.sampling_params import SamplingParams
 from orca_backend.scheduler import Scheduler, SchedulerConfig
 
 
+@dataclass
+class Fed:
+    """One iteration as the runner saw it, rebuilt from the message alone."""
+
+    request_ids: list[str] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    sample: list[bool] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    message: SchedulerOutput | None = None
+
+    @property
+    def num_prefill_requests(self) -> int:
+        return self.message.num_prefill_requests
+
+    @property
+    def num_decode_requests(self) -> int:
+        return self.message.num_decode_requests
+
+
+class FakeRunner:
+    """Keeps per-request state from the messages as the real runner does, and samples
+    `1000 + output index` instead of running a model."""
+
+    def __init__(self) -> None:
+        self.token_ids: dict[str, list[int]] = {}
+        self.num_prompt_tokens: dict[str, int] = {}
+        self.block_tables: dict[str, list[int]] = {}
+
+    def execute(self, message: SchedulerOutput) -> tuple[RunnerOutput, Fed]:
+        for request_id in message.finished_request_ids:
+            del self.token_ids[request_id], self.num_prompt_tokens[request_id], self.block_tables[request_id]
+        for request_id in message.preempted_request_ids:
+            self.block_tables[request_id] = []
+        for new in message.new_requests:
+            assert new.request_id not in self.token_ids, "a request's full state travels once"
+            self.token_ids[new.request_id] = list(new.prompt_token_ids)
+            self.num_prompt_tokens[new.request_id] = len(new.prompt_token_ids)
+            self.block_tables[new.request_id] = []
+        out, fed = RunnerOutput(message.iteration_id), Fed(message=message)
+        for s in message.scheduled:
+            tokens = self.token_ids[s.request_id]
+            tokens += s.new_token_ids
+            self.block_tables[s.request_id] += s.new_block_ids
+            start, n = s.num_computed_tokens, s.num_scheduled_tokens
+            assert start + n <= len(tokens), "the message left out tokens the runner needs"
+            fed.request_ids.append(s.request_id)
+            fed.num_scheduled_tokens.append(n)
+            fed.num_computed_tokens.append(start)
+            fed.token_ids += tokens[start:start + n]
+            fed.sample.append(s.sample)
+            fed.block_tables.append(list(self.block_tables[s.request_id]))
+            if s.sample:
+                out.sampled[s.request_id] = SampledToken(1000 + len(tokens) - self.num_prompt_tokens[s.request_id])
+        return out, fed
+
+
 class FakeEngine:
-    """Scheduler + K/V manager driven by a runner that samples `1000 + output index`."""
+    """Scheduler + K/V manager driven through the message boundary by a FakeRunner."""
 
     def __init__(self, num_blocks: int = 64, block_size: int = 4, **scheduler_options) -> None:
         self.kv = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(SchedulerConfig(**scheduler_options), self.kv)
-        self.batches: list[ScheduledBatch] = []
+        self.runner = FakeRunner()
+        self.batches: list[Fed] = []
 
     def add(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> Request:
         req = Request(request_id, list(range(1, num_prompt_tokens + 1)), SamplingParams(max_tokens=max_tokens))
         self.scheduler.add(req)
         return req
 
-    def step(self) -> ScheduledBatch:
-        batch, requests = self.scheduler.schedule()
-        tokens = [1000 + r.num_output_tokens if sample else None
-                  for r, sample in zip(requests, batch.sample)]
-        self.scheduler.update(batch, requests, SampledTokens(tokens))
-        for req, token in zip(requests, tokens):
-            if token is not None and req.num_output_tokens >= req.params.max_tokens:
+    def step(self) -> Fed:
+        message = self.scheduler.schedule()
+        assert message is not None, "nothing to schedule"
+        out, fed = self.runner.execute(message)
+        for request_id, table in zip(fed.request_ids, fed.block_tables):
+            assert table == self.kv.block_tables[request_id], "the runner's block table drifted"
+        for req in self.scheduler.update(out):
+            if req.request_id in out.sampled and req.num_output_tokens >= req.params.max_tokens:
                 self.scheduler.finish(req, RequestStatus.FINISHED_LENGTH)
         self.kv.check_integrity()
-        self.batches.append(batch)
-        return batch
+        self.batches.append(fed)
+        return fed
 
     def run(self, max_steps: int = 1000) -> None:
         for _ in range(max_steps):

@@ -82,7 +82,7 @@ def test_a_request_whose_detokenization_fails_ends_alone(engine, solo, monkeypat
 
 def test_a_failed_forward_ends_its_iteration_and_the_engine_goes_on(engine, solo, monkeypatch):
     monkeypatch.setattr(engine.scheduler.config, "max_batch_size", 1)  # "later" waits its turn
-    real = engine.runner.model.run_layers
+    real = engine.executor.runner.model.run_layers
     calls = []
 
     def fail_once(*args):
@@ -91,7 +91,7 @@ def test_a_failed_forward_ends_its_iteration_and_the_engine_goes_on(engine, solo
             raise RuntimeError("injected forward fault")
         return real(*args)
 
-    monkeypatch.setattr(engine.runner.model, "run_layers", fail_once)
+    monkeypatch.setattr(engine.executor.runner.model, "run_layers", fail_once)
     out = _run(engine, {"first": GOOD, "later": GOOD})
     assert "injected forward fault" in out["first"]["error"] and out["first"]["token_ids"] == []
     assert out["later"] == solo["good"]  # not in the failed iteration: untouched

@@ -5,15 +5,17 @@ import math
 
 import torch
 
-from orca_backend.request import Request
+from orca_backend.model_runner import RunnerRequest
 from orca_backend.sampler import Sampler
 from orca_backend.sampling_params import SamplingParams
 
 EOS = 0
 
 
-def _req(prompt=(1,), output=(), **params) -> Request:
-    return Request("r", list(prompt), SamplingParams(**params), output_token_ids=list(output))
+def _req(prompt=(1,), output=(), **params) -> RunnerRequest:
+    """The runner's state of a request that has been fed `output` after its prompt."""
+    p = SamplingParams(**params)
+    return RunnerRequest("r", len(prompt), [*prompt, *output], p, p.seed, p.logprobs is not None)
 
 
 def _sample(logits, *requests, seed=0):

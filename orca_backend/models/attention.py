@@ -1,19 +1,66 @@
 """Selective batching's one per-request op: attention over each request's paged K/V.
 
 Everything else in a layer runs on the flattened [num_tokens, hidden] tensor. Attention
-needs each request's own context, so `AttentionMetadata` describes request boundaries once
-per iteration (shared by all layers): single-token rows (decodes) are attended together in
-one padded call, longer spans (prompts and prompt chunks) one request at a time.
+needs each request's own context. Layers reach it through one seam: an `AttentionBackend`
+owns the K/V cache layout (`allocate_kv_cache`) and turns an iteration's `BatchLayout` into
+a plan (`plan`), built once per iteration and shared by all layers, whose `attend` writes
+the new tokens' K/V and returns the attention output. Layers never see the cache's shape.
+
+`TorchPagedAttention`, the default, uses PyTorch's SDPA: single-token rows (decodes) are
+attended together in one padded call, longer spans (prompts and prompt chunks) one request
+at a time.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..batch import ScheduledBatch
+
+@dataclass(slots=True)
+class BatchLayout:
+    """Where an iteration's rows belong: request i has `num_scheduled_tokens[i]` consecutive
+    rows at positions from `num_computed_tokens[i]`, and its K/V lives in `block_tables[i]`."""
+
+    num_computed_tokens: list[int]
+    num_scheduled_tokens: list[int]
+    block_tables: list[list[int]]
+
+
+class AttentionPlan(Protocol):
+    positions: torch.Tensor  # [num_tokens], for position embeddings
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: Any,
+               scale: float) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D], one layer's cache; returns [T, Hq * D]."""
+
+
+class AttentionBackend(Protocol):
+    def allocate_kv_cache(self, num_layers: int, num_blocks: int, num_kv_heads: int,
+                          head_dim: int, dtype: torch.dtype) -> list[Any]:
+        """One cache object per layer, in whatever layout the backend's kernels want."""
+
+    def plan(self, layout: BatchLayout) -> AttentionPlan: ...
+
+
+class TorchPagedAttention:
+    """K/V caches [num_blocks, block_size, Hkv, D] per layer, attention by SDPA."""
+
+    def __init__(self, block_size: int, device: torch.device) -> None:
+        self.block_size = block_size
+        self.device = device
+
+    def allocate_kv_cache(self, num_layers: int, num_blocks: int, num_kv_heads: int,
+                          head_dim: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        shape = (num_blocks, self.block_size, num_kv_heads, head_dim)
+        return [(torch.zeros(shape, dtype=dtype, device=self.device),
+                 torch.zeros(shape, dtype=dtype, device=self.device)) for _ in range(num_layers)]
+
+    def plan(self, layout: BatchLayout) -> AttentionMetadata:
+        return AttentionMetadata.build(layout, self.block_size, self.device)
 
 
 @dataclass(slots=True)
@@ -34,14 +81,15 @@ class AttentionMetadata:
     prefills: list[PrefillSpan] = field(default_factory=list)
 
     @classmethod
-    def build(cls, batch: ScheduledBatch, block_size: int, device: torch.device) -> AttentionMetadata:
-        starts = np.asarray(batch.num_computed_tokens, dtype=np.int64)
-        counts = np.asarray(batch.num_scheduled_tokens, dtype=np.int64)
-        max_blocks = max(len(t) for t in batch.block_tables)
-        tables = np.zeros((batch.num_requests, max_blocks), dtype=np.int64)
-        for i, table in enumerate(batch.block_tables):
+    def build(cls, layout: BatchLayout, block_size: int, device: torch.device) -> AttentionMetadata:
+        starts = np.asarray(layout.num_computed_tokens, dtype=np.int64)
+        counts = np.asarray(layout.num_scheduled_tokens, dtype=np.int64)
+        num_requests = len(counts)
+        max_blocks = max(len(t) for t in layout.block_tables)
+        tables = np.zeros((num_requests, max_blocks), dtype=np.int64)
+        for i, table in enumerate(layout.block_tables):
             tables[i, :len(table)] = table
-        row_req = np.repeat(np.arange(batch.num_requests), counts)
+        row_req = np.repeat(np.arange(num_requests), counts)
         first_row = np.cumsum(counts) - counts
         positions = starts[row_req] + np.arange(len(row_req)) - first_row[row_req]
         slots = tables[row_req, positions // block_size] * block_size + positions % block_size
@@ -68,6 +116,10 @@ class AttentionMetadata:
                 span.mask = t(pos[None, :] <= (start + np.arange(n))[:, None])
             meta.prefills.append(span)
         return meta
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kv_cache: tuple[torch.Tensor, torch.Tensor], scale: float) -> torch.Tensor:
+        return paged_attention(q, k, v, *kv_cache, self, scale)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .attention import AttentionMetadata, paged_attention
+from .attention import AttentionPlan
 from .config import ModelConfig
 from .weights import Weights
 
@@ -19,12 +19,12 @@ class GPT2Model:
         head = w.take_optional("lm_head.weight")
         self.lm_head = self.wte if config.tie_word_embeddings or head is None else head
 
-    def embed_tokens(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def embed_tokens(self, input_ids: torch.Tensor, meta: AttentionPlan) -> torch.Tensor:
         return self.wte[input_ids] + self.wpe[meta.positions]
 
-    def run_layers(self, h: torch.Tensor, meta: AttentionMetadata, kv_caches, layers: range) -> torch.Tensor:
+    def run_layers(self, h: torch.Tensor, meta: AttentionPlan, kv_caches, layers: range) -> torch.Tensor:
         for i in layers:
-            h = self.layers[i](h, meta, *kv_caches[i])
+            h = self.layers[i](h, meta, kv_caches[i])
         return h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -49,10 +49,10 @@ class _GPT2Layer:
         self.num_heads, self.head_dim = config.num_heads, config.head_dim
         self.approximate = "none" if config.activation == "gelu" else "tanh"
 
-    def __call__(self, h, meta, k_cache, v_cache):
+    def __call__(self, h, meta: AttentionPlan, kv_cache):
         x = F.layer_norm(h, h.shape[-1:], *self.ln_1, eps=self.eps)
         q, k, v = F.linear(x, self.qkv, self.qkv_bias).view(-1, 3, self.num_heads, self.head_dim).unbind(1)
-        attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.head_dim ** -0.5)
+        attn = meta.attend(q, k, v, kv_cache, self.head_dim ** -0.5)
         h = h + F.linear(attn, self.proj, self.proj_bias)
         x = F.layer_norm(h, h.shape[-1:], *self.ln_2, eps=self.eps)
         x = F.gelu(F.linear(x, self.fc, self.fc_bias), approximate=self.approximate)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .attention import AttentionMetadata, paged_attention
+from .attention import AttentionPlan
 from .config import ModelConfig
 from .weights import Weights
 
@@ -21,15 +21,15 @@ class LlamaModel:
             torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim))
         self.inv_freq = inv_freq.to(self.embed.device)  # [head_dim / 2]
 
-    def embed_tokens(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def embed_tokens(self, input_ids: torch.Tensor, meta: AttentionPlan) -> torch.Tensor:
         return self.embed[input_ids]  # [num_tokens, hidden]
 
-    def run_layers(self, h: torch.Tensor, meta: AttentionMetadata, kv_caches, layers: range) -> torch.Tensor:
+    def run_layers(self, h: torch.Tensor, meta: AttentionPlan, kv_caches, layers: range) -> torch.Tensor:
         freqs = meta.positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         rope = (emb.cos().to(h.dtype)[:, None, :], emb.sin().to(h.dtype)[:, None, :])
         for i in layers:
-            h = self.layers[i](h, meta, rope, *kv_caches[i])
+            h = self.layers[i](h, meta, rope, kv_caches[i])
         return h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -52,7 +52,7 @@ class _LlamaLayer:
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.scale = config.head_dim ** -0.5
 
-    def __call__(self, h, meta, rope, k_cache, v_cache):
+    def __call__(self, h, meta: AttentionPlan, rope, kv_cache):
         x = _rms_norm(h, self.in_norm, self.eps)
         qkv = F.linear(x, self.qkv, self.qkv_bias)  # [T, (Hq + 2 Hkv) * D]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -60,7 +60,7 @@ class _LlamaLayer:
         q = _rotate(q.view(-1, self.num_heads, self.head_dim), *rope)
         k = _rotate(k.view(-1, self.num_kv_heads, self.head_dim), *rope)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, Hq * D]
+        attn = meta.attend(q, k, v, kv_cache, self.scale)  # [T, Hq * D]
         h = h + F.linear(attn, self.o, self.o_bias)
         x = _rms_norm(h, self.post_norm, self.eps)
         gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)

@@ -1,0 +1,252 @@
+"""Executors: where a `SchedulerOutput` is run. The engine submits messages and gets futures.
+
+- `inline`: the runner in the engine's process, run at submit (the default);
+- `process`: the runner in a child process (spawned, so it shares nothing but the messages),
+  which proves the message is self-sufficient and is what pipeline stages and tensor-parallel
+  ranks build on.
+
+The child exits when its parent does (its inbox closes, or its parent pid changes). If the
+child dies first, every iteration it owed fails with `RunnerDiedError` naming it, and so does
+every later submit; the engine then restarts the runner (see `LLMEngine.step`).
+"""
+from __future__ import annotations
+
+import abc
+import enum
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import astuple, dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import msgpack
+
+from .messages import RunnerOutput, SchedulerOutput
+
+log = logging.getLogger(__name__)
+EXECUTORS = ("inline", "process")
+START_TIMEOUT_SECONDS = 600  # loading weights in the child
+STOP_TIMEOUT_SECONDS = 10
+
+
+class RunnerDiedError(RuntimeError):
+    """The runner's process is gone; the message names it and how it ended."""
+
+
+class IterationFailedError(RuntimeError):
+    """The runner raised while running one iteration (it is still alive)."""
+
+
+@dataclass(slots=True)
+class RunnerSpec:
+    """Everything a runner is built from, as plain values (it crosses to child processes)."""
+
+    model_path: str
+    dtype: str
+    device: str
+    num_blocks: int
+    block_size: int
+    seed: int
+    keep_logits: bool = False
+
+
+def build_runner(spec: RunnerSpec):
+    """Load the weights and allocate the K/V pool (here: torch is imported only now)."""
+    import torch
+
+    from .model_runner import ModelRunner
+    from .models import load_model
+
+    dtype, device = getattr(torch, spec.dtype), torch.device(spec.device)
+    model = load_model(Path(spec.model_path), dtype, device)
+    return ModelRunner(model, spec.num_blocks, spec.block_size, device, dtype, spec.seed, spec.keep_logits)
+
+
+class Executor(abc.ABC):
+    """Runs iterations. Futures complete in any order; the engine matches them by id."""
+
+    @abc.abstractmethod
+    def submit(self, message: SchedulerOutput) -> Future[RunnerOutput]: ...
+
+    @abc.abstractmethod
+    def check_health(self) -> None:
+        """Raise RunnerDiedError if the runner cannot take iterations any more."""
+
+    def shutdown(self) -> None:
+        """Stop the runner; returns within a bounded time."""
+
+
+class InlineExecutor(Executor):
+    def __init__(self, spec: RunnerSpec) -> None:
+        self.runner = build_runner(spec)
+
+    def submit(self, message: SchedulerOutput) -> Future[RunnerOutput]:
+        future: Future[RunnerOutput] = Future()
+        try:
+            future.set_result(self.runner.execute(message))
+        except Exception as e:
+            future.set_exception(e)
+        return future
+
+    def check_health(self) -> None:
+        pass
+
+
+class Frame(enum.IntEnum):
+    """Kinds of what crosses the pipes; each frame is msgpack of [kind, body]."""
+
+    SPEC = 0  # parent -> child, first: the RunnerSpec
+    ITERATION = 1  # parent -> child: a SchedulerOutput
+    STOP = 2  # parent -> child
+    READY = 3  # child -> parent: the runner is built
+    OUTPUT = 4  # child -> parent: a RunnerOutput
+    FAILED = 5  # child -> parent: [iteration_id, message]
+    FATAL = 6  # child -> parent: the runner could not be built
+
+
+def frame(kind: Frame, body=None) -> bytes:
+    return msgpack.packb([int(kind), body])
+
+
+class ProcessExecutor(Executor):
+    """The runner in a fresh interpreter (spawned, never forked: `python -m
+    orca_backend.runner_process`); messages go over two pipes, and one reader thread answers
+    the futures in submission order (the child runs iterations in that order)."""
+
+    def __init__(self, spec: RunnerSpec, start_timeout: float = START_TIMEOUT_SECONDS) -> None:
+        child_in, to_child = os.pipe()
+        from_child, child_out = os.pipe()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")])))
+        self.process = subprocess.Popen(
+            [_python_executable(), "-m", "orca_backend.runner_process", str(child_in), str(child_out),
+             str(os.getpid())], pass_fds=(child_in, child_out), env=env, stdin=subprocess.DEVNULL)
+        os.close(child_in)
+        os.close(child_out)  # so that the child's death reads as EOF here
+        self._to_child = Connection(to_child, readable=False)
+        self._from_child = Connection(from_child, writable=False)
+        self._lock = threading.Lock()
+        self._pending: deque[tuple[int, Future]] = deque()
+        self._dead: str | None = None
+        self._closing = False
+        try:
+            self._to_child.send_bytes(frame(Frame.SPEC, list(astuple(spec))))
+            self._wait_ready(start_timeout)
+        except BaseException:
+            self._stop_process()
+            raise
+        self._reader = threading.Thread(target=self._read, name="orca-runner-reader", daemon=True)
+        self._reader.start()
+
+    @property
+    def name(self) -> str:
+        return f"the model runner process (pid {self.process.pid})"
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not self._from_child.poll(1.0):
+            if self.process.poll() is not None:
+                raise RunnerDiedError(f"{self.name} {_ending(self.process.returncode)} while loading the model")
+            if time.monotonic() > deadline:
+                raise RunnerDiedError(f"{self.name} was not ready after {timeout:.0f} s")
+        try:
+            kind, body = msgpack.unpackb(self._from_child.recv_bytes())
+        except EOFError:
+            raise RunnerDiedError(f"{self.name} exited while loading the model") from None
+        if kind != Frame.READY:
+            raise RunnerDiedError(f"{self.name} could not build the runner: {body}")
+
+    def submit(self, message: SchedulerOutput) -> Future[RunnerOutput]:
+        future: Future[RunnerOutput] = Future()
+        with self._lock:
+            if self._dead:
+                future.set_exception(RunnerDiedError(self._dead))
+                return future
+            self._pending.append((message.iteration_id, future))
+        try:  # outside the lock: a full pipe must not keep the reader from answering
+            self._to_child.send_bytes(frame(Frame.ITERATION, message.to_wire()))
+        except OSError:
+            pass  # the reader sees the pipe close and fails every pending future
+        return future
+
+    def _read(self) -> None:
+        while True:
+            try:
+                kind, body = msgpack.unpackb(self._from_child.recv_bytes(), strict_map_key=False)
+            except (EOFError, OSError):
+                break
+            with self._lock:
+                iteration_id, future = self._pending.popleft()
+            if kind == Frame.OUTPUT:
+                future.set_result(RunnerOutput.from_wire(body))
+            else:
+                future.set_exception(IterationFailedError(
+                    f"{self.name} failed iteration {iteration_id}: {body[1]}"))
+        self._on_death()
+
+    def _on_death(self) -> None:
+        try:
+            self.process.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            pass
+        with self._lock:
+            self._dead = (f"{self.name} was shut down" if self._closing
+                          else f"{self.name} {_ending(self.process.returncode)}")
+            pending, self._pending = self._pending, deque()
+        if not self._closing:
+            log.error("%s", self._dead)
+        for _, future in pending:
+            future.set_exception(RunnerDiedError(self._dead))
+
+    def check_health(self) -> None:
+        if self._dead:
+            raise RunnerDiedError(self._dead)
+        if self.process.poll() is not None:
+            raise RunnerDiedError(f"{self.name} {_ending(self.process.returncode)}")
+
+    def shutdown(self) -> None:
+        self._closing = True
+        try:
+            self._to_child.send_bytes(frame(Frame.STOP))
+        except OSError:
+            pass
+        self._stop_process()
+        self._reader.join(STOP_TIMEOUT_SECONDS)
+
+    def _stop_process(self) -> None:
+        try:
+            self.process.wait(STOP_TIMEOUT_SECONDS)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(STOP_TIMEOUT_SECONDS)
+        self._to_child.close()
+
+
+def make_executor(kind: str, spec: RunnerSpec) -> Executor:
+    if kind == "process":
+        return ProcessExecutor(spec)
+    return InlineExecutor(spec)
+
+
+def _ending(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "stopped answering"
+    if exitcode < 0:
+        return f"was killed by {signal.Signals(-exitcode).name}"
+    return f"exited with code {exitcode}"
+
+
+def _python_executable() -> str:
+    """The interpreter to spawn: inside Triton's Python-backend stub, sys.executable is the
+    stub, not Python, so the environment's own python is used."""
+    if Path(sys.executable).name.startswith("python"):
+        return sys.executable
+    candidate = Path(sys.prefix) / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+    return str(candidate if candidate.exists() else Path(sys.prefix) / "bin" / "python3")
