@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 from .engine import LLMEngine
 from .errors import OrcaError
-from .sender import (Deltas, ErrorKind, Fail, FailAll, Metrics, Open, Rejected, Response,
-                     ResponseSink, Sender, Stats, Stop, Stream)
+from .sender import (Deltas, EngineSnapshot, ErrorKind, Fail, FailAll, Metrics, Open, Rejected,
+                     Response, ResponseSink, Sender, Stats, Stop, Stream)
 from .serving import GenerateRequest
 
 log = logging.getLogger(__name__)
@@ -222,17 +222,15 @@ class EngineLoop:
             log.exception("writing the iteration trace failed; the trace is switched off")
             self._trace = None
 
-    def _snapshot(self, iteration=None) -> dict:
+    def _snapshot(self, iteration=None) -> EngineSnapshot:
         """Gauges and counters for the metrics; `iteration` when one has just run."""
         self._publish_waiting()
-        return {"num_running": len(self.engine.scheduler.running),
-                "num_waiting": len(self.engine.scheduler.waiting),
-                "num_used_blocks": self.engine.kv.num_used_blocks,
-                "num_blocks": self.engine.kv.num_blocks,
-                "num_preemptions": self.engine.scheduler.num_preemptions,
-                "num_iterations": self.engine.stats.num_iterations,
-                "num_engine_restarts": self.num_restarts,
-                "batch_size": iteration.num_requests if iteration else 0}
+        engine = self.engine
+        return EngineSnapshot(len(engine.scheduler.running), len(engine.scheduler.waiting),
+                              engine.kv.num_used_blocks, engine.kv.num_blocks,
+                              engine.scheduler.num_preemptions, engine.stats.num_iterations,
+                              self.num_restarts, engine.stats.num_runner_restarts,
+                              iteration.num_requests if iteration else 0)
 
 
 def _refusal(request_id: str, error: Exception, doing: str) -> Fail:

@@ -49,7 +49,7 @@ class ResponseSink(Protocol):
 
 
 class Metrics(Protocol):
-    def on_iteration(self, engine_snapshot: dict) -> None: ...
+    def on_iteration(self, snapshot: EngineSnapshot) -> None: ...
     def on_tokens(self, num_tokens: int, first: bool, seconds_since_last: float) -> None: ...
     def on_finish(self, num_prompt_tokens: int, num_output_tokens: int, seconds: float) -> None: ...
     def on_rejected(self) -> None: ...
@@ -98,8 +98,23 @@ class Deltas:
 
 
 @dataclass(slots=True)
+class EngineSnapshot:
+    """Gauges and counters of the engine, as of one moment of the engine thread."""
+
+    num_running: int
+    num_waiting: int
+    num_used_blocks: int
+    num_blocks: int
+    num_preemptions: int
+    num_iterations: int
+    num_engine_restarts: int  # the serving loop started the engine over
+    num_runner_restarts: int  # the model runner died and was started again
+    batch_size: int  # of the iteration that has just returned; 0 when none has
+
+
+@dataclass(slots=True)
 class Stats:
-    snapshot: dict
+    snapshot: EngineSnapshot
 
 
 @dataclass(slots=True)

@@ -17,6 +17,7 @@ import triton_python_backend_utils as pb_utils
 
 from .engine import LLMEngine
 from .engine_loop import EngineLoop, ErrorKind, Response
+from .sender import EngineSnapshot
 from .errors import OrcaError
 from .serving import FLAG_INPUTS, GenerateRequest, engine_config_from_parameters, serving_options
 
@@ -61,6 +62,7 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         self.loop.shutdown()
+        self.engine.shutdown()
 
 
 def _close_on_interrupt(loop: EngineLoop) -> None:
@@ -159,20 +161,23 @@ class _TritonMetrics:
         self.e2e = metric("request_latency_seconds", H, "Arrival to last token", _SECONDS_BUCKETS)
         self.prompt_tokens = metric("prompt_tokens_total", C, "Prompt tokens of finished requests")
         self.generated_tokens = metric("generation_tokens_total", C, "Generated tokens")
-        self._seen = {"num_preemptions": 0, "num_iterations": 0, "num_engine_restarts": 0}
+        self.runner_restarts = metric("runner_restarts_total", C, "Model runner restarts after it died")
+        self._counters = {"num_preemptions": self.preemptions, "num_iterations": self.iterations,
+                          "num_engine_restarts": self.restarts, "num_runner_restarts": self.runner_restarts}
+        self._seen = dict.fromkeys(self._counters, 0)
 
-    def on_iteration(self, s: dict) -> None:
-        self.running.set(s["num_running"])
-        self.waiting.set(s["num_waiting"])
-        self.blocks_used.set(s["num_used_blocks"])
-        self.blocks_total.set(s["num_blocks"])
-        for key, counter in (("num_preemptions", self.preemptions), ("num_iterations", self.iterations),
-                             ("num_engine_restarts", self.restarts)):
-            if s[key] > self._seen[key]:
-                counter.increment(s[key] - self._seen[key])
-                self._seen[key] = s[key]
-        if s["batch_size"]:
-            self.batch_size.observe(s["batch_size"])
+    def on_iteration(self, s: EngineSnapshot) -> None:
+        self.running.set(s.num_running)
+        self.waiting.set(s.num_waiting)
+        self.blocks_used.set(s.num_used_blocks)
+        self.blocks_total.set(s.num_blocks)
+        for key, counter in self._counters.items():
+            value = getattr(s, key)
+            if value > self._seen[key]:
+                counter.increment(value - self._seen[key])
+                self._seen[key] = value
+        if s.batch_size:
+            self.batch_size.observe(s.batch_size)
 
     def on_tokens(self, num_tokens: int, first: bool, seconds_since_last: float) -> None:
         (self.ttft if first else self.itl).observe(seconds_since_last)

@@ -3,10 +3,13 @@ response sink that records what a client would have received."""
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from orca_backend.executor import Executor
 from orca_backend.kv_manager import BlockManager
-from orca_backend.messages import RunnerOutput, SampledToken, SchedulerOutput
+from orca_backend.messages import (RunnerOutput, SampledToken, SchedulerOutput, decode_runner_output,
+                                   decode_scheduler_output, encode)
 from orca_backend.request import Request, RequestStatus
 from orca_backend.sampling_params import SamplingParams
 from orca_backend.scheduler import Scheduler, SchedulerConfig
@@ -87,7 +90,8 @@ class FakeEngine:
     def step(self) -> Fed:
         message = self.scheduler.schedule()
         assert message is not None, "nothing to schedule"
-        out, fed = self.runner.execute(message)
+        out, fed = self.runner.execute(decode_scheduler_output(encode(message)))  # as if across processes
+        out = decode_runner_output(encode(out))
         for request_id, table in zip(fed.request_ids, fed.block_tables):
             assert table == self.kv.block_tables[request_id], "the runner's block table drifted"
         for req in self.scheduler.update(out):
@@ -130,3 +134,52 @@ class FakeSink:
     @property
     def num_output_tokens(self) -> int:
         return sum(r.num_output_tokens for r in self.responses)
+
+
+class HeldExecutor(Executor):
+    """Runs each iteration with a FakeRunner when it is submitted, but completes its future
+    only when released: out of order, late, or on a script (`on_submit(self, iteration_id)`).
+
+    Every submit checks ORCA's in-flight rules against the iterations still held: no request
+    in two of them, no block of an in-flight request handed to another, no in-flight request
+    dropped or preempted. Every release checks that its requests still own their blocks."""
+
+    def __init__(self, on_submit=None) -> None:
+        self.runner = FakeRunner()
+        self.held: dict[int, tuple[Future, RunnerOutput, SchedulerOutput]] = {}
+        self.lock = threading.Lock()
+        self.on_submit = on_submit
+        self.kv: BlockManager | None = None  # the engine's pool, for the release-time check
+        self.release_order: list[int] = []
+        self.max_held = 0
+
+    def submit(self, message: SchedulerOutput) -> Future:
+        message = decode_scheduler_output(encode(message))
+        future: Future = Future()
+        with self.lock:
+            in_flight = {rid for _, _, m in self.held.values() for rid in m.request_ids}
+            assert not in_flight & set(message.request_ids), "a request is in two in-flight iterations"
+            assert not in_flight & set(message.finished_request_ids + message.preempted_request_ids), \
+                "an in-flight request was dropped or preempted"
+            held_blocks = {b for rid in in_flight for b in self.runner.block_tables[rid]}
+            new_blocks = {b for s in message.scheduled for b in s.new_block_ids}
+            assert not held_blocks & new_blocks, "a block of an in-flight request was handed out again"
+            out, _ = self.runner.execute(message)
+            self.held[message.iteration_id] = (future, out, message)
+            self.max_held = max(self.max_held, len(self.held))
+        if self.on_submit is not None:
+            self.on_submit(self, message.iteration_id)
+        return future
+
+    def release(self, iteration_id: int) -> None:
+        with self.lock:
+            future, out, message = self.held.pop(iteration_id)
+            for rid in message.request_ids:
+                owned = self.kv.block_tables.get(rid, []) if self.kv is not None else None
+                assert owned is None or owned[:len(self.runner.block_tables.get(rid, []))] == \
+                    self.runner.block_tables.get(rid, []), f"{rid}'s blocks were freed while in flight"
+            self.release_order.append(iteration_id)
+        future.set_result(decode_runner_output(encode(out)))
+
+    def check_health(self) -> None:
+        pass

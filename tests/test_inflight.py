@@ -1,0 +1,167 @@
+"""Several iterations in flight (ORCA's rule): the engine with an executor that returns
+iterations out of order and late, and the serving loop cancelling a request in flight."""
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+
+import pytest
+
+from orca_backend import EngineConfig, LLMEngine, SamplingParams
+from orca_backend.engine_loop import EngineLoop
+from orca_backend.serving import GenerateRequest
+
+from fakes import FakeSink, HeldExecutor
+from helpers import wait_until
+
+
+def _engine(default_model, executor: HeldExecutor, **options) -> LLMEngine:
+    config = {"model": str(default_model), "kv_cache_tokens": 256, "block_size": 4, "max_inflight": 3,
+              **options}
+    engine = LLMEngine(EngineConfig(**config), executor=executor)  # no weights: the runner is fake
+    executor.kv = engine.kv
+    return engine
+
+
+def _params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+
+class _Releaser(threading.Thread):
+    """Completes held iterations in random order after random short delays."""
+
+    def __init__(self, executor: HeldExecutor, seed: int) -> None:
+        super().__init__(daemon=True)
+        self.executor, self.rng = executor, random.Random(seed)
+        self.stop, self.errors = threading.Event(), []
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            time.sleep(self.rng.uniform(0, 0.002))
+            with self.executor.lock:
+                ids = list(self.executor.held)
+            if ids:
+                try:
+                    self.executor.release(self.rng.choice(ids))
+                except AssertionError as e:
+                    self.errors.append(e)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_out_of_order_and_late_iterations_keep_every_rule(default_model, seed):
+    executor = HeldExecutor()
+    # A pool too small for everyone at once, so that requests are preempted around in-flight ones.
+    engine = _engine(default_model, executor, max_batch_size=4, max_num_batched_tokens=24,
+                     kv_cache_tokens=96)
+    rng = random.Random(seed)
+    wanted = {f"r{i}": rng.randint(1, 12) for i in range(16)}
+    for request_id, max_tokens in wanted.items():
+        engine.add_request(request_id, [rng.randint(5, 900) for _ in range(rng.randint(1, 40))],
+                           _params(max_tokens))
+    tokens = {request_id: [] for request_id in wanted}
+    finals = {request_id: 0 for request_id in wanted}
+    aborted: set[str] = set()
+    releaser = _Releaser(executor, seed)
+    releaser.start()
+    try:
+        for _ in range(2000):
+            if not engine.has_unfinished_requests():
+                break
+            for delta in engine.step():  # submits raise AssertionError on any broken rule
+                assert delta.request_id not in aborted, "an aborted request got output"
+                tokens[delta.request_id] += delta.token_ids
+                finals[delta.request_id] += delta.finished
+            if rng.random() < 0.05:  # abort whatever is open, in flight or not
+                open_ids = engine.unfinished_request_ids()
+                if open_ids:
+                    victim = rng.choice(open_ids)
+                    assert engine.abort_request(victim)
+                    aborted.add(victim)
+            engine.kv.check_integrity()
+    finally:
+        releaser.stop.set()
+        releaser.join(5)
+    assert not releaser.errors, releaser.errors
+    assert not engine.has_unfinished_requests() and engine.kv.num_used_blocks == 0
+    for request_id, max_tokens in wanted.items():
+        if request_id not in aborted:
+            assert tokens[request_id] == [1000 + i for i in range(max_tokens)], request_id
+            assert finals[request_id] == 1
+        else:
+            assert finals[request_id] == 0 and len(tokens[request_id]) < max_tokens
+    assert engine.scheduler.num_preemptions > 0
+    assert executor.max_held == 3, "never had max_inflight iterations out at once"
+    assert executor.release_order != sorted(executor.release_order), "never returned out of order"
+
+
+def test_an_abort_in_flight_takes_effect_when_its_iteration_returns(default_model):
+    # Iteration just submitted -> iterations to complete now; later ones complete at once.
+    script = {0: [], 1: [1], 2: [0, 2]}
+    executor = HeldExecutor(lambda ex, i: [ex.release(j) for j in script.get(i, [i])])
+    engine = _engine(default_model, executor, max_batch_size=1, max_inflight=2)
+    engine.add_request("a", list(range(10, 30)), _params(4))
+    engine.add_request("b", list(range(40, 45)), _params(3))
+    deltas = engine.step()  # iteration 0 = [a] stays out, iteration 1 = [b] returns
+    assert [d.request_id for d in deltas] == ["b"] and 0 in executor.held
+    blocks_of_a = list(engine.kv.block_tables["a"])
+    assert engine.abort_request("a")
+    assert engine.kv.block_tables["a"] == blocks_of_a, "blocks of an in-flight request were freed"
+    deltas = engine.step()  # iteration 2 = [b]; iteration 0 returns late and is dropped
+    assert [d.request_id for d in deltas] == ["b"]
+    assert "a" not in engine.kv.block_tables
+    while engine.has_unfinished_requests():
+        assert all(d.request_id == "b" for d in engine.step())
+    assert not executor.held and engine.kv.num_used_blocks == 0
+    assert "a" not in executor.runner.token_ids, "the runner was never told to drop the aborted request"
+
+
+def _stream(max_tokens: int) -> GenerateRequest:
+    values = {"max_tokens": max_tokens, "ignore_eos": True}
+    return GenerateRequest.parse(b"hello", {"stream": True}, json.dumps(values).encode(), None)
+
+
+def test_a_request_cancelled_in_flight_gets_one_final_response_and_no_more_tokens(default_model):
+    executor = HeldExecutor()
+    engine = _engine(default_model, executor, max_batch_size=1, max_inflight=2)
+    loop = EngineLoop(engine)
+    loop.start()
+    try:
+        a, b = FakeSink(), FakeSink()
+        loop.submit(_stream(50), a)
+        wait_until(lambda: executor.held, 30, "a's first iteration")
+        loop.submit(_stream(20), b)
+        wait_until(lambda: loop._inbox.qsize() == 1, 30, "b tokenized and queued for the engine")
+        executor.release(0)  # a's prompt: a streams its first token; then a and b go out together
+        wait_until(lambda: len(executor.held) == 2, 30, "a and b in flight")
+        first, second = sorted(executor.held)
+        in_flight_a = first if "req-0" in executor.held[first][2].request_ids else second
+        executor.release(second if in_flight_a == first else first)  # b returns, a stays out
+        wait_until(lambda: a.num_output_tokens == 1, 30, "a's first token")
+        a.cancelled = True
+
+        def cancel_seen() -> bool:  # b's iterations keep returning meanwhile, a's stays out
+            with executor.lock:
+                others = [i for i in executor.held if i != in_flight_a]
+            for i in others:
+                executor.release(i)
+            return a.error is not None
+
+        wait_until(cancel_seen, 30, "the cancel")
+        assert a.error[0] == "cancelled"
+        executor.release(in_flight_a)  # a's late token must be dropped
+        for _ in range(200):  # let b finish
+            with executor.lock:
+                ids = list(executor.held)
+            for i in ids:
+                executor.release(i)
+            if b.done.is_set():
+                break
+            time.sleep(0.01)
+        assert b.done.wait(30) and b.error is None and b.num_output_tokens == 20
+        wait_until(lambda: not engine.has_unfinished_requests(), 30, "the engine to drain")
+        assert a.num_finals == 1 and a.num_output_tokens == 1, "a got output after its cancel"
+        assert engine.kv.num_used_blocks == 0
+    finally:
+        loop.shutdown()
