@@ -69,6 +69,11 @@ ENGINE_VARIANTS = {
     "preempt": dict(kv_cache_tokens=96, block_size=4, max_num_batched_tokens=32),
     "reserve": dict(kv_cache_tokens=160, block_size=8, policy="reserve"),
     "request": dict(batching="request", max_batch_size=4),
+    # Two iterations in flight, so a batch splits around the requests still out.
+    "inflight": dict(max_inflight=2, max_batch_size=3, max_num_batched_tokens=32),
+    # The runner in a child process, fed only the messages.
+    "process": dict(executor="process", max_inflight=2, kv_cache_tokens=96, block_size=4,
+                    max_num_batched_tokens=32),
 }
 
 
@@ -90,11 +95,11 @@ def test_tiny_models_match_transformers(kind, variant, tiny_models, references):
     prompts, refs = references(kind)
     engine = LLMEngine(EngineConfig(model=str(tiny_models[kind]), keep_logits=True,
                                     **ENGINE_VARIANTS[variant]))
-    _check(engine, prompts, refs)
-    if variant == "preempt":
-        assert engine.scheduler.num_preemptions > 0
-    else:
-        assert engine.scheduler.num_preemptions == 0
+    try:
+        _check(engine, prompts, refs)
+    finally:
+        engine.shutdown()
+    assert (engine.scheduler.num_preemptions > 0) == (variant in ("preempt", "process"))
 
 
 @pytest.mark.parametrize("variant", ["chunked", "preempt"])

@@ -1,0 +1,134 @@
+"""The `process` executor: the runner in a child process that knows only the messages, and
+what happens when that child dies, hangs, or outlives its parent."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from orca_backend import LLM, EngineConfig, LLMEngine, SamplingParams
+from orca_backend import executor as executor_module
+from orca_backend.executor import ProcessExecutor, RunnerDiedError, RunnerSpec
+from orca_backend.messages import NewRequest, ScheduledRequest, SchedulerOutput
+
+from helpers import wait_until
+
+PROMPTS = ["The capital of France is", "Write a haiku about rain", "1, 2, 3,"]
+
+
+def _spec(default_model) -> RunnerSpec:
+    return RunnerSpec(str(default_model), "float32", "cpu", num_blocks=16, block_size=16, seed=0)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _bounded(call, seconds: float) -> None:
+    """Run `call` in a thread; fail if it has not returned after `seconds`."""
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"{call} did not return within {seconds} s"
+
+
+def test_process_gives_the_same_tokens_as_inline_seeded_and_with_logprobs(default_model):
+    params = [SamplingParams(temperature=0, max_tokens=12),
+              SamplingParams(temperature=0.9, seed=11, max_tokens=12, logprobs=2),
+              SamplingParams(temperature=0.7, top_k=20, seed=3, max_tokens=12, repetition_penalty=1.3)]
+    with LLM(str(default_model), kv_cache_tokens=2048) as inline, \
+            LLM(str(default_model), kv_cache_tokens=2048, executor="process", max_inflight=2) as child:
+        ours, theirs = inline.generate(PROMPTS, params), child.generate(PROMPTS, params)
+    assert [o.token_ids for o in ours] == [t.token_ids for t in theirs]
+    assert ours[1].logprobs == theirs[1].logprobs and len(ours[1].logprobs) == 12
+
+
+def test_a_killed_runner_fails_the_requests_it_held_and_the_rest_run_on_a_new_one(default_model):
+    engine = LLMEngine(EngineConfig(model=str(default_model), executor="process", kv_cache_tokens=2048,
+                                    max_batch_size=2))
+    try:
+        ids = [f"r{i}" for i in range(4)]
+        for request_id, prompt in zip(ids, PROMPTS + ["Hello"]):
+            engine.add_request(request_id, prompt, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+        engine.step()  # r0 and r1 run; r2 and r3 wait, unseen by the runner
+        old = engine.executor.process
+        old.kill()
+        old.wait(10)
+        deltas = engine.step()
+        assert sorted(d.request_id for d in deltas) == ["r0", "r1"]
+        for d in deltas:
+            assert d.error == (f"internal error: the model runner process (pid {old.pid}) was killed by "
+                               f"SIGKILL; the runner was restarted")
+        assert engine.stats.num_runner_restarts == 1 and engine.executor.process.pid != old.pid
+        tokens = {}
+        while engine.has_unfinished_requests():
+            for d in engine.step():
+                assert d.error is None
+                tokens[d.request_id] = tokens.get(d.request_id, 0) + len(d.token_ids)
+        assert tokens == {"r2": 5, "r3": 5}
+        engine.kv.check_integrity()
+        assert engine.kv.num_used_blocks == 0
+    finally:
+        _bounded(engine.shutdown, 30)
+
+
+def test_a_runner_killed_mid_iteration_fails_that_iteration_and_every_later_one(default_model):
+    executor = ProcessExecutor(_spec(default_model))
+    pid = executor.process.pid
+    try:
+        os.kill(pid, signal.SIGSTOP)  # it cannot answer before it dies
+        message = SchedulerOutput(0, [NewRequest("a", [1, 2, 3], SamplingParams(), None, False)],
+                                  [ScheduledRequest("a", 0, 3, [], [0], True)])
+        future = executor.submit(message)
+        os.kill(pid, signal.SIGKILL)
+        expected = f"the model runner process (pid {pid}) was killed by SIGKILL"
+        with pytest.raises(RunnerDiedError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+            future.result(timeout=30)
+        with pytest.raises(RunnerDiedError):
+            executor.check_health()
+        with pytest.raises(RunnerDiedError):
+            executor.submit(message).result(timeout=1)  # refused at once, nothing waits
+    finally:
+        _bounded(executor.shutdown, 30)
+
+
+def test_shutting_down_a_hung_runner_is_bounded(default_model, monkeypatch):
+    monkeypatch.setattr(executor_module, "STOP_TIMEOUT_SECONDS", 1)
+    executor = ProcessExecutor(_spec(default_model))
+    os.kill(executor.process.pid, signal.SIGSTOP)  # alive, but it will never read STOP
+    _bounded(executor.shutdown, 10)
+    assert executor.process.returncode == -signal.SIGKILL
+
+
+CHILD_OF_A_DOOMED_PARENT = """
+import os, signal, sys
+from orca_backend.executor import ProcessExecutor, RunnerSpec
+executor = ProcessExecutor(RunnerSpec(sys.argv[1], "float32", "cpu", 16, 16, 0))
+print(executor.process.pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_the_runner_exits_when_its_parent_dies(default_model):
+    # Popen, not run(): the runner inherits the parent's stdout, and run() would wait for it.
+    with subprocess.Popen([sys.executable, "-c", CHILD_OF_A_DOOMED_PARENT, str(default_model)],
+                          stdout=subprocess.PIPE, text=True) as parent:
+        child = int(parent.stdout.readline())
+        assert parent.wait(120) == -signal.SIGKILL
+        wait_until(lambda: _gone(child), 15, "the orphaned runner to exit")
+
+
+def test_a_runner_that_cannot_load_its_model_says_why(tmp_path, default_model):
+    (tmp_path / "config.json").write_text((default_model / "config.json").read_text())
+    with pytest.raises(RunnerDiedError) as raised:
+        ProcessExecutor(RunnerSpec(str(tmp_path), "float32", "cpu", 16, 16, 0))
+    assert "could not build the runner: ConfigError" in str(raised.value)
+    assert str(tmp_path) in str(raised.value)
