@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install model serve test bench bench-full bench-engine perf clean
+.PHONY: install model serve test bench bench-full bench-engine bench-executors perf clean
 
 install: $(STAMP)
 
@@ -38,6 +38,10 @@ bench-full: model
 
 bench-engine: model
 	$(PY) benchmarks/bench_engine.py --markdown docs/benchmarks/engine.md
+
+# The executor boundary alone: inline vs the runner in a child process, per iteration.
+bench-executors: model
+	$(PY) benchmarks/bench_engine.py --executors-only --quick --markdown docs/benchmarks/executors.md
 
 # perf_analyzer and genai-perf in build/perf-tools, then both and our load generator on one
 # workload; writes docs/benchmarks/perf.md and docs/benchmarks/perf/.

@@ -16,6 +16,10 @@ Runs in one process, side by side, and prints markdown tables:
 
 4. The serving benchmark's trace offline: 64 requests of `make bench`'s ORCA trace (prompt and
    output lengths both vary; `--trace-scale` as its `--scale`) given all at once, run as part 2.
+5. The executor boundary: part 1's workload at batch 1 and 32 with the runner inline and in a
+   child process (`executor="process"`, also with two iterations in flight of half the batch
+   each): time per iteration, the share outside the model forward, and the bytes of the
+   messages per iteration. `--executors-only` runs this part alone.
 
 Wall times include prefill for both systems. Usage: python benchmarks/bench_engine.py [--quick]
 """
@@ -74,6 +78,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--trace-scale", type=float, default=0.25,
                    help="part 4: scale of the ORCA trace's length ranges")
     p.add_argument("--markdown", type=Path, help="also write the tables to this file")
+    p.add_argument("--executors-only", action="store_true", help="part 5 alone (no transformers)")
     # Best of several runs: on a shared machine the fastest run is the one least disturbed.
     p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement; best kept")
     args = p.parse_args()
@@ -117,14 +122,14 @@ def run_ours(llm: LLM, prompts: list[list[int]], max_tokens: list[int], repeats:
     engine, best = llm.engine, None
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     for _ in range(repeats):
-        engine.stats.step_seconds, engine.runner.forward_seconds = 0.0, 0.0
+        engine.stats.step_seconds, engine.stats.forward_seconds = 0.0, 0.0
         iters_before = engine.stats.num_iterations
         start = time.perf_counter()
         outs = llm.generate(prompts, params)
         wall = time.perf_counter() - start
         if best is None or wall < best["wall"]:
             best = {"wall": wall, "tokens": [o.token_ids for o in outs],
-                    "step": engine.stats.step_seconds, "forward": engine.runner.forward_seconds,
+                    "step": engine.stats.step_seconds, "forward": engine.stats.forward_seconds,
                     "iters": engine.stats.num_iterations - iters_before}
     return best
 
@@ -217,6 +222,53 @@ def compare_batching(model, prompts: list, max_tokens: list[int], pad_id: int, r
                         f"{row[1] / row[-1] / hf_rate:.2f}x"] for row in rows]
 
 
+def bench_executors(args, tokenizer) -> list:
+    """Part 5: the same decode workload through each executor; per-iteration figures."""
+    M, P, rows = args.max_tokens, args.prompt_tokens, []
+    for B in (1, 32):
+        prompts = make_prompts(tokenizer, B, P)
+        variants = [("inline", 1, {}), ("process", 1, {"executor": "process"})]
+        if B > 1:
+            variants.append(("process, 2 in flight", 2, {"executor": "process", "max_inflight": 2}))
+        inline_ms = None
+        for label, inflight, options in variants:
+            with LLM(max_batch_size=B // inflight, max_num_batched_tokens=max(512, B * P),
+                     kv_cache_tokens=B * (P + M) + 1024, **options) as llm:
+                r = run_ours(llm, prompts, [M] * B, args.repeats)
+                sent, got = message_bytes(llm, prompts, M)
+            ms, fwd_ms = 1000 * r["step"] / r["iters"], 1000 * r["forward"] / r["iters"]
+            inline_ms = inline_ms or ms
+            rows.append([B, label, r["iters"], f"{ms:.2f}", f"{fwd_ms:.2f}", f"{ms - fwd_ms:.2f}",
+                         pct(1 - r["forward"] / r["step"]), f"{ms - inline_ms:+.2f}",
+                         f"{sent:.0f}", f"{got:.0f}", f"{sum(map(len, r['tokens'])) / r['wall']:.1f}"])
+            log(f"  B={B} {label}: {ms:.2f} ms/iteration, forward {fwd_ms:.2f} ms")
+    return rows
+
+
+def message_bytes(llm: LLM, prompts: list, max_tokens: int) -> tuple[float, float]:
+    """Mean encoded size of the SchedulerOutput and RunnerOutput per iteration, one more run."""
+    from orca_backend.messages import encode
+
+    executor, sizes = llm.engine.executor, []
+    submit = executor.submit
+
+    def recording(message):
+        future = submit(message)
+        future.add_done_callback(lambda f: sizes.append((len(encode(message)), len(encode(f.result())))))
+        return future
+
+    executor.submit = recording
+    try:
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    finally:
+        del executor.submit
+    return sum(s for s, _ in sizes) / len(sizes), sum(g for _, g in sizes) / len(sizes)
+
+
+EXECUTOR_HEADER = ["batch", "executor", "iterations", "ms/iteration", "forward ms", "outside forward ms",
+                   "outside share", "vs inline ms", "bytes sent", "bytes back", "tok/s"]
+
+
 def pct(x: float) -> str:
     return f"{100 * x:.2f}%"  # two decimals: the shares outside the forward are small
 
@@ -227,16 +279,31 @@ def main() -> None:
     transformers.logging.set_verbosity_error()  # generation-config notices would bury the tables
     folder = prepare_default_model()  # the folder LLM() loads by default
     tokenizer = AutoTokenizer.from_pretrained(folder)
+    M, P = args.max_tokens, args.prompt_tokens
+    part5 = [f"## 5. The executor boundary (prompt {P} tokens, {M} output tokens, greedy; per iteration)",
+             "", "Decode iterations of part 1's workload. `process`: the runner in a child process, "
+             "messages over pipes; `2 in flight`: two iterations of half the batch each are out at "
+             "once. Bytes are the encoded SchedulerOutput and RunnerOutput, mean per iteration.", ""]
+    if args.executors_only:
+        log("measuring the executors ...")
+        out = ["# orca_backend executors, SmolLM2-135M-Instruct fp32 CPU", "",
+               *machine_facts(started, load_at_start, args.repeats), "",
+               *part5, *table(EXECUTOR_HEADER, bench_executors(args, tokenizer)), ""]
+        print("\n".join(out))
+        if args.markdown:
+            args.markdown.write_text("\n".join(out))
+        return
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     pad_id = tokenizer.pad_token_id
     pad_id = tokenizer.eos_token_id if pad_id is None else pad_id  # in case a model sets none
-    M, P = args.max_tokens, args.prompt_tokens
     log("measuring equal-length batches ...")
     speed, overhead = bench_fixed(args, model, tokenizer, pad_id)
     log("measuring varying output lengths ...")
     varying = bench_varying(args, model, tokenizer, pad_id)
     log("measuring the ORCA trace ...")
     trace_prompts, traced = bench_trace(args, model, tokenizer, pad_id)
+    log("measuring the executors ...")
+    executors = bench_executors(args, tokenizer)
     (lo_in, hi_in), (lo_out, hi_out) = LengthDist(kind="orca", scale=args.trace_scale).orca_bounds()
     facts = machine_facts(started, load_at_start, args.repeats)
     out = ["# orca_backend vs transformers, SmolLM2-135M-Instruct fp32 CPU", "", *facts, "",
@@ -255,7 +322,8 @@ def main() -> None:
            f"(drawn from [{lo_in}, {hi_in}]), max_tokens uniform in [{lo_out}, {hi_out}], "
            f"batch {VARY_BATCH}, all at once)", "",
            *table(["system", "useful tokens", "computed tokens", "iterations", "tokens/iteration",
-                   "wall s", "useful tok/s", "vs transformers"], traced), ""]
+                   "wall s", "useful tok/s", "vs transformers"], traced), "",
+           *part5, *table(EXECUTOR_HEADER, executors), ""]
     print("\n".join(out))
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
