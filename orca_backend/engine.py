@@ -5,7 +5,7 @@ import logging
 import math
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -72,6 +72,8 @@ class EngineStats:
     forward_seconds: float = 0.0  # the runner's model forward, as it reports it
     num_runner_restarts: int = 0
     last_iteration: IterationRecord | None = None
+    # Every iteration the last step() collected (several when several were in flight).
+    last_step_iterations: list[IterationRecord] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -209,6 +211,7 @@ class LLMEngine:
         request alone, with a delta whose `error` says why. A failed iteration ends its own
         requests. A dead runner ends the requests it held, and is restarted."""
         start = time.perf_counter()
+        self.stats.last_step_iterations = []
         try:
             self.executor.check_health()
             self._submit()
@@ -260,6 +263,7 @@ class LLMEngine:
         self.stats.last_iteration = IterationRecord(
             message.num_requests, message.num_tokens, message.num_prefill_requests,
             message.num_decode_requests, self.kv.num_used_blocks, len(self.scheduler.waiting))
+        self.stats.last_step_iterations.append(self.stats.last_iteration)
         return deltas
 
     def _recover(self, error: RunnerDiedError) -> list[RequestDelta]:

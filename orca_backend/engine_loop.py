@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .engine import LLMEngine
+from .engine import IterationRecord, LLMEngine
 from .errors import OrcaError
 from .sender import (Deltas, EngineSnapshot, ErrorKind, Fail, FailAll, Metrics, Open, Rejected,
                      Response, ResponseSink, Sender, Stats, Stop, Stream)
@@ -133,8 +133,9 @@ class EngineLoop:
     def _step(self) -> None:
         deltas = self.engine.step()
         self.sender.put(Deltas(deltas))
-        self._write_trace()
-        self.sender.put(Stats(self._snapshot(self.engine.stats.last_iteration)))
+        for iteration in self.engine.stats.last_step_iterations:
+            self._write_trace(iteration)
+            self.sender.put(Stats(self._snapshot(iteration)))
 
     def _take_commands(self) -> bool:
         """Apply queued adds and aborts; block while there is nothing to run. False = stop."""
@@ -212,17 +213,17 @@ class EngineLoop:
         with self._lock:
             self._num_engine_waiting = len(self.engine.scheduler.waiting)
 
-    def _write_trace(self) -> None:
-        if self._trace is None or self.engine.stats.last_iteration is None:
+    def _write_trace(self, iteration: IterationRecord) -> None:
+        if self._trace is None:
             return
-        record = dataclasses.asdict(self.engine.stats.last_iteration)
+        record = dataclasses.asdict(iteration)
         try:
             self._trace.write(json.dumps({"time": time.time(), **record}) + "\n")
         except Exception:  # a full disk ends the trace, not the serving
             log.exception("writing the iteration trace failed; the trace is switched off")
             self._trace = None
 
-    def _snapshot(self, iteration=None) -> EngineSnapshot:
+    def _snapshot(self, iteration: IterationRecord | None = None) -> EngineSnapshot:
         """Gauges and counters for the metrics; `iteration` when one has just run."""
         self._publish_waiting()
         engine = self.engine
