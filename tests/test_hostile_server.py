@@ -3,8 +3,11 @@ queue (backpressure) and a model whose engine thread is made to crash once (faul
 from a test-only model.py that wraps ours; the product itself has no fault hooks)."""
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+import signal
 import threading
 
 import pytest
@@ -57,6 +60,8 @@ def hostile(tmp_path_factory, default_model):
     _model(repository, "orca_small_queue", {"max_batch_size": "1", "max_queue_size": "2",
                                             "kv_cache_tokens": "2048"})
     _model(repository, "orca_faulty", {"kv_cache_tokens": "2048"}, FAULTY_MODEL_PY)
+    _model(repository, "orca_process", {"executor": "process", "max_inflight": "2",
+                                        "kv_cache_tokens": "2048"})
     server = Server(root, model_repository=repository)
     try:
         server.wait_ready()
@@ -66,6 +71,36 @@ def hostile(tmp_path_factory, default_model):
 
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def _runner_pids(server: Server) -> list[int]:
+    """Live processes under `server`'s tritonserver that run the model runner (only the
+    model with the process executor starts one)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        # The command name may hold spaces and parentheses: the fields follow the last ')'.
+        state, ppid = stat[stat.rindex(")") + 2:].split()[:2]
+        if state != "Z":
+            children.setdefault(int(ppid), []).append(int(entry))
+    found, todo = [], list(children.get(server.process.pid, []))
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"orca_backend.runner_process" in argv:
+            found.append(pid)
+    return found
 
 
 def test_a_full_queue_refuses_at_once_and_harms_nothing_queued(hostile):
@@ -118,3 +153,49 @@ def test_a_crashed_engine_thread_ends_every_open_request_and_the_model_serves_on
     with StreamingClient(hostile.grpc_url, model=model) as again:
         after = again.generate("Once upon a time", sampling={"max_tokens": 4, **GREEDY})
     assert after.error is None and len(after.responses) == 4
+
+
+@contextlib.contextmanager
+def _stream(server: Server, model: str):
+    """A StreamingClient that, when the test fails, cancels what is open instead of waiting
+    for the server to end it (a stuck request would hold the test forever)."""
+    c = StreamingClient(server.grpc_url, model=model)
+    try:
+        yield c
+    except BaseException:
+        c.close(cancel=True)
+        raise
+    c.close()
+
+
+def test_a_killed_runner_process_fails_its_requests_and_a_new_runner_serves_on(hostile):
+    model = "orca_process"
+    prompt, sampling = "Once upon a time", {"max_tokens": 12, **GREEDY}
+    with _stream(hostile, "orca_small_queue") as inline:  # the same engine, its runner inline
+        reference = inline.generate(prompt, sampling=sampling, timeout=60)
+    with _stream(hostile, model) as c:
+        first = c.generate(prompt, sampling=sampling, timeout=60)
+    assert reference.error is None and len(reference.responses) == 12
+    assert first.error is None and first.text == reference.text
+
+    runners = _runner_pids(hostile)
+    assert len(runners) == 1, runners
+    killed = runners[0]
+    with _stream(hostile, model) as c:
+        victim = c.send("Tell me a long story", sampling={"max_tokens": 400, **GREEDY})
+        wait_until(lambda: c._results[victim].responses, 30, "the long request to stream")
+        os.kill(killed, signal.SIGKILL)
+        result = c.wait(victim, timeout=30)
+    assert 0 < len(result.responses) < 400
+    # The error kind (INTERNAL) does not reach a streaming tritonclient: only the message does.
+    assert result.error == (f"internal error: the model runner process (pid {killed}) was killed by "
+                            f"SIGKILL; the runner was restarted"), result.error
+
+    with _stream(hostile, model) as again:
+        after = again.generate(prompt, sampling=sampling, timeout=60)
+    assert after.error is None and after.text == reference.text
+    assert hostile.metric("orca_runner_restarts_total", model) == 1
+    replacement = _runner_pids(hostile)
+    assert len(replacement) == 1 and replacement != [killed], replacement
+    assert_no_leak(hostile, model)
+    assert hostile.is_ready()
