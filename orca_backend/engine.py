@@ -98,15 +98,9 @@ class LLMEngine:
         """Forget every request: a fresh scheduler and K/V pool. The weights stay loaded; a
         runner that died is started again."""
         old = getattr(self, "scheduler", None)
-        c = self.config
-        self.kv = BlockManager(self.runner_spec.num_blocks, c.block_size)
-        self.scheduler = Scheduler(SchedulerConfig(c.max_batch_size, c.max_num_batched_tokens, c.policy,
-                                                   c.batching, c.max_inflight), self.kv)
-        self._tracked: dict[str, _Tracked] = {}
-        self._in_flight: dict[int, tuple[SchedulerOutput, Future[RunnerOutput]]] = {}
+        self._fresh_scheduler()
         if old is None:
             return
-        self.scheduler.num_preemptions = old.num_preemptions  # a counter runs on across a reset
         try:
             self.executor.check_health()
         except RunnerDiedError:
@@ -114,11 +108,23 @@ class LLMEngine:
             return
         self.scheduler.forget_on_runner(old.runner_request_ids())
 
+    def _fresh_scheduler(self) -> None:
+        c = self.config
+        num_preemptions = self.scheduler.num_preemptions if hasattr(self, "scheduler") else 0
+        self.kv = BlockManager(self.runner_spec.num_blocks, c.block_size)
+        self.scheduler = Scheduler(SchedulerConfig(c.max_batch_size, c.max_num_batched_tokens, c.policy,
+                                                   c.batching, c.max_inflight), self.kv)
+        self.scheduler.num_preemptions = num_preemptions  # a counter runs on across a reset
+        self._tracked: dict[str, _Tracked] = {}
+        self._in_flight: dict[int, tuple[SchedulerOutput, Future[RunnerOutput]]] = {}
+        self._runner_died = False  # its requests have been ended; a new runner is due
+
     def _restart_runner(self) -> None:
         log.warning("starting a new model runner")
         self.executor.shutdown()
         self.executor = make_executor(self.config.executor, self.runner_spec)
         self.stats.num_runner_restarts += 1
+        self._runner_died = False
 
     def shutdown(self) -> None:
         """Stop the runner (a child process, with the `process` executor)."""
@@ -196,8 +202,8 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        """Requests to run, or iterations still to collect."""
-        return bool(self._tracked) or bool(self._in_flight)
+        """Requests to run, iterations still to collect, or a runner to start again."""
+        return bool(self._tracked) or bool(self._in_flight) or self._runner_died
 
     def unfinished_request_ids(self) -> list[str]:
         return list(self._tracked)
@@ -213,6 +219,8 @@ class LLMEngine:
         start = time.perf_counter()
         self.stats.last_step_iterations = []
         try:
+            if self._runner_died:  # its requests' errors went out with the previous step
+                self._restart_runner()
             self.executor.check_health()
             self._submit()
             if not self._in_flight:
@@ -267,15 +275,15 @@ class LLMEngine:
         return deltas
 
     def _recover(self, error: RunnerDiedError) -> list[RequestDelta]:
-        """The runner died: end every request it held state for, start a new runner, and
-        keep the requests it never saw."""
+        """The runner died: end every request it held state for now, keep the requests it
+        never saw, and start a new runner with the next step (so the errors go out first)."""
         log.error("%s; restarting it", error)
         unseen = [self._tracked[r.request_id] for r in self.scheduler.waiting
                   if not r.num_sent_tokens and r.request_id in self._tracked]
         message = f"internal error: {error}; the runner was restarted"
         deltas = [_error_delta(t.request, message) for t in self._tracked.values() if t.request.num_sent_tokens]
-        self._restart_runner()
-        self.reset()
+        self._fresh_scheduler()
+        self._runner_died = True
         for tracked in unseen:
             self._tracked[tracked.request.request_id] = tracked
             self.scheduler.add(tracked.request)
