@@ -32,6 +32,7 @@ class EngineConfig:
     keep_logits: bool = False  # return each iteration's logits (for tests)
     executor: str = "inline"  # where the model runner lives: "inline" or "process"
     max_inflight: int = 1  # iterations submitted to the executor and not yet returned
+    iteration_timeout_seconds: int = 600  # a runner silent this long is treated as dead
 
     def __post_init__(self) -> None:
         _need(self.dtype in DTYPE_SIZES, "dtype", self.dtype, f"one of {', '.join(DTYPE_SIZES)}")
@@ -40,7 +41,7 @@ class EngineConfig:
         if self.device == "cpu" and self.dtype != "float32":
             raise ConfigError(f"dtype {self.dtype!r} is for GPUs; use 'float32' on cpu")
         for name in ("max_batch_size", "max_num_batched_tokens", "block_size", "max_prompt_bytes",
-                     "max_inflight"):
+                     "max_inflight", "iteration_timeout_seconds"):
             value = getattr(self, name)
             _need(isinstance(value, int) and value >= 1, name, value, "an integer >= 1")
         for name in ("kv_cache_tokens", "kv_cache_bytes", "max_model_len"):

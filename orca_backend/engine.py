@@ -241,9 +241,14 @@ class LLMEngine:
             self._in_flight[message.iteration_id] = (message, self.executor.submit(message))
 
     def _returned(self) -> list[tuple[SchedulerOutput, Future[RunnerOutput]]]:
-        """Wait for at least one iteration; every one that has returned, oldest first."""
-        wait([future for _, future in self._in_flight.values()], return_when=FIRST_COMPLETED)
+        """Wait for at least one iteration; every one that has returned, oldest first. A
+        runner that returns nothing for `iteration_timeout_seconds` is treated as dead."""
+        timeout = self.config.iteration_timeout_seconds
+        wait([future for _, future in self._in_flight.values()], timeout, FIRST_COMPLETED)
         done = sorted(i for i, (_, future) in self._in_flight.items() if future.done())
+        if not done:
+            raise RunnerDiedError(f"{self.executor.name} returned no iteration in {timeout} s "
+                                  f"(iteration {min(self._in_flight)} was due)")
         return [self._in_flight.pop(i) for i in done]
 
     def _complete(self, message: SchedulerOutput, future: Future[RunnerOutput]) -> list[RequestDelta]:

@@ -72,6 +72,8 @@ def build_runner(spec: RunnerSpec):
 class Executor(abc.ABC):
     """Runs iterations. Futures complete in any order; the engine matches them by id."""
 
+    name = "the model runner"  # for error messages
+
     @abc.abstractmethod
     def submit(self, message: SchedulerOutput) -> Future[RunnerOutput]: ...
 

@@ -144,3 +144,24 @@ def test_a_runner_that_died_while_idle_costs_the_next_request_nothing(default_mo
         out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
         assert out.error is None and len(out.token_ids) == 3
         assert llm.engine.stats.num_runner_restarts == 1
+
+
+def test_a_hung_runner_is_given_up_after_the_iteration_timeout(default_model, monkeypatch):
+    monkeypatch.setattr(executor_module, "STOP_TIMEOUT_SECONDS", 1)
+    config = EngineConfig(model=str(default_model), executor="process", kv_cache_tokens=2048,
+                          iteration_timeout_seconds=2)
+    engine = LLMEngine(config)
+    try:
+        hung = engine.executor.process
+        os.kill(hung.pid, signal.SIGSTOP)
+        engine.add_request("a", "Hello", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        (delta,) = engine.step()
+        assert delta.error == (f"internal error: the model runner process (pid {hung.pid}) returned no "
+                               f"iteration in 2 s (iteration 0 was due); the runner was restarted")
+        engine.add_request("b", "Hello", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        tokens = []
+        while engine.has_unfinished_requests():
+            tokens += [t for d in engine.step() for t in d.token_ids]
+        assert len(tokens) == 3 and hung.returncode == -signal.SIGKILL
+    finally:
+        _bounded(engine.shutdown, 30)
