@@ -46,6 +46,9 @@ def test_bad_requests_name_the_problem(kwargs, message):
 def test_config_parameters_become_engine_options():
     c = engine_config_from_parameters({"max_batch_size": "8", "model": "", "dtype": "auto", "policy": "reserve"})
     assert (c.max_batch_size, c.model, c.dtype, c.device, c.policy) == (8, None, "float32", "cpu", "reserve")
+    c = engine_config_from_parameters({"executor": "process", "max_inflight": "2",
+                                       "iteration_timeout_seconds": "30"})
+    assert (c.executor, c.max_inflight, c.iteration_timeout_seconds) == ("process", 2, 30)
     gpu = engine_config_from_parameters({}, instance_kind="GPU", device_id=2)
     assert (gpu.device, gpu.dtype) == ("cuda:2", "bfloat16")
 
@@ -54,6 +57,8 @@ def test_config_parameters_become_engine_options():
     ({"max_batch_size": "many"}, "'max_batch_size' must be an integer"),
     ({"max_batchsize": "8"}, "unknown model parameter 'max_batchsize'"),
     ({"policy": "lifo"}, "'policy'"),
+    ({"executor": "thread"}, "engine option 'executor' must be one of inline, process, got 'thread'"),
+    ({"max_inflight": "0"}, "engine option 'max_inflight' must be an integer >= 1, got 0"),
 ])
 def test_bad_config_parameters_fail_the_load_with_a_named_error(parameters, message):
     with pytest.raises(ConfigError, match=message):
