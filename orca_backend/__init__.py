@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "LLM": "llm", "RequestOutput": "llm", "LLMEngine": "engine", "RequestDelta": "engine",
+    "LLM": "llm", "RequestOutput": "llm", "LLMEngine": "engine", "RequestDelta": "outputs",
     "EngineConfig": "config", "SamplingParams": "sampling_params",
     "OrcaError": "errors", "InvalidRequestError": "errors", "ConfigError": "errors",
 }

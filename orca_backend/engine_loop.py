@@ -18,7 +18,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .engine import IterationRecord, LLMEngine
+from .engine import LLMEngine
+from .outputs import IterationRecord
 from .errors import OrcaError
 from .sender import (Deltas, EngineSnapshot, ErrorKind, Fail, FailAll, Metrics, Open, Rejected,
                      Response, ResponseSink, Sender, Stats, Stop, Stream)

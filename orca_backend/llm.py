@@ -5,7 +5,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import EngineConfig
-from .engine import LLMEngine, RequestDelta
+from .engine import LLMEngine
+from .outputs import RequestDelta
 from .sampling_params import SamplingParams
 
 

@@ -13,7 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from .engine import LLMEngine, RequestDelta
+from .engine import LLMEngine
+from .outputs import RequestDelta
 from .serving import GenerateRequest
 
 log = logging.getLogger(__name__)
