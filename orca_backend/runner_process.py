@@ -27,7 +27,7 @@ def main(inbox: Connection, outbox: Connection, parent_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     try:
-        kind, spec = msgpack.unpackb(inbox.recv_bytes())
+        _, spec = msgpack.unpackb(inbox.recv_bytes())  # the first frame is the SPEC
         runner = build_runner(RunnerSpec(*spec))
     except EOFError:
         return
