@@ -56,10 +56,13 @@ class LLMEngine:
         """Forget every request: a fresh scheduler and K/V pool. The weights stay loaded; a
         runner that died is started again."""
         old = getattr(self, "scheduler", None)
+        runner_died = getattr(self, "_runner_died", False)  # e.g. given up as hung, still alive
         self._fresh_scheduler()
         if old is None:
             return
         try:
+            if runner_died:
+                raise RunnerDiedError("the runner was given up")
             self.executor.check_health()
         except RunnerDiedError:
             self._restart_runner()
@@ -176,6 +179,7 @@ class LLMEngine:
         requests. A dead runner ends the requests it held, and is restarted."""
         start = time.perf_counter()
         self.stats.last_step_iterations = []
+        deltas: list[RequestDelta] = []
         try:
             if self._runner_died:  # its requests' errors went out with the previous step
                 self._restart_runner()
@@ -183,11 +187,10 @@ class LLMEngine:
             self._submit()
             if not self._in_flight:
                 return []
-            deltas = []
             for message, future in self._returned():
                 deltas += self._complete(message, future)
         except RunnerDiedError as e:
-            deltas = self._recover(e)
+            deltas += self._recover(e)  # keeping what iterations returned before it died
         self.stats.step_seconds += time.perf_counter() - start
         return deltas
 
@@ -218,6 +221,9 @@ class LLMEngine:
             log.error("an iteration of %d requests failed", message.num_requests, exc_info=e)
             return [self._fail(req, f"internal error in the engine's iteration: {e}")
                     for req in self.scheduler.fail_iteration(message.iteration_id)]
+        if out.iteration_id != message.iteration_id:
+            raise RunnerDiedError(f"{self.executor.name} answered iteration {message.iteration_id} "
+                                  f"with iteration {out.iteration_id}'s output")
         live = self.scheduler.update(out)
         sampling = {s.request_id for s in message.scheduled if s.sample}
         deltas = []
@@ -241,8 +247,8 @@ class LLMEngine:
         """The runner died: end every request it held state for now, keep the requests it
         never saw, and start a new runner with the next step (so the errors go out first)."""
         log.error("%s; restarting it", error)
-        unseen = [self._tracked[r.request_id] for r in self.scheduler.waiting
-                  if not r.num_sent_tokens and r.request_id in self._tracked]
+        # Unseen: waiting, or admitted with no tokens yet (request-level batching does that).
+        unseen = [t for t in self._tracked.values() if not t.request.num_sent_tokens]
         message = f"internal error: {error}; the runner was restarted"
         deltas = [_error_delta(t.request, message) for t in self._tracked.values() if t.request.num_sent_tokens]
         self._fresh_scheduler()

@@ -15,6 +15,7 @@ import abc
 import enum
 import logging
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -70,7 +71,9 @@ def build_runner(spec: RunnerSpec):
 
 
 class Executor(abc.ABC):
-    """Runs iterations. Futures complete in any order; the engine matches them by id."""
+    """Runs iterations in the order they are submitted (K/V blocks a finished request freed
+    may be handed out in the next message, so an executor must not run that one first);
+    their futures may complete in any order, and the engine matches them by id."""
 
     name = "the model runner"  # for error messages
 
@@ -119,8 +122,9 @@ def frame(kind: Frame, body=None) -> bytes:
 
 class ProcessExecutor(Executor):
     """The runner in a fresh interpreter (spawned, never forked: `python -m
-    orca_backend.runner_process`); messages go over two pipes, and one reader thread answers
-    the futures in submission order (the child runs iterations in that order)."""
+    orca_backend.runner_process`); messages go over two pipes. A writer thread sends, so that
+    a child that stops reading never blocks the engine thread; a reader thread answers the
+    futures in submission order (the child runs iterations in that order)."""
 
     def __init__(self, spec: RunnerSpec, start_timeout: float = START_TIMEOUT_SECONDS) -> None:
         child_in, to_child = os.pipe()
@@ -138,14 +142,19 @@ class ProcessExecutor(Executor):
         self._pending: deque[tuple[int, Future]] = deque()
         self._dead: str | None = None
         self._closing = False
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()  # None: stop writing
         try:
             self._to_child.send_bytes(frame(Frame.SPEC, list(astuple(spec))))
             self._wait_ready(start_timeout)
         except BaseException:
             self._stop_process()
+            self._to_child.close()
+            self._from_child.close()
             raise
         self._reader = threading.Thread(target=self._read, name="orca-runner-reader", daemon=True)
+        self._writer = threading.Thread(target=self._write, name="orca-runner-writer", daemon=True)
         self._reader.start()
+        self._writer.start()
 
     @property
     def name(self) -> str:
@@ -167,16 +176,26 @@ class ProcessExecutor(Executor):
 
     def submit(self, message: SchedulerOutput) -> Future[RunnerOutput]:
         future: Future[RunnerOutput] = Future()
+        try:  # before it is queued: a message that cannot be encoded fails alone
+            data = frame(Frame.ITERATION, message.to_wire())
+        except Exception as e:
+            future.set_exception(IterationFailedError(f"iteration {message.iteration_id} could not "
+                                                      f"be encoded for {self.name}: {e}"))
+            return future
         with self._lock:
             if self._dead:
                 future.set_exception(RunnerDiedError(self._dead))
                 return future
             self._pending.append((message.iteration_id, future))
-        try:  # outside the lock: a full pipe must not keep the reader from answering
-            self._to_child.send_bytes(frame(Frame.ITERATION, message.to_wire()))
-        except OSError:
-            pass  # the reader sees the pipe close and fails every pending future
+            self._outbox.put(data)
         return future
+
+    def _write(self) -> None:
+        while (data := self._outbox.get()) is not None:
+            try:
+                self._to_child.send_bytes(data)
+            except OSError:
+                return  # the reader sees the pipe close and fails every pending future
 
     def _read(self) -> None:
         while True:
@@ -214,13 +233,16 @@ class ProcessExecutor(Executor):
             raise RunnerDiedError(f"{self.name} {_ending(self.process.returncode)}")
 
     def shutdown(self) -> None:
+        """STOP after the iterations already queued; a child that does not exit within
+        STOP_TIMEOUT_SECONDS (hung, or not reading) is killed."""
         self._closing = True
-        try:
-            self._to_child.send_bytes(frame(Frame.STOP))
-        except OSError:
-            pass
+        self._outbox.put(frame(Frame.STOP))
+        self._outbox.put(None)
         self._stop_process()
+        self._writer.join(STOP_TIMEOUT_SECONDS)
         self._reader.join(STOP_TIMEOUT_SECONDS)
+        self._to_child.close()
+        self._from_child.close()
 
     def _stop_process(self) -> None:
         try:
@@ -228,7 +250,6 @@ class ProcessExecutor(Executor):
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait(STOP_TIMEOUT_SECONDS)
-        self._to_child.close()
 
 
 def make_executor(kind: str, spec: RunnerSpec) -> Executor:

@@ -58,6 +58,8 @@ class SamplingParams:
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", self.logprobs,
                "must be in [0, 20]")
         _check(all(s for s in self.stop), "stop", self.stop, "must not contain empty strings")
+        _check(all(_is_text(s) for s in self.stop), "stop", self.stop,
+               "must be valid Unicode text (no lone surrogates)")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids,
                "must be non-negative token ids")
 
@@ -111,6 +113,15 @@ def _show(value: Any, limit: int = 80) -> str:
     """repr() cut to a length that fits in an error message, whatever the client sent."""
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _is_text(s: str) -> bool:
+    """JSON lets "\ud800" through; such a string has no UTF-8 form to match or to send."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _check(ok: bool, name: str, value: Any, rule: str) -> None:

@@ -181,5 +181,10 @@ class HeldExecutor(Executor):
             self.release_order.append(iteration_id)
         future.set_result(decode_runner_output(encode(out)))
 
+    def fail(self, iteration_id: int, error: Exception) -> None:
+        with self.lock:
+            future, _, _ = self.held.pop(iteration_id)
+        future.set_exception(error)
+
     def check_health(self) -> None:
         pass

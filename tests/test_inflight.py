@@ -11,6 +11,7 @@ import pytest
 
 from orca_backend import EngineConfig, LLMEngine, SamplingParams
 from orca_backend.engine_loop import EngineLoop
+from orca_backend.executor import RunnerDiedError
 from orca_backend.serving import GenerateRequest
 
 from fakes import FakeSink, HeldExecutor
@@ -165,3 +166,31 @@ def test_a_request_cancelled_in_flight_gets_one_final_response_and_no_more_token
         assert engine.kv.num_used_blocks == 0
     finally:
         loop.shutdown()
+
+
+def test_what_returned_before_the_runner_died_is_still_delivered(default_model):
+    def on_submit(ex, i):
+        if i == 1:  # iteration 0 returned, then the runner died with iteration 1 out
+            ex.release(0)
+            ex.fail(1, RunnerDiedError("the model runner process (pid 1) was killed by SIGKILL"))
+
+    executor = HeldExecutor(on_submit)
+    engine = _engine(default_model, executor, max_batch_size=1, max_inflight=2)
+    engine.add_request("a", list(range(10, 20)), _params(1))
+    engine.add_request("b", list(range(30, 40)), _params(5))
+    deltas = {d.request_id: d for d in engine.step()}
+    assert deltas["a"].finish_reason == "length" and deltas["a"].token_ids == [1000]
+    assert "killed by SIGKILL; the runner was restarted" in deltas["b"].error
+    assert not engine.unfinished_request_ids()
+
+
+def test_requests_the_dead_runner_never_saw_are_kept_in_request_mode_too(default_model):
+    executor = HeldExecutor(lambda ex, i: ex.fail(i, RunnerDiedError("the runner died")))
+    # Request-level batching admits b and c beside a with no tokens yet: the runner never saw them.
+    engine = _engine(default_model, executor, batching="request", max_num_batched_tokens=8, max_inflight=1)
+    for request_id in "abc":
+        engine.add_request(request_id, list(range(10, 18)), _params(2))
+    (delta,) = engine.step()
+    assert delta.request_id == "a" and delta.error is not None
+    assert engine.unfinished_request_ids() == ["b", "c"]
+    assert [r.request_id for r in engine.scheduler.waiting] == ["b", "c"]

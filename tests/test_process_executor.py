@@ -158,6 +158,8 @@ def test_a_hung_runner_is_given_up_after_the_iteration_timeout(default_model, mo
         (delta,) = engine.step()
         assert delta.error == (f"internal error: the model runner process (pid {hung.pid}) returned no "
                                f"iteration in 2 s (iteration 0 was due); the runner was restarted")
+        engine.reset()  # as the serving loop may, before the next step: the hung runner must go
+        assert engine.stats.num_runner_restarts == 1 and engine.executor.process.pid != hung.pid
         engine.add_request("b", "Hello", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
         tokens = []
         while engine.has_unfinished_requests():
@@ -165,3 +167,31 @@ def test_a_hung_runner_is_given_up_after_the_iteration_timeout(default_model, mo
         assert len(tokens) == 3 and hung.returncode == -signal.SIGKILL
     finally:
         _bounded(engine.shutdown, 30)
+
+
+def _message(iteration_id: int, request_id: str, num_prompt_tokens: int, **params) -> SchedulerOutput:
+    prompt = [7] * num_prompt_tokens
+    return SchedulerOutput(iteration_id, [NewRequest(request_id, prompt, SamplingParams(**params), None, False)],
+                           [ScheduledRequest(request_id, 0, 3, [], [0], True)])
+
+
+def test_a_message_that_cannot_be_encoded_fails_alone(default_model):
+    executor = ProcessExecutor(_spec(default_model))
+    try:
+        bad = _message(0, "bad", 3)
+        bad.new_requests[0].params.stop = ["\ud800"]  # past validation, which refuses it
+        with pytest.raises(executor_module.IterationFailedError, match="could not be encoded"):
+            executor.submit(bad).result(timeout=30)
+        out = executor.submit(_message(1, "good", 3)).result(timeout=30)
+        assert out.iteration_id == 1 and "good" in out.sampled  # answers still match their iterations
+    finally:
+        _bounded(executor.shutdown, 30)
+
+
+def test_a_runner_that_stops_reading_never_blocks_submit(default_model, monkeypatch):
+    monkeypatch.setattr(executor_module, "STOP_TIMEOUT_SECONDS", 1)
+    executor = ProcessExecutor(_spec(default_model))
+    os.kill(executor.process.pid, signal.SIGSTOP)
+    # Each message is about 100 kB, more than a pipe holds: a blocking write would hang here.
+    _bounded(lambda: [executor.submit(_message(i, f"r{i}", 30000)) for i in range(4)], 10)
+    _bounded(executor.shutdown, 10)
