@@ -12,6 +12,10 @@ import pytest
 from orca_backend import EngineConfig, LLMEngine, SamplingParams
 from orca_backend.engine_loop import EngineLoop
 from orca_backend.executor import RunnerDiedError
+from orca_backend.kv_manager import BlockManager
+from orca_backend.messages import RunnerOutput, SampledToken
+from orca_backend.request import Request, RequestStatus
+from orca_backend.scheduler import Scheduler, SchedulerConfig
 from orca_backend.serving import GenerateRequest
 
 from fakes import FakeSink, HeldExecutor
@@ -31,23 +35,28 @@ def _params(max_tokens: int) -> SamplingParams:
 
 
 class _Releaser(threading.Thread):
-    """Completes held iterations in random order after random short delays."""
+    """Completes a random held iteration whenever `full` are held, or when what is held has
+    not changed for a moment (the engine has nothing more to submit and waits)."""
 
-    def __init__(self, executor: HeldExecutor, seed: int) -> None:
+    def __init__(self, executor: HeldExecutor, seed: int, full: int) -> None:
         super().__init__(daemon=True)
-        self.executor, self.rng = executor, random.Random(seed)
+        self.executor, self.rng, self.full = executor, random.Random(seed), full
         self.stop, self.errors = threading.Event(), []
 
     def run(self) -> None:
+        seen, since = (), time.monotonic()
         while not self.stop.is_set():
-            time.sleep(self.rng.uniform(0, 0.002))
+            time.sleep(0.001)
             with self.executor.lock:
-                ids = list(self.executor.held)
-            if ids:
+                ids = tuple(self.executor.held)
+            if ids != seen:
+                seen, since = ids, time.monotonic()
+            if ids and (len(ids) >= self.full or time.monotonic() - since > 0.02):
                 try:
                     self.executor.release(self.rng.choice(ids))
                 except AssertionError as e:
                     self.errors.append(e)
+                seen = ()
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -64,7 +73,7 @@ def test_out_of_order_and_late_iterations_keep_every_rule(default_model, seed):
     tokens = {request_id: [] for request_id in wanted}
     finals = {request_id: 0 for request_id in wanted}
     aborted: set[str] = set()
-    releaser = _Releaser(executor, seed)
+    releaser = _Releaser(executor, seed, full=3)
     releaser.start()
     try:
         for _ in range(2000):
@@ -92,9 +101,28 @@ def test_out_of_order_and_late_iterations_keep_every_rule(default_model, seed):
             assert finals[request_id] == 1
         else:
             assert finals[request_id] == 0 and len(tokens[request_id]) < max_tokens
-    assert engine.scheduler.num_preemptions > 0
     assert executor.max_held == 3, "never had max_inflight iterations out at once"
     assert executor.release_order != sorted(executor.release_order), "never returned out of order"
+
+
+def test_a_request_in_flight_is_never_preempted():
+    kv = BlockManager(num_blocks=4, block_size=4)
+    scheduler = Scheduler(SchedulerConfig(max_batch_size=1, max_inflight=2), kv)
+    a = Request("a", list(range(1, 9)), SamplingParams(max_tokens=8))
+    b = Request("b", list(range(1, 9)), SamplingParams(max_tokens=8))
+    scheduler.add(a)
+    scheduler.add(b)
+    first, second = scheduler.schedule(), scheduler.schedule()
+    assert (first.request_ids, second.request_ids, kv.num_free_blocks) == (["a"], ["b"], 0)
+    scheduler.update(RunnerOutput(first.iteration_id, {"a": SampledToken(1000)}))
+    # a needs a third block and b, the newest, is in flight: a gives way itself.
+    assert scheduler.schedule() is None
+    assert a.status == RequestStatus.PREEMPTED and b.status == RequestStatus.RUNNING
+    assert "b" in kv.block_tables and "a" not in kv.block_tables
+    scheduler.update(RunnerOutput(second.iteration_id, {"b": SampledToken(1000)}))
+    third = scheduler.schedule()
+    assert third.request_ids == ["b"] and third.preempted_request_ids == ["a"]
+    kv.check_integrity()
 
 
 def test_an_abort_in_flight_takes_effect_when_its_iteration_returns(default_model):
