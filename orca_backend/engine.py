@@ -56,18 +56,21 @@ class LLMEngine:
         """Forget every request: a fresh scheduler and K/V pool. The weights stay loaded; a
         runner that died is started again."""
         old = getattr(self, "scheduler", None)
-        runner_died = getattr(self, "_runner_died", False)  # e.g. given up as hung, still alive
+        given_up = getattr(self, "_runner_died", False)  # e.g. as hung, though still alive
         self._fresh_scheduler()
         if old is None:
             return
+        if given_up or not self._runner_healthy():
+            self._restart_runner()
+        else:
+            self.scheduler.forget_on_runner(old.runner_request_ids())
+
+    def _runner_healthy(self) -> bool:
         try:
-            if runner_died:
-                raise RunnerDiedError("the runner was given up")
             self.executor.check_health()
         except RunnerDiedError:
-            self._restart_runner()
-            return
-        self.scheduler.forget_on_runner(old.runner_request_ids())
+            return False
+        return True
 
     def _fresh_scheduler(self) -> None:
         c = self.config

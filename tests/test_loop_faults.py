@@ -47,19 +47,24 @@ def test_an_unexpected_failure_adding_one_request_fails_it_alone(loop, monkeypat
     assert good[0].error is None and good[0].num_output_tokens == 5
 
 
+def _failing_once(real, message: str):
+    """`real`, except that its first call raises RuntimeError(message)."""
+    failed = []
+
+    def call(*args):
+        if not failed:
+            failed.append(args)
+            raise RuntimeError(message)
+        return real(*args)
+
+    return call
+
+
 def test_a_crash_of_the_engine_thread_ends_every_open_request_and_the_engine_restarts(loop, monkeypatch):
-    real = loop.engine.abort_request
-    crashed = []
-
-    def crash_once(request_id):
-        if not crashed:
-            crashed.append(request_id)
-            raise RuntimeError("injected abort fault")
-        return real(request_id)
-
     sinks = _submit(loop, 3, max_tokens=500)
     wait_until(lambda: all(s.responses for s in sinks))
-    monkeypatch.setattr(loop.engine, "abort_request", crash_once)
+    monkeypatch.setattr(loop.engine, "abort_request", _failing_once(loop.engine.abort_request,
+                                                                    "injected abort fault"))
     sinks[0].cancelled = True
     _finished(sinks)
     for sink in sinks:
@@ -74,16 +79,7 @@ def test_a_crash_of_the_engine_thread_ends_every_open_request_and_the_engine_res
 def test_a_crash_of_the_sender_ends_every_open_request_and_frees_their_blocks(loop, monkeypatch):
     sinks = _submit(loop, 2, max_tokens=500)
     wait_until(lambda: all(s.responses for s in sinks))
-    real = loop.sender._handle
-    crashed = []
-
-    def crash_once(message):
-        if not crashed:
-            crashed.append(message)
-            raise RuntimeError("injected sender fault")
-        real(message)
-
-    monkeypatch.setattr(loop.sender, "_handle", crash_once)
+    monkeypatch.setattr(loop.sender, "_handle", _failing_once(loop.sender._handle, "injected sender fault"))
     _finished(sinks)
     assert [s.error for s in sinks] == [("internal", "internal error while sending responses")] * 2
     wait_until(lambda: not loop.engine.has_unfinished_requests())  # aborted in the engine too
