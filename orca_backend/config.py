@@ -10,6 +10,9 @@ from .scheduler import BATCHING_MODES, POLICIES
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}  # bytes per element; torch's names
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 DEFAULT_MAX_PROMPT_BYTES = 1 << 20
+# "auto": our kernel (trt_plugins) on a GPU, PyTorch SDPA on the CPU (where the kernel runs
+# only under the Triton interpreter, for tests).
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(slots=True)
@@ -33,6 +36,8 @@ class EngineConfig:
     executor: str = "inline"  # where the model runner lives: "inline" or "process"
     max_inflight: int = 1  # iterations submitted to the executor and not yet returned
     iteration_timeout_seconds: int = 600  # a runner silent this long is treated as dead
+    attention: str = "auto"  # "torch" (SDPA), "triton" (our kernel) or "auto"
+    cuda_graphs: bool = True  # decode iterations replayed from CUDA graphs (kernel backend)
 
     def __post_init__(self) -> None:
         _need(self.dtype in DTYPE_SIZES, "dtype", self.dtype, f"one of {', '.join(DTYPE_SIZES)}")
@@ -51,7 +56,17 @@ class EngineConfig:
         _need(self.policy in POLICIES, "policy", self.policy, f"one of {', '.join(POLICIES)}")
         _need(self.batching in BATCHING_MODES, "batching", self.batching,
               f"one of {', '.join(BATCHING_MODES)}")
+        _need(self.attention in ATTENTION_BACKENDS, "attention", self.attention,
+              f"one of {', '.join(ATTENTION_BACKENDS)}")
+        _need(isinstance(self.cuda_graphs, bool), "cuda_graphs", self.cuda_graphs, "true or false")
         _need(self.executor in EXECUTORS, "executor", self.executor, f"one of {', '.join(EXECUTORS)}")
+
+    @property
+    def attention_backend(self) -> str:
+        """The backend "auto" stands for on this device."""
+        if self.attention != "auto":
+            return self.attention
+        return "torch" if self.device == "cpu" else "triton"
 
     def num_kv_blocks(self, kv_elements_per_token: int) -> int:
         """Pool size in blocks from kv_cache_tokens, else from the byte budget."""

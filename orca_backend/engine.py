@@ -47,7 +47,9 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or math.inf, self.model_config.max_model_len)
         num_blocks = config.num_kv_blocks(self.model_config.kv_elements_per_token)
         self.runner_spec = RunnerSpec(str(self.model_path), config.dtype, config.device, num_blocks,
-                                      config.block_size, config.seed, config.keep_logits)
+                                      config.block_size, config.seed, config.keep_logits,
+                                      config.attention_backend, config.cuda_graphs,
+                                      config.max_batch_size, self.max_model_len)
         self.executor = executor or make_executor(config.executor, self.runner_spec)
         self.stats = EngineStats()
         self.reset()

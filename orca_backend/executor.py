@@ -56,6 +56,10 @@ class RunnerSpec:
     block_size: int
     seed: int
     keep_logits: bool = False
+    attention: str = "torch"  # "torch" (SDPA) or "triton" (our kernel)
+    cuda_graphs: bool = False  # decode iterations from CUDA graphs (padded eagerly on the CPU)
+    max_batch_size: int = 32  # the largest decode graph
+    max_model_len: int = 2048  # sets the graphs' block-table width
 
 
 def build_runner(spec: RunnerSpec):
@@ -65,9 +69,20 @@ def build_runner(spec: RunnerSpec):
     from .model_runner import ModelRunner
     from .models import load_model
 
+    from .models.attention import TorchPagedAttention
+    from .models.kernel_attention import KernelPagedAttention
+
     dtype, device = getattr(torch, spec.dtype), torch.device(spec.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     model = load_model(Path(spec.model_path), dtype, device)
-    return ModelRunner(model, spec.num_blocks, spec.block_size, device, dtype, spec.seed, spec.keep_logits)
+    backend = KernelPagedAttention if spec.attention == "triton" else TorchPagedAttention
+    runner = ModelRunner(model, spec.num_blocks, spec.block_size, device, dtype, spec.seed,
+                         spec.keep_logits, backend(spec.block_size, device))
+    if spec.cuda_graphs and spec.attention == "triton":
+        runner.enable_decode_graphs(spec.max_batch_size, -(-spec.max_model_len // spec.block_size),
+                                    capture=device.type == "cuda")
+    return runner
 
 
 class Executor(abc.ABC):

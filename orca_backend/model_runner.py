@@ -67,16 +67,14 @@ class ModelRunner:
         self.sampler = Sampler(device, seed, cfg.eos_token_ids)
         self.keep_logits = keep_logits
         self.requests: dict[str, RunnerRequest] = {}
+        self.decode_graphs = None
 
     @torch.inference_mode()
     def execute(self, message: SchedulerOutput) -> RunnerOutput:
         layout, token_ids, sampling = self._apply(message)
-        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         last_rows = [row for row, _ in sampling]
-        meta = self.attention.plan(layout)
         start = time.perf_counter()
-        h = self.model.embed_tokens(input_ids, meta)  # [num_tokens, hidden]
-        h = self.model.run_layers(h, meta, self.kv_caches, range(self.model.config.num_layers))
+        h = self._forward(layout, token_ids)  # [num_tokens, hidden]
         logits = self.model.logits(h[last_rows])  # [num_sampled, vocab]: LM head on sampled rows only
         out = RunnerOutput(message.iteration_id, forward_seconds=time.perf_counter() - start)
         states = [state for _, state in sampling]
@@ -85,6 +83,22 @@ class ModelRunner:
         if self.keep_logits:
             out.logits = {s.request_id: logits[j].cpu().numpy().tobytes() for j, s in enumerate(states)}
         return out
+
+    def enable_decode_graphs(self, max_batch_size: int, max_blocks: int, capture: bool) -> None:
+        """Run decode-only iterations of up to max_batch_size requests from CUDA graphs (with
+        `capture=False`, through the same padded buffers without graphs)."""
+        from .cuda_graphs import DecodeGraphs
+
+        self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.attention.kernel,
+                                          self.device, max_batch_size, max_blocks, capture)
+
+    def _forward(self, layout: BatchLayout, token_ids: list[int]) -> torch.Tensor:
+        if self.decode_graphs is not None and self.decode_graphs.can_run(layout):
+            return self.decode_graphs.run(layout, token_ids)
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        meta = self.attention.plan(layout)  # built once, shared by every layer
+        h = self.model.embed_tokens(input_ids, meta)  # [num_tokens, hidden]
+        return self.model.run_layers(h, meta, self.kv_caches, range(self.model.config.num_layers))
 
     def _apply(self, message: SchedulerOutput) -> tuple[BatchLayout, list[int], list]:
         """Bring the per-request state up to date; returns the rows to run."""

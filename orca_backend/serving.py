@@ -114,7 +114,9 @@ def serving_options(parameters: dict[str, str]) -> ServingOptions:
 _INT_OPTIONS = ("max_batch_size", "max_num_batched_tokens", "block_size", "kv_cache_tokens",
                 "kv_cache_bytes", "max_model_len", "seed", "max_prompt_bytes", "max_inflight",
                 "iteration_timeout_seconds")
-_STR_OPTIONS = ("model", "dtype", "device", "policy", "batching", "executor")
+_STR_OPTIONS = ("model", "dtype", "device", "policy", "batching", "executor", "attention")
+_BOOL_OPTIONS = ("cuda_graphs",)
+_KNOWN = _INT_OPTIONS + _STR_OPTIONS + _BOOL_OPTIONS
 
 
 def engine_config_from_parameters(parameters: dict[str, str], instance_kind: str = "CPU",
@@ -127,9 +129,8 @@ def engine_config_from_parameters(parameters: dict[str, str], instance_kind: str
     options: dict = {}
     for name, raw in parameters.items():
         value = raw.strip()
-        if name not in _INT_OPTIONS + _STR_OPTIONS:
-            raise ConfigError(f"unknown model parameter {name!r}; "
-                              f"known: {', '.join(sorted(_INT_OPTIONS + _STR_OPTIONS))}")
+        if name not in _KNOWN:
+            raise ConfigError(f"unknown model parameter {name!r}; known: {', '.join(sorted(_KNOWN))}")
         if value in ("", "auto"):
             continue
         if name in _INT_OPTIONS:
@@ -137,6 +138,10 @@ def engine_config_from_parameters(parameters: dict[str, str], instance_kind: str
                 options[name] = int(value)
             except ValueError:
                 raise ConfigError(f"model parameter {name!r} must be an integer, got {raw!r}") from None
+        elif name in _BOOL_OPTIONS:
+            if value.lower() not in ("true", "false"):
+                raise ConfigError(f"model parameter {name!r} must be true or false, got {raw!r}")
+            options[name] = value.lower() == "true"
         else:
             options[name] = value
     on_gpu = instance_kind.upper() == "GPU"

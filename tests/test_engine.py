@@ -227,7 +227,8 @@ def test_unsupported_architecture_lists_the_supported(tmp_path):
 @pytest.mark.parametrize("options, name", [
     (dict(dtype="int8"), "dtype"), (dict(device="tpu"), "device"), (dict(block_size=0), "block_size"),
     (dict(policy="lifo"), "policy"), (dict(batching="static"), "batching"),
-    (dict(dtype="bfloat16"), "dtype"), (dict(kv_cache_tokens=0), "kv_cache_tokens")])
+    (dict(dtype="bfloat16"), "dtype"), (dict(kv_cache_tokens=0), "kv_cache_tokens"),
+    (dict(attention="flash"), "attention"), (dict(cuda_graphs="no"), "cuda_graphs")])
 def test_bad_engine_options_name_the_option(options, name):
     with pytest.raises(ConfigError, match=name):
         EngineConfig(**options)

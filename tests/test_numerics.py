@@ -74,7 +74,21 @@ ENGINE_VARIANTS = {
     # The runner in a child process, fed only the messages.
     "process": dict(executor="process", max_inflight=2, kv_cache_tokens=96, block_size=4,
                     max_num_batched_tokens=32),
+    # Our kernel (trt_plugins) under the Triton interpreter: decode iterations through the
+    # padded buffers of the CUDA-graph path, the others one launch per layer.
+    "kernel": dict(attention="triton"),
+    "kernel-preempt": dict(attention="triton", cuda_graphs=False, kv_cache_tokens=96,
+                           max_num_batched_tokens=24),
+    # The GPU engine path: the kernel compiled, decode iterations replayed from CUDA graphs.
+    "cuda": dict(device="cuda", attention="triton"),
 }
+PREEMPTING = ("preempt", "process", "kernel-preempt")
+NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _variants():
+    return [pytest.param(v, marks=NEEDS_CUDA) if ENGINE_VARIANTS[v].get("device") == "cuda" else v
+            for v in ENGINE_VARIANTS]
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +104,7 @@ def references(tiny_models):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2"])
-@pytest.mark.parametrize("variant", list(ENGINE_VARIANTS))
+@pytest.mark.parametrize("variant", _variants())
 def test_tiny_models_match_transformers(kind, variant, tiny_models, references):
     prompts, refs = references(kind)
     engine = LLMEngine(EngineConfig(model=str(tiny_models[kind]), keep_logits=True,
@@ -99,7 +113,7 @@ def test_tiny_models_match_transformers(kind, variant, tiny_models, references):
         _check(engine, prompts, refs)
     finally:
         engine.shutdown()
-    assert (engine.scheduler.num_preemptions > 0) == (variant in ("preempt", "process"))
+    assert (engine.scheduler.num_preemptions > 0) == (variant in PREEMPTING)
 
 
 @pytest.mark.parametrize("variant", ["chunked", "preempt"])

@@ -50,7 +50,10 @@ def test_config_parameters_become_engine_options():
                                        "iteration_timeout_seconds": "30"})
     assert (c.executor, c.max_inflight, c.iteration_timeout_seconds) == ("process", 2, 30)
     gpu = engine_config_from_parameters({}, instance_kind="GPU", device_id=2)
-    assert (gpu.device, gpu.dtype) == ("cuda:2", "bfloat16")
+    assert (gpu.device, gpu.dtype, gpu.attention_backend, gpu.cuda_graphs) == ("cuda:2", "bfloat16", "triton", True)
+    c = engine_config_from_parameters({"attention": "triton", "cuda_graphs": "False"})
+    assert (c.attention_backend, c.cuda_graphs) == ("triton", False)
+    assert engine_config_from_parameters({"attention": "auto"}).attention_backend == "torch"
 
 
 @pytest.mark.parametrize("parameters, message", [
@@ -59,6 +62,8 @@ def test_config_parameters_become_engine_options():
     ({"policy": "lifo"}, "'policy'"),
     ({"executor": "thread"}, "engine option 'executor' must be one of inline, process, got 'thread'"),
     ({"max_inflight": "0"}, "engine option 'max_inflight' must be an integer >= 1, got 0"),
+    ({"attention": "flash"}, "engine option 'attention' must be one of auto, torch, triton, got 'flash'"),
+    ({"cuda_graphs": "yes"}, "model parameter 'cuda_graphs' must be true or false, got 'yes'"),
 ])
 def test_bad_config_parameters_fail_the_load_with_a_named_error(parameters, message):
     with pytest.raises(ConfigError, match=message):

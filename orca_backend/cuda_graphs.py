@@ -1,0 +1,95 @@
+"""Decode-only iterations replayed from CUDA graphs.
+
+A decode iteration of a small model is launch-bound: each layer is a handful of small kernels,
+and the host cannot issue them as fast as the GPU runs them. So the forward pass of a decode
+iteration (every request scheduled for one token) is captured once per batch size in
+`capture_sizes` and replayed: an iteration of B requests runs the graph of the smallest
+captured size >= B, the extra requests padded with no rows and no K/V (the kernel skips them),
+the extra rows computed and ignored.
+
+Everything a graph reads lives in static buffers filled before each replay; the block-table
+width is fixed at the longest context the engine allows. With `capture=False` the same padded
+path runs eagerly: that is how the CPU tests check the padding with the Triton interpreter.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .models.attention import BatchLayout
+from .models.kernel_attention import KernelPlan, kernel_metadata
+
+log = logging.getLogger(__name__)
+
+
+def capture_sizes(max_batch_size: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 16, up to max_batch_size (which is always one)."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_batch_size]
+    sizes += range(16, max_batch_size, 16)
+    return sorted(set(sizes) | {max_batch_size})
+
+
+class DecodeGraphs:
+    def __init__(self, model, kv_caches, kernel, device: torch.device, max_batch_size: int,
+                 max_blocks: int, capture: bool) -> None:
+        self.model, self.kv_caches, self.kernel = model, kv_caches, kernel
+        self.sizes = capture_sizes(max_batch_size)
+        self.max_blocks = max_blocks
+        n = self.sizes[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.cu_seqlens_q = torch.zeros(n + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.num_replays = 0
+        if capture:
+            self._capture_all()
+
+    def can_run(self, layout: BatchLayout) -> bool:
+        return (len(layout.num_scheduled_tokens) <= self.sizes[-1]
+                and all(n == 1 for n in layout.num_scheduled_tokens)
+                and max(len(t) for t in layout.block_tables) <= self.max_blocks)
+
+    def run(self, layout: BatchLayout, token_ids: list[int]) -> torch.Tensor:
+        """The last hidden states [B, hidden] of a decode iteration that `can_run`."""
+        num_requests = len(token_ids)
+        size = next(s for s in self.sizes if s >= num_requests)
+        positions, cu_seqlens_q, seq_lens, block_tables = kernel_metadata(
+            layout, num_rows=size, num_requests=size)
+        ids = torch.zeros(size, dtype=torch.long)
+        ids[:num_requests] = torch.tensor(token_ids, dtype=torch.long)
+        self.input_ids[:size].copy_(ids)
+        self.positions[:size].copy_(torch.from_numpy(positions))
+        self.cu_seqlens_q[:size + 1].copy_(torch.from_numpy(cu_seqlens_q))
+        self.seq_lens[:size].copy_(torch.from_numpy(seq_lens))
+        # Columns past the widest table keep stale ids: the kernel reads only seq_lens' blocks.
+        self.block_tables[:size, :block_tables.shape[1]].copy_(torch.from_numpy(block_tables))
+        self.num_replays += 1
+        if size in self.graphs:
+            self.graphs[size].replay()
+            return self.outputs[size][:num_requests]
+        return self._forward(size)[:num_requests]
+
+    def _forward(self, size: int) -> torch.Tensor:
+        plan = KernelPlan(self.positions[:size], self.cu_seqlens_q[:size + 1], self.seq_lens[:size],
+                          self.block_tables[:size], 1, self.kernel)
+        h = self.model.embed_tokens(self.input_ids[:size], plan)  # [size, hidden]
+        return self.model.run_layers(h, plan, self.kv_caches, range(self.model.config.num_layers))
+
+    def _capture_all(self) -> None:
+        """Largest first, all in one memory pool. The buffers are zero, so every request of a
+        warm-up or capture has no rows: nothing is written to the K/V cache."""
+        pool = None
+        for size in reversed(self.sizes):
+            self._forward(size)  # compiles the kernels and sets up cuBLAS outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[size] = self._forward(size)
+            pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+        log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
