@@ -129,3 +129,20 @@ def test_default_model_matches_transformers(variant, default_model):
                                     **ENGINE_VARIANTS[variant]))
     _check(engine, prompts, refs)
     assert (engine.scheduler.num_preemptions > 0) == (variant == "preempt")
+
+
+def test_kernel_backend_matches_sdpa_backend(tiny_models):
+    """The two attention backends on the same engine settings: equal greedy tokens, and
+    logits closer to each other than either is to transformers' (fp32 on both)."""
+    prompts = _prompts(512)[:4]
+    runs = {}
+    for attention in ("torch", "triton"):
+        engine = LLMEngine(EngineConfig(model=str(tiny_models["llama"]), keep_logits=True,
+                                        attention=attention, max_num_batched_tokens=24))
+        runs[attention] = _run_staggered(engine, prompts)
+        engine.shutdown()
+    (sdpa_tokens, sdpa_logits, _), (kernel_tokens, kernel_logits, _) = runs["torch"], runs["triton"]
+    assert kernel_tokens == sdpa_tokens
+    for i in sdpa_logits:
+        for ours, theirs in zip(kernel_logits[i], sdpa_logits[i]):
+            torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
