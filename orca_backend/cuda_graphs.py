@@ -79,6 +79,7 @@ class DecodeGraphs:
         h = self.model.embed_tokens(self.input_ids[:size], plan)  # [size, hidden]
         return self.model.run_layers(h, plan, self.kv_caches, range(self.model.config.num_layers))
 
+    @torch.inference_mode()
     def _capture_all(self) -> None:
         """Largest first, all in one memory pool. The buffers are zero, so every request of a
         warm-up or capture has no rows: nothing is written to the K/V cache."""

@@ -73,8 +73,8 @@ def build_runner(spec: RunnerSpec):
     from .models.kernel_attention import KernelPagedAttention
 
     dtype, device = getattr(torch, spec.dtype), torch.device(spec.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # kernels launch on the current device
     model = load_model(Path(spec.model_path), dtype, device)
     backend = KernelPagedAttention if spec.attention == "triton" else TorchPagedAttention
     runner = ModelRunner(model, spec.num_blocks, spec.block_size, device, dtype, spec.seed,
