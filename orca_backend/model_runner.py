@@ -76,6 +76,8 @@ class ModelRunner:
         start = time.perf_counter()
         h = self._forward(layout, token_ids)  # [num_tokens, hidden]
         logits = self.model.logits(h[last_rows])  # [num_sampled, vocab]: LM head on sampled rows only
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the time of the forward, not of its launches
         out = RunnerOutput(message.iteration_id, forward_seconds=time.perf_counter() - start)
         states = [state for _, state in sampling]
         if states:
