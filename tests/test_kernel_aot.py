@@ -79,17 +79,15 @@ def test_cli_writes_ptx_and_manifest(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_compiled_kernel_matches_reference_on_gpu():
-    from test_kernel import TOLERANCE, make_batch, reference
-
     from trt_plugins import paged_attention
-    b = make_batch(q_lens=[1, 1, 37, 5, 1, 0], ctx_lens=[70, 3, 0, 40, 200, 0], num_heads=32,
-                   num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, pad_rows=3, seed=11)
-    expected = reference(b)
-    num_rows = int(b.cu_seqlens_q[-1])
-    moved = {name: getattr(b, name).cuda() for name in ("q", "k", "v", "k_cache", "v_cache",
-                                                        "cu_seqlens_q", "seq_lens", "block_tables")}
-    out = paged_attention(**moved, scale=b.scale, max_query_len=37)
-    tol = TOLERANCE[torch.bfloat16]
-    torch.testing.assert_close(out[:num_rows].double().cpu(), expected[:num_rows], atol=tol, rtol=tol)
-    assert torch.equal(moved["k_cache"].cpu(), b.expected_k_cache)
-    assert torch.equal(moved["v_cache"].cpu(), b.expected_v_cache)
+    from trt_plugins.reference import TOLERANCES, make_paged_batch, reference_paged_attention
+
+    b = make_paged_batch([1, 1, 37, 5, 1, 0], [70, 3, 0, 40, 200, 0], num_heads=32, num_kv_heads=8,
+                         head_dim=128, dtype=torch.bfloat16, pad_rows=3, seed=11)
+    expected = reference_paged_attention(**b.inputs(), scale=b.scale)
+    on_gpu = b.to("cuda")
+    out = paged_attention(**on_gpu.inputs(), scale=b.scale, max_query_len=37)
+    tol, num_rows = TOLERANCES[torch.bfloat16], b.num_rows
+    torch.testing.assert_close(out[:num_rows].double().cpu(), expected.out[:num_rows], atol=tol, rtol=tol)
+    assert torch.equal(on_gpu.k_cache.cpu(), expected.k_cache)
+    assert torch.equal(on_gpu.v_cache.cpu(), expected.v_cache)

@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-PYTHONUNBUFFERED=1 exec "${PYTHON:-python3}" tools/gpu_check.py --out "${OUT:-build/gpu_check}" "$@"
+PYTHONUNBUFFERED=1 exec "${PYTHON:-python3}" -m tools.gpu_check --out "${OUT:-build/gpu_check}" "$@"

@@ -34,7 +34,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from trt_plugins.paged_attention import build_kernel, dot_precision, tile_config
+from trt_plugins.kernel import build_kernel, dot_precision, tile_config
 
 PTX_PARAMS = (
     ("q", "u64"), ("k", "u64"), ("v", "u64"), ("k_cache", "u64"), ("v_cache", "u64"),

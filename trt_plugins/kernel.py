@@ -1,0 +1,250 @@
+"""One Triton kernel for a whole iteration's attention over a paged K/V cache.
+
+Prompt chunks and decodes share one launch: the grid is (num_q_tiles, num_kv_heads), where
+num_q_tiles = num_tokens // BLOCK_Q + num_seqs is an upper bound the host computes from shapes
+alone (no device->host sync, so decode launches can be captured in CUDA graphs). Request i's
+query tiles start at virtual tile cu_seqlens_q[i] // BLOCK_Q + i; a program binary-searches
+cu_seqlens_q for its request and exits when its tile lies past that request's queries.
+
+A program owns BLOCK_Q query tokens times all G query heads of one K/V head (GQA packing), a
+BLOCK_M = BLOCK_Q * G_PAD row tile, so each K/V tile is loaded once for the whole group.
+
+It reads keys before the request's context length from the paged cache, and this step's keys
+straight from the `k`/`v` inputs, and writes to the cache only its own tokens for its own K/V
+head: no program reads a cache slot that another program of the same launch writes.
+
+Out of scope: a split-K (flash-decoding) variant; long-context decode with few requests would
+want one, since a decode program walks its whole context alone.
+"""
+from __future__ import annotations
+
+import functools
+import types
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+
+def _find_request(cu_seqlens_q_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
+    # The largest i with cu_seqlens_q[i] // BLOCK_Q + i <= tile; that start is strictly
+    # increasing in i, so binary search works even where requests have no queries.
+    lo = tile * 0
+    hi = num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        start = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid
+        lo = tl.where(start <= tile, mid, lo)
+        hi = tl.where(start <= tile, hi, mid - 1)
+    return lo
+
+
+def _write_new_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, block_table, q_begin, q_start, q_len,
+                  ctx_len, kv_head, stride_k, stride_v, stride_cache_block, stride_cache_slot,
+                  HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr):
+    tok = q_start + tl.arange(0, BLOCK_Q)  # [BLOCK_Q] query index within the request
+    valid = tok < q_len
+    dim = tl.arange(0, HEAD_DIM)
+    pos = ctx_len + tok
+    block = tl.load(block_table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    slot = block * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_slot + kv_head * HEAD_DIM
+    row = q_begin + tok
+    head = kv_head * HEAD_DIM + dim[None, :]
+    k_new = tl.load(k_ptr + row[:, None] * stride_k + head, mask=valid[:, None])  # [BLOCK_Q, D]
+    v_new = tl.load(v_ptr + row[:, None] * stride_v + head, mask=valid[:, None])
+    tl.store(k_cache_ptr + slot[:, None] + dim[None, :], k_new, mask=valid[:, None])
+    tl.store(v_cache_ptr + slot[:, None] + dim[None, :], v_new, mask=valid[:, None])
+
+
+def _load_cached_kv(k_cache_ptr, v_cache_ptr, block_table, kv_head, n0, ctx_len,
+                    stride_cache_block, stride_cache_slot, HEAD_DIM: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+    pos = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions in the cached prefix
+    valid = pos < ctx_len
+    dim = tl.arange(0, HEAD_DIM)
+    block = tl.load(block_table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    slot = block * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_slot + kv_head * HEAD_DIM
+    k_t = tl.load(k_cache_ptr + slot[None, :] + dim[:, None], mask=valid[None, :], other=0.0)
+    v = tl.load(v_cache_ptr + slot[:, None] + dim[None, :], mask=valid[:, None], other=0.0)
+    if UPCAST:
+        k_t = k_t.to(tl.float32)
+        v = v.to(tl.float32)
+    return k_t, v, valid  # [D, BLOCK_N], [BLOCK_N, D], [BLOCK_N]
+
+
+def _load_new_kv(k_ptr, v_ptr, q_begin, kv_head, n0, n_end, stride_k, stride_v,
+                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+    tok = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] this step's tokens, index within the request
+    valid = tok < n_end
+    row = q_begin + tok
+    head = kv_head * HEAD_DIM + tl.arange(0, HEAD_DIM)
+    k_t = tl.load(k_ptr + row[None, :] * stride_k + head[:, None], mask=valid[None, :], other=0.0)
+    v = tl.load(v_ptr + row[:, None] * stride_v + head[None, :], mask=valid[:, None], other=0.0)
+    if UPCAST:
+        k_t = k_t.to(tl.float32)
+        v = v.to(tl.float32)
+    return k_t, v, tok  # [D, BLOCK_N], [BLOCK_N, D], [BLOCK_N]
+
+
+def _row_offsets(q_begin, tok, head, stride_row, HEAD_DIM: tl.constexpr):
+    # [BLOCK_M, D] element offsets of (token, head) rows in a [T, H * D] tensor.
+    offs = (q_begin + tok)[:, None] * stride_row + (head * HEAD_DIM)[:, None]
+    return offs + tl.arange(0, HEAD_DIM)[None, :]
+
+
+def _load_queries(q_ptr, q_begin, q_start, q_len, kv_head, stride_q, HEAD_DIM: tl.constexpr,
+                  NUM_QUERIES_PER_KV: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+                  UPCAST: tl.constexpr):
+    # Row r of the tile is query token q_start + r // G_PAD, head kv_head * G + r % G_PAD.
+    rows = tl.arange(0, BLOCK_Q * G_PAD)
+    tok = q_start + rows // G_PAD  # [BLOCK_M]
+    head = kv_head * NUM_QUERIES_PER_KV + rows % G_PAD
+    row_valid = (tok < q_len) & (rows % G_PAD < NUM_QUERIES_PER_KV)
+    q_offs = _row_offsets(q_begin, tok, head, stride_q, HEAD_DIM)
+    q = tl.load(q_ptr + q_offs, mask=row_valid[:, None], other=0.0)  # [BLOCK_M, D]
+    if UPCAST:
+        q = q.to(tl.float32)
+    return q, tok, head, row_valid
+
+
+# The kernel calls only builtins and the functions below, never the library's @jit helpers
+# (tl.zeros, tl.max, tl.sum): those were made compiled or interpreted when triton.language
+# was imported, so they would break whichever variant the environment did not choose.
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+def _sum_combine(a, b):
+    return a + b
+
+
+def _attend(q, k_t, v, mask, m_i, l_i, acc, qk_scale, UPCAST: tl.constexpr,
+            DOT_PRECISION: tl.constexpr):
+    # Online softmax in base 2. m_i starts finite, so a row masked out of a whole tile gets
+    # exp2(-inf - finite) = 0 and alpha = 1 instead of NaN.
+    s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+    s = tl.where(mask, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_combine))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.reduce(p, 1, _sum_combine)
+    if not UPCAST:
+        p = p.to(v.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+def _paged_attention_kernel(
+        q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+        cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr, scale, num_seqs,
+        stride_q, stride_k, stride_v, stride_out,
+        stride_cache_block, stride_cache_slot, stride_block_table,
+        HEAD_DIM: tl.constexpr, NUM_QUERIES_PER_KV: tl.constexpr, G_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+        UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_request(cu_seqlens_q_ptr, num_seqs, tile, BLOCK_Q)
+    q_begin = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_begin
+    q_start = (tile - q_begin // BLOCK_Q - seq) * BLOCK_Q
+    if q_start >= q_len:
+        return
+    ctx_len = tl.load(seq_lens_ptr + seq) - q_len
+    block_table = block_tables_ptr + seq.to(tl.int64) * stride_block_table
+    _write_new_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, block_table, q_begin, q_start, q_len,
+                  ctx_len, kv_head, stride_k, stride_v, stride_cache_block, stride_cache_slot,
+                  HEAD_DIM, BLOCK_SIZE, BLOCK_Q)
+
+    q, tok, head, row_valid = _load_queries(q_ptr, q_begin, q_start, q_len, kv_head, stride_q, HEAD_DIM,
+                                            NUM_QUERIES_PER_KV, G_PAD, BLOCK_Q, UPCAST)
+    qk_scale = scale * 1.4426950408889634  # log2(e): the softmax runs on exp2
+    m_i = tl.full([BLOCK_Q * G_PAD], -1.0e30, dtype=tl.float32)
+    l_i = tl.full([BLOCK_Q * G_PAD], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_Q * G_PAD, HEAD_DIM], 0.0, dtype=tl.float32)
+
+    # Phase 1: the cached prefix; every query sees all of it.
+    for n0 in range(0, ctx_len, BLOCK_N):
+        k_t, v, valid = _load_cached_kv(k_cache_ptr, v_cache_ptr, block_table, kv_head, n0, ctx_len,
+                                        stride_cache_block, stride_cache_slot, HEAD_DIM,
+                                        BLOCK_SIZE, BLOCK_N, UPCAST)
+        m_i, l_i, acc = _attend(q, k_t, v, valid[None, :], m_i, l_i, acc, qk_scale,
+                                UPCAST, DOT_PRECISION)
+    # Phase 2: this step's tokens up to the tile's last query, causally masked.
+    n_end = tl.minimum(q_len, q_start + BLOCK_Q)
+    for n0 in range(0, n_end, BLOCK_N):
+        k_t, v, key_tok = _load_new_kv(k_ptr, v_ptr, q_begin, kv_head, n0, n_end, stride_k,
+                                       stride_v, HEAD_DIM, BLOCK_N, UPCAST)
+        causal = key_tok[None, :] <= tok[:, None]
+        m_i, l_i, acc = _attend(q, k_t, v, causal, m_i, l_i, acc, qk_scale, UPCAST, DOT_PRECISION)
+
+    # Rows past the request's queries never store; the guard only keeps them finite.
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    o_offs = _row_offsets(q_begin, tok, head, stride_out, HEAD_DIM)
+    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+
+
+_KERNEL = _paged_attention_kernel.__name__
+_DEVICE_FUNCTIONS = (_max_combine, _sum_combine, _find_request, _write_new_kv, _load_cached_kv,
+                     _load_new_kv, _row_offsets, _load_queries, _attend, _paged_attention_kernel)
+
+
+@functools.cache
+def build_kernel(interpret: bool):
+    """The kernel as a compiled `JITFunction` (interpret=False) or an `InterpretedFunction`.
+
+    `triton.jit` picks one of the two from TRITON_INTERPRET when a module is imported, which
+    would tie this module to the environment of whoever imported it first. Instead each
+    variant gets its own copies of the device functions in a private namespace, so that the
+    kernel's calls to its helpers resolve to helpers of the same kind. The wrapper picks the
+    variant from the tensors' device; `aot.py` compiles the JITFunction one.
+    """
+    from triton.runtime.interpreter import InterpretedFunction
+    make = InterpretedFunction if interpret else JITFunction
+    namespace = {"__name__": __name__, "triton": triton, "tl": tl}
+    for fn in _DEVICE_FUNCTIONS:
+        copy = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__)
+        # One compiled kernel for every batch size (JIT would specialise B == 1 and B % 16 == 0).
+        options = {"do_not_specialize": ["num_seqs"]} if copy.__name__ == _KERNEL and not interpret else {}
+        namespace[fn.__name__] = make(copy, **options)
+    if interpret:
+        # The interpreter reduces with numpy only for the library's own combine functions
+        # (matched by identity, never called); any other one it reduces element by element.
+        namespace.update(_max_combine=tl.standard._elementwise_max,
+                         _sum_combine=tl.standard._sum_combine)
+    return namespace[_KERNEL]
+
+
+@dataclass(frozen=True, slots=True)
+class TileConfig:
+    """One launch's tiles: BLOCK_M = block_q * g_pad query rows against block_n keys."""
+    block_q: int
+    g_pad: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    @property
+    def block_m(self) -> int:
+        return self.block_q * self.g_pad
+
+
+def tile_config(max_query_len: int, num_queries_per_kv: int, head_dim: int) -> TileConfig:
+    """Decode (max_query_len 1) gets 16-row tiles, the smallest tl.dot takes; prefill 64.
+
+    Key tiles stay at 32 where 64 would take prefill's shared memory past 48 KiB (which a
+    launch must opt into) or make ptxas spill a few bytes in decode (seen at head_dim 64).
+    """
+    g_pad = triton.next_power_of_2(num_queries_per_kv)
+    min_block_q = max(1, 16 // g_pad)
+    max_block_q = max(min_block_q, (16 if max_query_len <= 1 else 64) // g_pad)
+    block_q = max(min_block_q, min(max_block_q, triton.next_power_of_2(max(1, max_query_len))))
+    block_n = 64 if max_query_len > 1 and head_dim <= 64 else 32
+    return TileConfig(block_q=block_q, g_pad=g_pad, block_n=block_n, num_warps=4, num_stages=2)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # tf32 would miss fp32's tolerance; for 16-bit inputs the setting does not apply.
+    return "ieee" if dtype == torch.float32 else "tf32"
