@@ -14,6 +14,7 @@ path runs eagerly: that is how the CPU tests check the padding with the Triton i
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -37,11 +38,19 @@ class DecodeGraphs:
         self.sizes = capture_sizes(max_batch_size)
         self.max_blocks = max_blocks
         n = self.sizes[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.cu_seqlens_q = torch.zeros(n + 1, dtype=torch.int32, device=device)
-        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
+        # Everything a graph reads, int32, in one device buffer filled from a pinned host twin
+        # by one copy per iteration (the block tables last, so a smaller batch copies less).
+        shapes = {"input_ids": (n,), "positions": (n,), "cu_seqlens_q": (n + 1,), "seq_lens": (n,),
+                  "block_tables": (n, max_blocks)}
+        total = sum(math.prod(shape) for shape in shapes.values())
+        self.device_buffer = torch.zeros(total, dtype=torch.int32, device=device)
+        self.host_buffer = torch.zeros(total, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self.device_views, self.host_views, start = {}, {}, 0
+        for name, shape in shapes.items():
+            size = math.prod(shape)
+            self.device_views[name] = self.device_buffer[start:start + size].view(shape)
+            self.host_views[name] = self.host_buffer[start:start + size].view(shape).numpy()
+            start += size
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.num_replays = 0
@@ -59,14 +68,18 @@ class DecodeGraphs:
         size = next(s for s in self.sizes if s >= num_requests)
         positions, cu_seqlens_q, seq_lens, block_tables = kernel_metadata(
             layout, num_rows=size, num_requests=size)
-        ids = torch.zeros(size, dtype=torch.long)
-        ids[:num_requests] = torch.tensor(token_ids, dtype=torch.long)
-        self.input_ids[:size].copy_(ids)
-        self.positions[:size].copy_(torch.from_numpy(positions))
-        self.cu_seqlens_q[:size + 1].copy_(torch.from_numpy(cu_seqlens_q))
-        self.seq_lens[:size].copy_(torch.from_numpy(seq_lens))
+        host = self.host_views
+        host["input_ids"][:num_requests] = token_ids
+        host["input_ids"][num_requests:size] = 0
+        host["positions"][:size] = positions
+        host["cu_seqlens_q"][:size + 1] = cu_seqlens_q
+        host["seq_lens"][:size] = seq_lens
         # Columns past the widest table keep stale ids: the kernel reads only seq_lens' blocks.
-        self.block_tables[:size, :block_tables.shape[1]].copy_(torch.from_numpy(block_tables))
+        host["block_tables"][:size, :block_tables.shape[1]] = block_tables
+        end = self.device_buffer.numel() - (self.sizes[-1] - size) * self.max_blocks
+        # Asynchronous from pinned memory; the host buffer is written again only after this
+        # iteration's sampled tokens were read back, which waits for the copy.
+        self.device_buffer[:end].copy_(self.host_buffer[:end], non_blocking=True)
         self.num_replays += 1
         if size in self.graphs:
             self.graphs[size].replay()
@@ -74,9 +87,10 @@ class DecodeGraphs:
         return self._forward(size)[:num_requests]
 
     def _forward(self, size: int) -> torch.Tensor:
-        plan = KernelPlan(self.positions[:size], self.cu_seqlens_q[:size + 1], self.seq_lens[:size],
-                          self.block_tables[:size], 1, self.kernel)
-        h = self.model.embed_tokens(self.input_ids[:size], plan)  # [size, hidden]
+        v = self.device_views
+        plan = KernelPlan(v["positions"][:size], v["cu_seqlens_q"][:size + 1], v["seq_lens"][:size],
+                          v["block_tables"][:size], 1, self.kernel)
+        h = self.model.embed_tokens(v["input_ids"][:size], plan)  # [size, hidden]
         return self.model.run_layers(h, plan, self.kv_caches, range(self.model.config.num_layers))
 
     @torch.inference_mode()

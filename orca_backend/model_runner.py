@@ -91,8 +91,14 @@ class ModelRunner:
         `capture=False`, through the same padded buffers without graphs)."""
         from .cuda_graphs import DecodeGraphs
 
-        self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.attention.kernel,
-                                          self.device, max_batch_size, max_blocks, capture)
+        try:
+            self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.attention.kernel,
+                                              self.device, max_batch_size, max_blocks, capture)
+        except Exception:
+            if not capture:
+                raise
+            # Slower without graphs, but serving: a capture failure must not take the model down.
+            log.exception("capturing decode CUDA graphs failed; decode iterations run without them")
 
     def _forward(self, layout: BatchLayout, token_ids: list[int]) -> torch.Tensor:
         if self.decode_graphs is not None and self.decode_graphs.can_run(layout):

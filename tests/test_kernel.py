@@ -138,6 +138,8 @@ def test_tile_config(max_query_len, group, block_q, block_m):
     from trt_plugins.kernel import tile_config
     cfg = tile_config(max_query_len, group, 128)
     assert (cfg.block_q, cfg.block_m) == (block_q, block_m)
+    fp32 = tile_config(max_query_len, group, 128, element_size=4)
+    assert (fp32.block_m, fp32.block_n) == (max(16, group), 16)  # larger fp32 tiles spill
 
 
 def test_reference_matches_the_engines_sdpa_path():

@@ -41,6 +41,12 @@ def test_fp32_build_uses_ieee_fma_not_tf32():
     assert build.param_types == tuple(ptx_type for _, ptx_type in PTX_PARAMS)
 
 
+def test_fp32_prefill_at_head_dim_128_does_not_spill():
+    # The GPU check's fp32 parity runs this build; 64-row fp32 tiles spilled 30 KB here.
+    build = compile_ptx("float32", head_dim=128, num_queries_per_kv=4, decode=False)
+    assert (build.spill_stores, build.spill_loads) == (0, 0)
+
+
 def test_bad_dtype_names_the_argument():
     with pytest.raises(ValueError, match="dtype"):
         compile_ptx("int8")

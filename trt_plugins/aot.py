@@ -4,7 +4,7 @@ The PTX entry takes these parameters, in this order (PTX_PARAMS); the TensorRT p
 embeds the PTX passes them so:
 
   0-5   q, k, v, k_cache, v_cache, out  .u64  device pointers, 16-byte aligned
-  6-8   cu_seqlens_q, seq_lens, block_tables  .u64  int32 device pointers
+  6-8   cu_seqlens_q, seq_lens, block_tables  .u64  int32 device pointers, 4-byte aligned
   9     scale                            .f32  softmax scale, usually head_dim ** -0.5
   10    num_seqs                         .u32  B
   11-14 stride_q, stride_k, stride_v, stride_out  .u32  row strides in elements
@@ -34,7 +34,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from trt_plugins.kernel import build_kernel, dot_precision, tile_config
+from trt_plugins.kernel import INDEX_ARGS, build_kernel, dot_precision, tile_config
 
 PTX_PARAMS = (
     ("q", "u64"), ("k", "u64"), ("v", "u64"), ("k_cache", "u64"), ("v_cache", "u64"),
@@ -46,7 +46,6 @@ PTX_PARAMS = (
 )
 _DTYPES = {"float32": ("fp32", torch.float32), "float16": ("fp16", torch.float16),
            "bfloat16": ("bf16", torch.bfloat16)}
-_INDEX_ARGS = ("cu_seqlens_q_ptr", "seq_lens_ptr", "block_tables_ptr")
 _ALIGNED_STRIDES = ("stride_q", "stride_k", "stride_v", "stride_out", "stride_cache_block",
                     "stride_cache_slot")
 # (dtype, head_dim, num_queries_per_kv): SmolLM2-135M's 9/3/64, and 32/8/128 (Llama-3-8B).
@@ -83,10 +82,10 @@ def _signature(arg_names, type_name: str, constexprs: dict) -> tuple[dict, dict]
         if name in constexprs:
             signature[name] = "constexpr"
         elif name.endswith("_ptr"):
-            signature[name] = "*i32" if name in _INDEX_ARGS else f"*{type_name}"
+            signature[name] = "*i32" if name in INDEX_ARGS else f"*{type_name}"
         else:
             signature[name] = "fp32" if name == "scale" else "i32"
-        if name.endswith("_ptr") or name in _ALIGNED_STRIDES:
+        if (name.endswith("_ptr") and name not in INDEX_ARGS) or name in _ALIGNED_STRIDES:
             attrs[(index,)] = [["tt.divisibility", 16]]
     return signature, attrs
 
@@ -125,7 +124,7 @@ def compile_ptx(dtype: str = "bfloat16", head_dim: int = 128, num_queries_per_kv
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     type_name, torch_dtype = _DTYPES[dtype]
     # Prefill tiles are those the wrapper picks for any long query; decode's for max_query_len 1.
-    tiles = tile_config(1 if decode else 1 << 16, num_queries_per_kv, head_dim)
+    tiles = tile_config(1 if decode else 1 << 16, num_queries_per_kv, head_dim, torch_dtype.itemsize)
     constexprs = dict(HEAD_DIM=head_dim, NUM_QUERIES_PER_KV=num_queries_per_kv, G_PAD=tiles.g_pad,
                       BLOCK_SIZE=block_size, BLOCK_Q=tiles.block_q, BLOCK_N=tiles.block_n,
                       UPCAST=False, DOT_PRECISION=dot_precision(torch_dtype))

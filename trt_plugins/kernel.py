@@ -191,6 +191,14 @@ _DEVICE_FUNCTIONS = (_max_combine, _sum_combine, _find_request, _write_new_kv, _
                      _load_new_kv, _row_offsets, _load_queries, _attend, _paged_attention_kernel)
 
 
+# One compiled kernel whatever the batch: JIT would otherwise specialise integers equal to 1
+# or divisible by 16 (the batch size, the block-table width that changes every iteration) and
+# the alignment of the metadata pointers (views into one packed buffer), and compile again.
+INDEX_ARGS = ("cu_seqlens_q_ptr", "seq_lens_ptr", "block_tables_ptr")
+_JIT_OPTIONS = {"do_not_specialize": ["num_seqs", "stride_block_table"],
+                "do_not_specialize_on_alignment": list(INDEX_ARGS)}
+
+
 @functools.cache
 def build_kernel(interpret: bool):
     """The kernel as a compiled `JITFunction` (interpret=False) or an `InterpretedFunction`.
@@ -206,8 +214,7 @@ def build_kernel(interpret: bool):
     namespace = {"__name__": __name__, "triton": triton, "tl": tl}
     for fn in _DEVICE_FUNCTIONS:
         copy = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__)
-        # One compiled kernel for every batch size (JIT would specialise B == 1 and B % 16 == 0).
-        options = {"do_not_specialize": ["num_seqs"]} if copy.__name__ == _KERNEL and not interpret else {}
+        options = _JIT_OPTIONS if copy.__name__ == _KERNEL and not interpret else {}
         namespace[fn.__name__] = make(copy, **options)
     if interpret:
         # The interpreter reduces with numpy only for the library's own combine functions
@@ -231,17 +238,23 @@ class TileConfig:
         return self.block_q * self.g_pad
 
 
-def tile_config(max_query_len: int, num_queries_per_kv: int, head_dim: int) -> TileConfig:
+def tile_config(max_query_len: int, num_queries_per_kv: int, head_dim: int,
+                element_size: int = 2) -> TileConfig:
     """Decode (max_query_len 1) gets 16-row tiles, the smallest tl.dot takes; prefill 64.
 
     Key tiles stay at 32 where 64 would take prefill's shared memory past 48 KiB (which a
     launch must opt into) or make ptxas spill a few bytes in decode (seen at head_dim 64).
+    fp32 (element_size 4) takes 16 x 16 tiles everywhere: larger ones spill at head_dim 128.
     """
     g_pad = triton.next_power_of_2(num_queries_per_kv)
     min_block_q = max(1, 16 // g_pad)
-    max_block_q = max(min_block_q, (16 if max_query_len <= 1 else 64) // g_pad)
+    max_rows = 16 if max_query_len <= 1 or element_size > 2 else 64
+    max_block_q = max(min_block_q, max_rows // g_pad)
     block_q = max(min_block_q, min(max_block_q, triton.next_power_of_2(max(1, max_query_len))))
-    block_n = 64 if max_query_len > 1 and head_dim <= 64 else 32
+    if element_size > 2:
+        block_n = 16
+    else:
+        block_n = 64 if max_query_len > 1 and head_dim <= 64 else 32
     return TileConfig(block_q=block_q, g_pad=g_pad, block_n=block_n, num_warps=4, num_stages=2)
 
 

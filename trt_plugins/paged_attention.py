@@ -127,7 +127,7 @@ def paged_attention(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tab
         max_query_len = 1 if num_tokens == num_seqs else num_tokens
     if num_tokens == 0 or num_seqs == 0:
         return x.out
-    cfg = tile_config(max_query_len, x.num_queries_per_kv, x.head_dim)
+    cfg = tile_config(max_query_len, x.num_queries_per_kv, x.head_dim, x.q.element_size())
     interpret = x.q.device.type == "cpu"
     grid = (num_tokens // cfg.block_q + num_seqs, x.num_kv_heads)
     options = {} if interpret else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
