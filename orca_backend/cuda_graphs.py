@@ -91,7 +91,7 @@ class DecodeGraphs:
         plan = KernelPlan(v["positions"][:size], v["cu_seqlens_q"][:size + 1], v["seq_lens"][:size],
                           v["block_tables"][:size], 1, self.kernel)
         h = self.model.embed_tokens(v["input_ids"][:size], plan)  # [size, hidden]
-        return self.model.run_layers(h, plan, self.kv_caches, range(self.model.config.num_layers))
+        return self.model.run_layers(h, plan, self.kv_caches, self.model.layer_range)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:

@@ -62,8 +62,10 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.attention = attention or TorchPagedAttention(block_size, device)
-        self.kv_caches = self.attention.allocate_kv_cache(cfg.num_layers, num_blocks, cfg.num_kv_heads,
-                                                          cfg.head_dim, dtype)
+        layers = model.layer_range
+        caches = self.attention.allocate_kv_cache(len(layers), num_blocks, cfg.num_kv_heads,
+                                                  cfg.head_dim, dtype)
+        self.kv_caches = dict(zip(layers, caches))  # layer index -> its cache: only this model's layers
         self.sampler = Sampler(device, seed, cfg.eos_token_ids)
         self.keep_logits = keep_logits
         self.requests: dict[str, RunnerRequest] = {}
@@ -106,7 +108,7 @@ class ModelRunner:
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         meta = self.attention.plan(layout)  # built once, shared by every layer
         h = self.model.embed_tokens(input_ids, meta)  # [num_tokens, hidden]
-        return self.model.run_layers(h, meta, self.kv_caches, range(self.model.config.num_layers))
+        return self.model.run_layers(h, meta, self.kv_caches, self.model.layer_range)
 
     def _apply(self, message: SchedulerOutput) -> tuple[BatchLayout, list[int], list]:
         """Bring the per-request state up to date; returns the rows to run."""

@@ -10,14 +10,24 @@ from .weights import Weights
 
 
 class GPT2Model:
-    def __init__(self, config: ModelConfig, w: Weights) -> None:
+    """The layers in `layer_range` (all by default), as LlamaModel."""
+
+    LAYER_PREFIX = "h."
+
+    def __init__(self, config: ModelConfig, w: Weights, layer_range: range | None = None) -> None:
         self.config = config
-        self.wte = w.take("wte.weight")  # [vocab, hidden]
-        self.wpe = w.take("wpe.weight")  # [max_positions, hidden]
-        self.layers = [_GPT2Layer(config, w, f"h.{i}.") for i in range(config.num_layers)]
-        self.ln_f = (w.take("ln_f.weight"), w.take("ln_f.bias"))
-        head = w.take_optional("lm_head.weight")
-        self.lm_head = self.wte if config.tie_word_embeddings or head is None else head
+        self.layer_range = layer_range = range(config.num_layers) if layer_range is None else layer_range
+        first, last = layer_range.start == 0, layer_range.stop == config.num_layers
+        tied = config.tie_word_embeddings or "lm_head.weight" not in w
+        if first or (last and tied):
+            self.wte = w.take("wte.weight")  # [vocab, hidden]
+        if first:
+            self.wpe = w.take("wpe.weight")  # [max_positions, hidden]
+        self.layers = {i: _GPT2Layer(config, w, f"{self.LAYER_PREFIX}{i}.") for i in layer_range}
+        if last:
+            self.ln_f = (w.take("ln_f.weight"), w.take("ln_f.bias"))
+            head = w.take_optional("lm_head.weight")  # a tied checkpoint may store it too
+            self.lm_head = self.wte if tied else head
 
     def embed_tokens(self, input_ids: torch.Tensor, meta: AttentionPlan) -> torch.Tensor:
         return self.wte[input_ids] + self.wpe[meta.positions]

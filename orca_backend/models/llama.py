@@ -10,21 +10,32 @@ from .weights import Weights
 
 
 class LlamaModel:
-    def __init__(self, config: ModelConfig, w: Weights) -> None:
+    """The layers in `layer_range` (all by default): a pipeline stage loads only its own, the
+    first stage the embeddings, the last the final norm and the LM head."""
+
+    LAYER_PREFIX = "model.layers."
+
+    def __init__(self, config: ModelConfig, w: Weights, layer_range: range | None = None) -> None:
         self.config = config
-        self.embed = w.take("model.embed_tokens.weight")  # [vocab, hidden]
-        self.layers = [_LlamaLayer(config, w, f"model.layers.{i}.") for i in range(config.num_layers)]
-        self.norm = w.take("model.norm.weight")
-        head = w.take_optional("lm_head.weight")
-        self.lm_head = self.embed if config.tie_word_embeddings or head is None else head
+        self.layer_range = layer_range = range(config.num_layers) if layer_range is None else layer_range
+        first, last = layer_range.start == 0, layer_range.stop == config.num_layers
+        tied = config.tie_word_embeddings or "lm_head.weight" not in w
+        if first or (last and tied):
+            self.embed = w.take("model.embed_tokens.weight")  # [vocab, hidden]
+        self.layers = {i: _LlamaLayer(config, w, f"{self.LAYER_PREFIX}{i}.") for i in layer_range}
+        if last:
+            self.norm = w.take("model.norm.weight")
+            head = w.take_optional("lm_head.weight")  # a tied checkpoint may store it too
+            self.lm_head = self.embed if tied else head
         inv_freq = 1.0 / (config.rope_theta ** (
             torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim))
-        self.inv_freq = inv_freq.to(self.embed.device)  # [head_dim / 2]
+        self.inv_freq = inv_freq.to(w.device)  # [head_dim / 2]
 
     def embed_tokens(self, input_ids: torch.Tensor, meta: AttentionPlan) -> torch.Tensor:
         return self.embed[input_ids]  # [num_tokens, hidden]
 
     def run_layers(self, h: torch.Tensor, meta: AttentionPlan, kv_caches, layers: range) -> torch.Tensor:
+        """`kv_caches[i]` is layer i's cache, for each i in `layers` (a subrange of layer_range)."""
         freqs = meta.positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         rope = (emb.cos().to(h.dtype)[:, None, :], emb.sin().to(h.dtype)[:, None, :])

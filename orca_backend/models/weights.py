@@ -38,6 +38,9 @@ class Weights:
                          if not name.endswith(_IGNORED_SUFFIXES)}
         return self
 
+    def __contains__(self, name: str) -> bool:
+        return name in self._sources
+
     def take_optional(self, name: str) -> torch.Tensor | None:
         if name not in self._sources:
             return None
