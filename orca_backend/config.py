@@ -33,8 +33,9 @@ class EngineConfig:
     seed: int = 0
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES  # longer prompts are refused untokenized
     keep_logits: bool = False  # return each iteration's logits (for tests)
-    executor: str = "inline"  # where the model runner lives: "inline" or "process"
-    max_inflight: int = 1  # iterations submitted to the executor and not yet returned
+    executor: str = "inline"  # where the model runner lives: "inline", "process" or "pipeline"
+    pipeline_stages: int = 2  # with the "pipeline" executor: stages, layers split evenly
+    max_inflight: int | None = None  # iterations out at once; None: pipeline_stages for a pipeline, else 1
     iteration_timeout_seconds: int = 600  # a runner silent this long is treated as dead
     attention: str = "auto"  # "torch" (SDPA), "triton" (our kernel) or "auto"
     cuda_graphs: bool = True  # decode iterations replayed from CUDA graphs (kernel backend)
@@ -45,8 +46,10 @@ class EngineConfig:
               "'cpu' or 'cuda[:N]'")
         if self.device == "cpu" and self.dtype != "float32":
             raise ConfigError(f"dtype {self.dtype!r} is for GPUs; use 'float32' on cpu")
+        if self.max_inflight is None:
+            self.max_inflight = self.pipeline_stages if self.executor == "pipeline" else 1
         for name in ("max_batch_size", "max_num_batched_tokens", "block_size", "max_prompt_bytes",
-                     "max_inflight", "iteration_timeout_seconds"):
+                     "max_inflight", "iteration_timeout_seconds", "pipeline_stages"):
             value = getattr(self, name)
             _need(isinstance(value, int) and value >= 1, name, value, "an integer >= 1")
         for name in ("kv_cache_tokens", "kv_cache_bytes", "max_model_len"):

@@ -50,7 +50,7 @@ class LLMEngine:
                                       config.block_size, config.seed, config.keep_logits,
                                       config.attention_backend, config.cuda_graphs,
                                       config.max_batch_size, self.max_model_len)
-        self.executor = executor or make_executor(config.executor, self.runner_spec)
+        self.executor = executor or make_executor(config.executor, self.runner_spec, config.pipeline_stages)
         self.stats = EngineStats()
         self.reset()
 
@@ -88,7 +88,7 @@ class LLMEngine:
     def _restart_runner(self) -> None:
         log.warning("starting a new model runner")
         self.executor.shutdown()
-        self.executor = make_executor(self.config.executor, self.runner_spec)
+        self.executor = make_executor(self.config.executor, self.runner_spec, self.config.pipeline_stages)
         self.stats.num_runner_restarts += 1
         self._runner_died = False
 

@@ -32,7 +32,7 @@ import msgpack
 from .messages import RunnerOutput, SchedulerOutput
 
 log = logging.getLogger(__name__)
-EXECUTORS = ("inline", "process")
+EXECUTORS = ("inline", "process", "pipeline")
 START_TIMEOUT_SECONDS = 600  # loading weights in the child
 STOP_TIMEOUT_SECONDS = 10
 
@@ -60,6 +60,7 @@ class RunnerSpec:
     cuda_graphs: bool = False  # decode iterations from CUDA graphs (padded eagerly on the CPU)
     max_batch_size: int = 32  # the largest decode graph
     max_model_len: int = 2048  # sets the graphs' block-table width
+    layer_range: tuple[int, int] | None = None  # a pipeline stage's layers [start, stop); None: all
 
 
 def build_runner(spec: RunnerSpec):
@@ -75,11 +76,12 @@ def build_runner(spec: RunnerSpec):
     dtype, device = getattr(torch, spec.dtype), torch.device(spec.device)
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # kernels launch on the current device
-    model = load_model(Path(spec.model_path), dtype, device)
+    layers = range(*spec.layer_range) if spec.layer_range else None
+    model = load_model(Path(spec.model_path), dtype, device, layers)
     backend = KernelPagedAttention if spec.attention == "triton" else TorchPagedAttention
     runner = ModelRunner(model, spec.num_blocks, spec.block_size, device, dtype, spec.seed,
                          spec.keep_logits, backend(spec.block_size, device))
-    if spec.cuda_graphs and spec.attention == "triton":
+    if spec.cuda_graphs and spec.attention == "triton" and not spec.layer_range:
         runner.enable_decode_graphs(spec.max_batch_size, -(-spec.max_model_len // spec.block_size),
                                     capture=device.type == "cuda")
     return runner
@@ -267,9 +269,13 @@ class ProcessExecutor(Executor):
             self.process.wait(STOP_TIMEOUT_SECONDS)
 
 
-def make_executor(kind: str, spec: RunnerSpec) -> Executor:
+def make_executor(kind: str, spec: RunnerSpec, num_stages: int = 1) -> Executor:
     if kind == "process":
         return ProcessExecutor(spec)
+    if kind == "pipeline":
+        from .pipeline_executor import PipelineExecutor
+
+        return PipelineExecutor(spec, num_stages)
     return InlineExecutor(spec)
 
 

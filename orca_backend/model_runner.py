@@ -71,12 +71,21 @@ class ModelRunner:
         self.requests: dict[str, RunnerRequest] = {}
         self.decode_graphs = None
 
+    @property
+    def is_last_stage(self) -> bool:
+        """Whether this runner's model ends with the LM head (a whole model always does)."""
+        return self.model.layer_range.stop == self.model.config.num_layers
+
     @torch.inference_mode()
-    def execute(self, message: SchedulerOutput) -> RunnerOutput:
+    def execute(self, message: SchedulerOutput, hidden: torch.Tensor | None = None):
+        """Run one iteration. A pipeline stage after the first takes the previous stage's
+        hidden states; a stage before the last returns its own [num_tokens, hidden]."""
         layout, token_ids, sampling = self._apply(message)
         last_rows = [row for row, _ in sampling]
         start = time.perf_counter()
-        h = self._forward(layout, token_ids)  # [num_tokens, hidden]
+        h = self._forward(layout, token_ids, hidden)  # [num_tokens, hidden]
+        if not self.is_last_stage:
+            return h
         logits = self.model.logits(h[last_rows])  # [num_sampled, vocab]: LM head on sampled rows only
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the time of the forward, not of its launches
@@ -102,13 +111,19 @@ class ModelRunner:
             # Slower without graphs, but serving: a capture failure must not take the model down.
             log.exception("capturing decode CUDA graphs failed; decode iterations run without them")
 
-    def _forward(self, layout: BatchLayout, token_ids: list[int]) -> torch.Tensor:
-        if self.decode_graphs is not None and self.decode_graphs.can_run(layout):
+    def apply_only(self, message: SchedulerOutput) -> None:
+        """Keep the per-request state in step with an iteration that is not run here (an
+        earlier pipeline stage failed it), so that later messages still match."""
+        self._apply(message)
+
+    def _forward(self, layout: BatchLayout, token_ids: list[int], hidden: torch.Tensor | None) -> torch.Tensor:
+        if hidden is None and self.decode_graphs is not None and self.decode_graphs.can_run(layout):
             return self.decode_graphs.run(layout, token_ids)
-        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         meta = self.attention.plan(layout)  # built once, shared by every layer
-        h = self.model.embed_tokens(input_ids, meta)  # [num_tokens, hidden]
-        return self.model.run_layers(h, meta, self.kv_caches, self.model.layer_range)
+        if hidden is None:
+            input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+            hidden = self.model.embed_tokens(input_ids, meta)  # [num_tokens, hidden]
+        return self.model.run_layers(hidden, meta, self.kv_caches, self.model.layer_range)
 
     def _apply(self, message: SchedulerOutput) -> tuple[BatchLayout, list[int], list]:
         """Bring the per-request state up to date; returns the rows to run."""

@@ -74,6 +74,10 @@ ENGINE_VARIANTS = {
     # The runner in a child process, fed only the messages.
     "process": dict(executor="process", max_inflight=2, kv_cache_tokens=96, block_size=4,
                     max_num_batched_tokens=32),
+    # Two pipeline stages, each its own layers and K/V cache; two iterations in flight.
+    "pipeline": dict(executor="pipeline", max_batch_size=3, max_num_batched_tokens=32),
+    "pipeline-preempt": dict(executor="pipeline", max_inflight=1, kv_cache_tokens=96, block_size=4,
+                             max_num_batched_tokens=32),
     # Our kernel (trt_plugins) under the Triton interpreter: decode iterations through the
     # padded buffers of the CUDA-graph path, the others one launch per layer.
     "kernel": dict(attention="triton"),
@@ -82,7 +86,7 @@ ENGINE_VARIANTS = {
     # The GPU engine path: the kernel compiled, decode iterations replayed from CUDA graphs.
     "cuda": dict(device="cuda", attention="triton"),
 }
-PREEMPTING = ("preempt", "process", "kernel-preempt")
+PREEMPTING = ("preempt", "process", "kernel-preempt", "pipeline-preempt")
 NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 

@@ -54,14 +54,18 @@ def test_config_parameters_become_engine_options():
     c = engine_config_from_parameters({"attention": "triton", "cuda_graphs": "False"})
     assert (c.attention_backend, c.cuda_graphs) == ("triton", False)
     assert engine_config_from_parameters({"attention": "auto"}).attention_backend == "torch"
+    c = engine_config_from_parameters({"executor": "pipeline", "pipeline_stages": "3", "max_inflight": "auto"})
+    assert (c.executor, c.pipeline_stages, c.max_inflight) == ("pipeline", 3, 3)
+    assert engine_config_from_parameters({"max_inflight": "auto"}).max_inflight == 1
 
 
 @pytest.mark.parametrize("parameters, message", [
     ({"max_batch_size": "many"}, "'max_batch_size' must be an integer"),
     ({"max_batchsize": "8"}, "unknown model parameter 'max_batchsize'"),
     ({"policy": "lifo"}, "'policy'"),
-    ({"executor": "thread"}, "engine option 'executor' must be one of inline, process, got 'thread'"),
+    ({"executor": "thread"}, "engine option 'executor' must be one of inline, process, pipeline, got 'thread'"),
     ({"max_inflight": "0"}, "engine option 'max_inflight' must be an integer >= 1, got 0"),
+    ({"pipeline_stages": "0"}, "engine option 'pipeline_stages' must be an integer >= 1, got 0"),
     ({"attention": "flash"}, "engine option 'attention' must be one of auto, torch, triton, got 'flash'"),
     ({"cuda_graphs": "yes"}, "model parameter 'cuda_graphs' must be true or false, got 'yes'"),
 ])
