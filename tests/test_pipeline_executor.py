@@ -64,3 +64,19 @@ def test_a_failing_stage_fails_its_iteration_alone_and_the_pipeline_goes_on(tiny
         assert set(runner.requests) <= {"later"}
     engine.shutdown()
     assert not any(t.is_alive() for t in engine.executor._threads)
+
+
+def test_seeded_sampling_through_the_pipeline_equals_inline(tiny_models):
+    """The last stage owns the sampling state: seeded requests draw the same tokens as with
+    the whole model inline, with two iterations in flight."""
+    results = []
+    for executor in ("inline", "pipeline"):
+        engine = LLMEngine(EngineConfig(model=str(tiny_models["qwen2"]), executor=executor, seed=3))
+        for i in range(3):
+            engine.add_request(str(i), list(range(4 + i, 14 + 2 * i)), SamplingParams(
+                temperature=0.9, top_p=0.95, seed=100 + i if i < 2 else None, max_tokens=10))
+        results.append(_drain(engine))
+        engine.shutdown()
+    (inline_tokens, inline_errors), (pipeline_tokens, pipeline_errors) = results
+    assert not inline_errors and not pipeline_errors
+    assert pipeline_tokens == inline_tokens
