@@ -69,7 +69,6 @@ def build_runner(spec: RunnerSpec):
 
     from .model_runner import ModelRunner
     from .models import load_model
-
     from .models.attention import TorchPagedAttention
     from .models.kernel_attention import KernelPagedAttention
 

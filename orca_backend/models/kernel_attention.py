@@ -17,8 +17,7 @@ from .attention import BatchLayout, TorchPagedAttention
 
 
 def load_kernel():
-    """`trt_plugins.paged_attention`, imported on first use: on the CPU it needs the Triton
-    interpreter, which `triton.jit` reads from the environment when the kernel is defined."""
+    """`trt_plugins.paged_attention`, imported on first use (it imports triton)."""
     import trt_plugins
 
     return trt_plugins.paged_attention
@@ -38,7 +37,7 @@ class KernelPagedAttention(TorchPagedAttention):
 
 @dataclass(slots=True)
 class KernelPlan:
-    positions: torch.Tensor  # [num_tokens] int64, for position embeddings
+    positions: torch.Tensor  # [num_tokens] int32, for position embeddings
     cu_seqlens_q: torch.Tensor  # [B + 1] int32: request i owns rows cu_seqlens_q[i]:cu_seqlens_q[i + 1]
     seq_lens: torch.Tensor  # [B] int32: its K/V length after this iteration
     block_tables: torch.Tensor  # [B, max_blocks] int32
@@ -56,7 +55,7 @@ class KernelPlan:
             views.append(packed[start:start + a.size].view(a.shape))
             start += a.size
         positions, cu_seqlens_q, seq_lens, block_tables = views
-        return cls(positions.long(), cu_seqlens_q, seq_lens, block_tables,
+        return cls(positions, cu_seqlens_q, seq_lens, block_tables,
                    max(layout.num_scheduled_tokens), kernel)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -68,15 +67,15 @@ class KernelPlan:
 
 
 def kernel_metadata(layout: BatchLayout, num_rows: int | None = None,
-                    num_requests: int | None = None, max_blocks: int | None = None):
+                    num_requests: int | None = None):
     """The kernel's int32 arrays for a layout: positions [num_rows], cu_seqlens_q [B + 1],
-    seq_lens [B], block_tables [B, max_blocks]. Larger sizes pad: extra requests get no rows
+    seq_lens [B], block_tables [B, widest table]. Larger sizes pad: extra requests get no rows
     and no K/V, extra rows position 0 (how a CUDA graph's fixed batch is filled)."""
     starts = np.asarray(layout.num_computed_tokens, dtype=np.int32)
     counts = np.asarray(layout.num_scheduled_tokens, dtype=np.int32)
     n = len(counts)
     num_requests = num_requests or n
-    width = max_blocks or max(len(t) for t in layout.block_tables)
+    width = max(len(t) for t in layout.block_tables)
     cu_seqlens_q = np.zeros(num_requests + 1, dtype=np.int32)
     np.cumsum(counts, out=cu_seqlens_q[1:n + 1])
     cu_seqlens_q[n + 1:] = cu_seqlens_q[n]
