@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import ConfigError
-from .executor import EXECUTORS
+from .executor import EXECUTORS, STAGE_TRANSPORTS
 from .scheduler import BATCHING_MODES, POLICIES
 
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}  # bytes per element; torch's names
@@ -34,7 +34,8 @@ class EngineConfig:
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES  # longer prompts are refused untokenized
     keep_logits: bool = False  # return each iteration's logits (for tests)
     executor: str = "inline"  # where the model runner lives: "inline", "process" or "pipeline"
-    pipeline_stages: int = 2  # with the "pipeline" executor: stages, layers split evenly
+    pipeline_stages: int = 2  # with the "pipeline" or "stages" executor: stages, layers split evenly
+    stage_transport: str = "bls"  # "stages": BLS calls per stage from this model, or one "ensemble" call
     max_inflight: int | None = None  # iterations out at once; None: pipeline_stages for a pipeline, else 1
     iteration_timeout_seconds: int = 600  # a runner silent this long is treated as dead
     attention: str = "auto"  # "torch" (SDPA), "triton" (our kernel) or "auto"
@@ -47,7 +48,7 @@ class EngineConfig:
         if self.device == "cpu" and self.dtype != "float32":
             raise ConfigError(f"dtype {self.dtype!r} is for GPUs; use 'float32' on cpu")
         if self.max_inflight is None:
-            self.max_inflight = self.pipeline_stages if self.executor == "pipeline" else 1
+            self.max_inflight = self.pipeline_stages if self.executor in ("pipeline", "stages") else 1
         for name in ("max_batch_size", "max_num_batched_tokens", "block_size", "max_prompt_bytes",
                      "max_inflight", "iteration_timeout_seconds", "pipeline_stages"):
             value = getattr(self, name)
@@ -63,6 +64,8 @@ class EngineConfig:
               f"one of {', '.join(ATTENTION_BACKENDS)}")
         _need(isinstance(self.cuda_graphs, bool), "cuda_graphs", self.cuda_graphs, "true or false")
         _need(self.executor in EXECUTORS, "executor", self.executor, f"one of {', '.join(EXECUTORS)}")
+        _need(self.stage_transport in STAGE_TRANSPORTS, "stage_transport", self.stage_transport,
+              f"one of {', '.join(STAGE_TRANSPORTS)}")
 
     @property
     def attention_backend(self) -> str:

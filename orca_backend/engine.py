@@ -14,7 +14,7 @@ from tokenizers import Tokenizer
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .errors import ConfigError, InvalidRequestError
-from .executor import Executor, RunnerDiedError, RunnerSpec, make_executor
+from .executor import Executor, RunnerDiedError, RunnerSpec, RunnerUnavailableError, make_executor
 from .kv_manager import BlockManager
 from .messages import RunnerOutput, SampledToken, SchedulerOutput
 from .model_store import prepare_default_model
@@ -50,7 +50,7 @@ class LLMEngine:
                                       config.block_size, config.seed, config.keep_logits,
                                       config.attention_backend, config.cuda_graphs,
                                       config.max_batch_size, self.max_model_len)
-        self.executor = executor or make_executor(config.executor, self.runner_spec, config.pipeline_stages)
+        self.executor = executor or self._make_executor()
         self.stats = EngineStats()
         self.reset()
 
@@ -88,9 +88,14 @@ class LLMEngine:
     def _restart_runner(self) -> None:
         log.warning("starting a new model runner")
         self.executor.shutdown()
-        self.executor = make_executor(self.config.executor, self.runner_spec, self.config.pipeline_stages)
+        self.executor = self._make_executor()
         self.stats.num_runner_restarts += 1
         self._runner_died = False
+
+    def _make_executor(self) -> Executor:
+        c = self.config
+        return make_executor(c.executor, self.runner_spec, c.pipeline_stages, c.stage_transport,
+                             c.iteration_timeout_seconds)
 
     def shutdown(self) -> None:
         """Stop the runner (a child process, with the `process` executor)."""
@@ -168,8 +173,10 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        """Requests to run, iterations still to collect, or a runner to start again."""
-        return bool(self._tracked) or bool(self._in_flight) or self._runner_died
+        """Requests to run, iterations still to collect, a runner to start again, or ended
+        requests the runner still holds state for."""
+        return (bool(self._tracked) or bool(self._in_flight) or self._runner_died
+                or self.scheduler.has_news_for_runner)
 
     def unfinished_request_ids(self) -> list[str]:
         return list(self._tracked)
@@ -214,7 +221,8 @@ class LLMEngine:
         done = sorted(i for i, (_, future) in self._in_flight.items() if future.done())
         if not done:
             raise RunnerDiedError(f"{self.executor.name} returned no iteration in {timeout} s "
-                                  f"(iteration {min(self._in_flight)} was due)")
+                                  f"(iteration {min(self._in_flight)} was due"
+                                  f"{self.executor.describe_wait()})")
         return [self._in_flight.pop(i) for i in done]
 
     def _complete(self, message: SchedulerOutput, future: Future[RunnerOutput]) -> list[RequestDelta]:
@@ -240,6 +248,8 @@ class LLMEngine:
                 deltas.append(self._process_safely(req, token, out))
             elif req.request_id in sampling:
                 deltas.append(self._fail(req, "internal error: the runner returned no token"))
+        if not message.num_requests:
+            return deltas  # it only told the runner which requests have ended
         self.stats.num_iterations += 1
         self.stats.forward_seconds += out.forward_seconds
         self.stats.last_iteration = IterationRecord(
@@ -253,9 +263,13 @@ class LLMEngine:
         never saw, and start a new runner with the next step (so the errors go out first)."""
         log.error("%s; restarting it", error)
         # Unseen: waiting, or admitted with no tokens yet (request-level batching does that).
-        unseen = [t for t in self._tracked.values() if not t.request.num_sent_tokens]
-        message = f"internal error: {error}; the runner was restarted"
-        deltas = [_error_delta(t.request, message) for t in self._tracked.values() if t.request.num_sent_tokens]
+        # When no runner can start, they would wait for nothing: they end too.
+        unavailable = isinstance(error, RunnerUnavailableError)
+        unseen = [] if unavailable else [t for t in self._tracked.values() if not t.request.num_sent_tokens]
+        message = (f"internal error: {error}" if unavailable
+                   else f"internal error: {error}; the runner was restarted")
+        deltas = [_error_delta(t.request, message) for t in self._tracked.values()
+                  if unavailable or t.request.num_sent_tokens]
         self._fresh_scheduler()
         self._runner_died = True
         for tracked in unseen:

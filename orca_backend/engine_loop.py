@@ -137,6 +137,8 @@ class EngineLoop:
         for iteration in self.engine.stats.last_step_iterations:
             self._write_trace(iteration)
             self.sender.put(Stats(self._snapshot(iteration)))
+        if not self.engine.stats.last_step_iterations and not self.engine.has_unfinished_requests():
+            self.sender.put(Stats(self._snapshot()))  # e.g. the runner has dropped ended requests
 
     def _take_commands(self) -> bool:
         """Apply queued adds and aborts; block while there is nothing to run. False = stop."""
@@ -232,7 +234,7 @@ class EngineLoop:
                               engine.kv.num_used_blocks, engine.kv.num_blocks,
                               engine.scheduler.num_preemptions, engine.stats.num_iterations,
                               self.num_restarts, engine.stats.num_runner_restarts,
-                              iteration.num_requests if iteration else 0)
+                              iteration.num_requests if iteration else 0, engine.executor.stage_stats())
 
 
 def _refusal(request_id: str, error: Exception, doing: str) -> Fail:

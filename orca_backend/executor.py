@@ -32,13 +32,19 @@ import msgpack
 from .messages import RunnerOutput, SchedulerOutput
 
 log = logging.getLogger(__name__)
-EXECUTORS = ("inline", "process", "pipeline")
+EXECUTORS = ("inline", "process", "pipeline", "stages")
+STAGE_TRANSPORTS = ("bls", "ensemble")
 START_TIMEOUT_SECONDS = 600  # loading weights in the child
 STOP_TIMEOUT_SECONDS = 10
 
 
 class RunnerDiedError(RuntimeError):
     """The runner's process is gone; the message names it and how it ended."""
+
+
+class RunnerUnavailableError(RunnerDiedError):
+    """No runner can be started (a pipeline stage model is down): the requests waiting for
+    one fail too, instead of waiting for a runner that will not come."""
 
 
 class IterationFailedError(RuntimeError):
@@ -63,8 +69,9 @@ class RunnerSpec:
     layer_range: tuple[int, int] | None = None  # a pipeline stage's layers [start, stop); None: all
 
 
-def build_runner(spec: RunnerSpec):
-    """Load the weights and allocate the K/V pool (here: torch is imported only now)."""
+def build_runner(spec: RunnerSpec, model=None):
+    """Load the weights (unless `model` is already loaded) and allocate the K/V pool; torch
+    is imported only now."""
     import torch
 
     from .model_runner import ModelRunner
@@ -75,8 +82,9 @@ def build_runner(spec: RunnerSpec):
     dtype, device = getattr(torch, spec.dtype), torch.device(spec.device)
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # kernels launch on the current device
-    layers = range(*spec.layer_range) if spec.layer_range else None
-    model = load_model(Path(spec.model_path), dtype, device, layers)
+    if model is None:
+        layers = range(*spec.layer_range) if spec.layer_range else None
+        model = load_model(Path(spec.model_path), dtype, device, layers)
     backend = KernelPagedAttention if spec.attention == "triton" else TorchPagedAttention
     runner = ModelRunner(model, spec.num_blocks, spec.block_size, device, dtype, spec.seed,
                          spec.keep_logits, backend(spec.block_size, device))
@@ -102,6 +110,14 @@ class Executor(abc.ABC):
 
     def shutdown(self) -> None:
         """Stop the runner; returns within a bounded time."""
+
+    def describe_wait(self) -> str:
+        """Where the oldest unreturned iteration is, for the error when it never returns."""
+        return ""
+
+    def stage_stats(self) -> list | None:
+        """Per-stage counters (`StageStats`) of a pipeline; None for a single runner."""
+        return None
 
 
 class InlineExecutor(Executor):
@@ -268,13 +284,18 @@ class ProcessExecutor(Executor):
             self.process.wait(STOP_TIMEOUT_SECONDS)
 
 
-def make_executor(kind: str, spec: RunnerSpec, num_stages: int = 1) -> Executor:
+def make_executor(kind: str, spec: RunnerSpec, num_stages: int = 1, transport: str = "bls",
+                  timeout: float = 600.0) -> Executor:
     if kind == "process":
         return ProcessExecutor(spec)
     if kind == "pipeline":
         from .pipeline_executor import PipelineExecutor
 
         return PipelineExecutor(spec, num_stages)
+    if kind == "stages":  # only inside tritonserver: the stages are its models
+        from .triton_pipeline import TritonStagesExecutor
+
+        return TritonStagesExecutor(spec, num_stages, transport, timeout)
     return InlineExecutor(spec)
 
 

@@ -81,6 +81,10 @@ class ModelRunner:
         """Run one iteration. A pipeline stage after the first takes the previous stage's
         hidden states; a stage before the last returns its own [num_tokens, hidden]."""
         layout, token_ids, sampling = self._apply(message)
+        if not token_ids:  # a message that only says which requests have ended
+            if not self.is_last_stage:
+                return torch.empty(0, self.model.config.hidden_size, device=self.device)
+            return RunnerOutput(message.iteration_id)
         last_rows = [row for row, _ in sampling]
         start = time.perf_counter()
         h = self._forward(layout, token_ids, hidden)  # [num_tokens, hidden]

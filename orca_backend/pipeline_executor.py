@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -23,6 +24,9 @@ from .executor import Executor, IterationFailedError, RunnerDiedError, RunnerSpe
 from .messages import RunnerOutput, SchedulerOutput
 
 log = logging.getLogger(__name__)
+# The Triton models of the `stages` executor (see triton_pipeline.py and pipeline.py).
+STAGE_MODEL_PREFIX = "orca_stage_"
+ENSEMBLE_MODEL = "orca_pipeline"
 
 
 def split_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
@@ -37,6 +41,73 @@ def split_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
         bounds.append((start, stop))
         start = stop
     return bounds
+
+
+def stage_name(i: int, layers: tuple[int, int], model: str | None = None) -> str:
+    where = f"model {model}, " if model else ""
+    return f"pipeline stage {i} ({where}layers [{layers[0]}, {layers[1]}))"
+
+
+@dataclass(slots=True)
+class StageStats:
+    """One stage's counters, for the metrics. Times in seconds, totals since the start."""
+
+    stage: int
+    iterations_in_flight: int  # handed to this stage and not yet passed on
+    iterations: int
+    forward_seconds: float  # in the stage's model forward
+    busy_seconds: float  # the stage's whole share of iterations (forward and transfers)
+    bubble_seconds: float  # idle while an iteration was somewhere in the pipeline
+    kv_blocks_used: int  # K/V blocks in the block tables the stage holds
+
+
+class StageTimes:
+    """Per-stage counters of a pipeline, safe to update from any thread.
+
+    Bubble time of stage i is the time at least one iteration was in the pipeline, less the
+    time stage i was busy: with one iteration in flight over n stages each stage idles
+    (n - 1) / n of it, and keeping n in flight is what takes that away."""
+
+    def __init__(self, num_stages: int) -> None:
+        n = num_stages
+        self._lock = threading.Lock()
+        self._in_flight, self._iterations, self._blocks = [0] * n, [0] * n, [0] * n
+        self._forward, self._busy = [0.0] * n, [0.0] * n
+        self._num_out = 0
+        self._occupied = 0.0
+        self._since = 0.0
+
+    def submitted(self) -> None:
+        with self._lock:
+            if not self._num_out:
+                self._since = time.monotonic()
+            self._num_out += 1
+            self._in_flight[0] += 1
+
+    def passed(self, i: int, busy: float, forward: float, blocks: int) -> None:
+        """Stage i is done with one iteration (ran it, or only took note of a failed one)."""
+        with self._lock:
+            self._in_flight[i] -= 1
+            if i + 1 < len(self._in_flight):
+                self._in_flight[i + 1] += 1
+            self._iterations[i] += 1
+            self._busy[i] += busy
+            self._forward[i] += forward
+            self._blocks[i] = blocks
+
+    def returned(self) -> None:
+        """An iteration has left the pipeline (its last stage, or a failure)."""
+        with self._lock:
+            self._num_out -= 1
+            if not self._num_out:
+                self._occupied += time.monotonic() - self._since
+
+    def snapshot(self) -> list[StageStats]:
+        with self._lock:
+            occupied = self._occupied + (time.monotonic() - self._since if self._num_out else 0.0)
+            return [StageStats(i, self._in_flight[i], self._iterations[i], self._forward[i], self._busy[i],
+                               max(0.0, occupied - self._busy[i]), self._blocks[i])
+                    for i in range(len(self._in_flight))]
 
 
 @dataclass(slots=True)
@@ -59,6 +130,7 @@ class PipelineExecutor(Executor):
         self._inboxes: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in self.runners]
         self._threads = [threading.Thread(target=self._serve, args=(i,), name=f"orca-stage-{i}",
                                           daemon=True) for i in range(num_stages)]
+        self.times = StageTimes(num_stages)
         for t in self._threads:
             t.start()
 
@@ -67,13 +139,17 @@ class PipelineExecutor(Executor):
         return f"the {len(self.runners)}-stage pipeline"
 
     def stage_name(self, i: int) -> str:
-        start, stop = self.layer_ranges[i]
-        return f"pipeline stage {i} (layers [{start}, {stop}))"
+        return stage_name(i, self.layer_ranges[i])
 
     def submit(self, message: SchedulerOutput) -> Future[RunnerOutput]:
         future: Future[RunnerOutput] = Future()
+        future.add_done_callback(lambda _: self.times.returned())
+        self.times.submitted()
         self._inboxes[0].put(_Work(message, future))
         return future
+
+    def stage_stats(self) -> list[StageStats]:
+        return self.times.snapshot()
 
     def check_health(self) -> None:
         for i, t in enumerate(self._threads):
@@ -90,6 +166,7 @@ class PipelineExecutor(Executor):
         runner, inbox = self.runners[i], self._inboxes[i]
         last = i == len(self.runners) - 1
         while (work := inbox.get()) is not None:
+            start = time.monotonic()
             try:
                 if work.failed:
                     runner.apply_only(work.message)
@@ -101,6 +178,9 @@ class PipelineExecutor(Executor):
                     work.future.set_exception(IterationFailedError(
                         f"{self.stage_name(i)} failed: {type(e).__name__}: {e}"))
                 work.failed, work.hidden = True, None
+            busy = time.monotonic() - start
+            blocks = sum(len(r.block_ids) for r in runner.requests.values())
+            self.times.passed(i, busy, busy, blocks)
             if not last:
                 self._inboxes[i + 1].put(work)
             elif not work.failed:

@@ -82,6 +82,11 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     @property
+    def has_news_for_runner(self) -> bool:
+        """Ended requests the runner has not been told of yet."""
+        return bool(self._finished_ids or self._preempted_ids)
+
+    @property
     def num_in_flight_iterations(self) -> int:
         return len(self._in_flight)
 
@@ -96,13 +101,18 @@ class Scheduler:
     # -- one iteration ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput | None:
         """Pick this iteration's requests and token counts and reserve their K/V slots;
-        None when no request can run now."""
+        None when no request can run now (or a message with no rows that only carries the
+        ids of ended requests, when nothing is in flight)."""
         scheduled: list[tuple[Request, int]] = []
         num_preemptions = self.num_preemptions
         budget = self._schedule_running(scheduled, self.config.max_num_batched_tokens)
         if self.num_preemptions == num_preemptions:  # no room was short: admit newcomers
             self._schedule_waiting(scheduled, budget)
         if not scheduled:
+            if self.has_news_for_runner and not self._in_flight:
+                # Nothing to run, but the runner (every pipeline stage) still holds state of
+                # requests that have ended: a message without rows tells it to drop them.
+                return self._describe([])
             return None
         self.num_iterations += 1
         return self._describe(scheduled)

@@ -111,6 +111,7 @@ class EngineSnapshot:
     num_engine_restarts: int  # the serving loop started the engine over
     num_runner_restarts: int  # the model runner died and was started again
     batch_size: int  # of the iteration that has just returned; 0 when none has
+    stages: list | None = None  # a pipeline's StageStats, one per stage
 
 
 @dataclass(slots=True)

@@ -114,7 +114,8 @@ def serving_options(parameters: dict[str, str]) -> ServingOptions:
 _INT_OPTIONS = ("max_batch_size", "max_num_batched_tokens", "block_size", "kv_cache_tokens",
                 "kv_cache_bytes", "max_model_len", "seed", "max_prompt_bytes", "max_inflight",
                 "iteration_timeout_seconds", "pipeline_stages")
-_STR_OPTIONS = ("model", "dtype", "device", "policy", "batching", "executor", "attention")
+_STR_OPTIONS = ("model", "dtype", "device", "policy", "batching", "executor", "attention",
+                "stage_transport")
 _BOOL_OPTIONS = ("cuda_graphs",)
 _KNOWN = _INT_OPTIONS + _STR_OPTIONS + _BOOL_OPTIONS
 

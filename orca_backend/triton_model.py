@@ -133,6 +133,18 @@ class _TritonSink:
         return self.sender.is_cancelled()
 
 
+# StageStats field, metric name (orca_stage_...), kind, description; labelled model and stage.
+_STAGE_METRICS = (
+    ("iterations_in_flight", "iterations_in_flight", "gauge", "Iterations handed to the stage and not yet passed on"),
+    ("iterations", "iterations_total", "counter", "Iterations the stage has run or taken note of"),
+    ("forward_seconds", "forward_seconds_total", "counter", "Time in the stage's model forward"),
+    ("busy_seconds", "busy_seconds_total", "counter", "Time the stage spent on iterations, transfers included"),
+    ("bubble_seconds", "bubble_seconds_total", "counter", "Time the stage was idle while iterations were in the pipeline"),
+    ("kv_blocks_used", "kv_blocks_used", "gauge", "K/V blocks in the block tables the stage holds"),
+)
+_STAGE_GAUGES = ("iterations_in_flight", "kv_blocks_used")
+
+
 class _TritonMetrics:
     """Custom metrics on the server's /metrics endpoint, labelled with the model's name."""
 
@@ -141,6 +153,7 @@ class _TritonMetrics:
         G, C, H = pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.HISTOGRAM
 
         self._families = []  # a family must outlive its metrics
+        self._stage_families: dict = {}
 
         def metric(name, kind, description, buckets=None):
             family = pb_utils.MetricFamily(name=f"orca_{name}", description=description, kind=kind)
@@ -165,6 +178,23 @@ class _TritonMetrics:
         self._counters = {"num_preemptions": self.preemptions, "num_iterations": self.iterations,
                           "num_engine_restarts": self.restarts, "num_runner_restarts": self.runner_restarts}
         self._seen = dict.fromkeys(self._counters, 0)
+        self._labels = labels
+        self._stages: list[dict] = []  # per pipeline stage: its metrics, made on first report
+
+    def _stage_metrics(self, stage: int) -> dict:
+        while len(self._stages) <= stage:
+            labels = {**self._labels, "stage": str(len(self._stages))}
+            G, C = pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER
+            metrics = {}
+            for field, name, kind, description in _STAGE_METRICS:
+                if field not in self._stage_families:
+                    family = pb_utils.MetricFamily(name=f"orca_stage_{name}", description=description,
+                                                   kind=G if kind == "gauge" else C)
+                    self._families.append(family)
+                    self._stage_families[field] = family
+                metrics[field] = [self._stage_families[field].Metric(labels=labels), 0.0]
+            self._stages.append(metrics)
+        return self._stages[stage]
 
     def on_iteration(self, s: EngineSnapshot) -> None:
         self.running.set(s.num_running)
@@ -178,6 +208,16 @@ class _TritonMetrics:
                 self._seen[key] = value
         if s.batch_size:
             self.batch_size.observe(s.batch_size)
+        for stage in s.stages or ():
+            for field, (metric, seen) in self._stage_metrics(stage.stage).items():
+                value = getattr(stage, field)
+                if field in _STAGE_GAUGES:
+                    metric.set(value)
+                elif value > seen:  # counters restart with a new pipeline: count on from there
+                    metric.increment(value - seen)
+                    self._stages[stage.stage][field][1] = value
+                elif value < seen:
+                    self._stages[stage.stage][field][1] = value
 
     def on_tokens(self, num_tokens: int, first: bool, seconds_since_last: float) -> None:
         (self.ttft if first else self.itl).observe(seconds_since_last)
