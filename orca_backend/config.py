@@ -36,6 +36,7 @@ class EngineConfig:
     executor: str = "inline"  # where the model runner lives: "inline", "process" or "pipeline"
     pipeline_stages: int = 2  # with the "pipeline" or "stages" executor: stages, layers split evenly
     stage_transport: str = "bls"  # "stages": BLS calls per stage from this model, or one "ensemble" call
+    pipeline_name: str = "orca"  # "stages": the serving model's name; its stages are <name>_stage_<i>
     max_inflight: int | None = None  # iterations out at once; None: pipeline_stages for a pipeline, else 1
     iteration_timeout_seconds: int = 600  # a runner silent this long is treated as dead
     attention: str = "auto"  # "torch" (SDPA), "triton" (our kernel) or "auto"

@@ -95,7 +95,7 @@ class LLMEngine:
     def _make_executor(self) -> Executor:
         c = self.config
         return make_executor(c.executor, self.runner_spec, c.pipeline_stages, c.stage_transport,
-                             c.iteration_timeout_seconds)
+                             c.iteration_timeout_seconds, c.pipeline_name)
 
     def shutdown(self) -> None:
         """Stop the runner (a child process, with the `process` executor)."""

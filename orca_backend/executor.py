@@ -285,7 +285,7 @@ class ProcessExecutor(Executor):
 
 
 def make_executor(kind: str, spec: RunnerSpec, num_stages: int = 1, transport: str = "bls",
-                  timeout: float = 600.0) -> Executor:
+                  timeout: float = 600.0, pipeline: str = "orca") -> Executor:
     if kind == "process":
         return ProcessExecutor(spec)
     if kind == "pipeline":
@@ -295,7 +295,7 @@ def make_executor(kind: str, spec: RunnerSpec, num_stages: int = 1, transport: s
     if kind == "stages":  # only inside tritonserver: the stages are its models
         from .triton_pipeline import TritonStagesExecutor
 
-        return TritonStagesExecutor(spec, num_stages, transport, timeout)
+        return TritonStagesExecutor(spec, num_stages, transport, timeout, pipeline)
     return InlineExecutor(spec)
 
 

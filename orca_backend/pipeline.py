@@ -20,7 +20,7 @@ from .errors import ConfigError
 from .executor import STAGE_TRANSPORTS
 from .model_store import prepare_default_model
 from .models import ModelConfig
-from .pipeline_executor import ENSEMBLE_MODEL, STAGE_MODEL_PREFIX, split_layers
+from .pipeline_executor import ensemble_model, split_layers, stage_model
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "model_repository" / "orca" / "config.pbtxt"
 _TRITON_TYPES = {"float32": "TYPE_FP32", "bfloat16": "TYPE_BF16", "float16": "TYPE_FP16"}
@@ -31,6 +31,7 @@ class PipelineLayout:
     """What the repository is made of; `write_repository` turns it into files."""
 
     num_stages: int
+    name: str = "orca"  # the serving model; its stages are <name>_stage_<i>, the ensemble <name>_pipeline
     kind: str = "cpu"  # "cpu" or "gpu"
     gpus: list[int] | None = None  # stage i on gpus[i]; default 0, 1, ...
     model: str | None = None  # a Hugging Face-format folder; None: the default model
@@ -66,7 +67,8 @@ def write_repository(layout: PipelineLayout, output: Path) -> Path:
     orca = {"model": str(model_path) if layout.model else "", "executor": "stages",
             "pipeline_stages": str(layout.num_stages), "dtype": layout.dtype,
             "device": "cuda" if on_gpu else "cpu", **layout.orca_parameters}
-    _write_model(output / "orca", _set_parameters(TEMPLATE.read_text(), orca), "orca_backend.triton_model")
+    serving = _set_parameters(TEMPLATE.read_text(), orca).replace('name: "orca"', f'name: "{layout.name}"', 1)
+    _write_model(output / layout.name, serving, "orca_backend.triton_model")
     hidden_type = _TRITON_TYPES[layout.dtype]
     for i, (start, stop) in enumerate(layers):
         last = i == len(layers) - 1
@@ -77,14 +79,14 @@ def write_repository(layout: PipelineLayout, output: Path) -> Path:
         instance = (f"{{ count: 1 kind: KIND_GPU gpus: [ {layout.gpus[i]} ] }}" if on_gpu
                     else "{ count: 1 kind: KIND_CPU }")
         text = _STAGE_CONFIG.format(
-            name=f"{STAGE_MODEL_PREFIX}{i}", hidden_type=hidden_type, hidden=config.hidden_size,
+            name=stage_model(layout.name, i), hidden_type=hidden_type, hidden=config.hidden_size,
             last_output=('{ name: "output" data_type: TYPE_UINT8 dims: [ -1 ] }' if last else
                          f'{{ name: "hidden" data_type: {hidden_type} dims: [ -1, {config.hidden_size} ] }}'),
             instance=instance, parameters=_parameters(parameters))
-        _write_model(output / f"{STAGE_MODEL_PREFIX}{i}", text, "orca_backend.triton_stage")
-    (output / ENSEMBLE_MODEL).mkdir(exist_ok=True)
-    (output / ENSEMBLE_MODEL / "1").mkdir(exist_ok=True)
-    (output / ENSEMBLE_MODEL / "config.pbtxt").write_text(_ensemble(len(layers), hidden_type, config.hidden_size))
+        _write_model(output / stage_model(layout.name, i), text, "orca_backend.triton_stage")
+    ensemble = output / ensemble_model(layout.name)
+    (ensemble / "1").mkdir(parents=True, exist_ok=True)
+    (ensemble / "config.pbtxt").write_text(_ensemble(layout.name, len(layers)))
     return output
 
 
@@ -152,7 +154,7 @@ instance_group [ {instance} ]
 """
 
 
-def _ensemble(num_stages: int, hidden_type: str, hidden_size: int) -> str:
+def _ensemble(name: str, num_stages: int) -> str:
     steps = []
     for i in range(num_stages):
         last = i == num_stages - 1
@@ -162,12 +164,12 @@ def _ensemble(num_stages: int, hidden_type: str, hidden_size: int) -> str:
         outputs = [f'{{ key: "stats" value: "stats_{i}" }}',
                    '{ key: "error" value: "error" }' if last else f'{{ key: "error" value: "error_{i}" }}',
                    '{ key: "output" value: "output" }' if last else f'{{ key: "hidden" value: "hidden_{i}" }}']
-        steps.append(f'    {{\n      model_name: "{STAGE_MODEL_PREFIX}{i}"\n      model_version: -1\n'
+        steps.append(f'    {{\n      model_name: "{stage_model(name, i)}"\n      model_version: -1\n'
                      f'      input_map [ {", ".join(inputs)} ]\n      output_map [ {", ".join(outputs)} ]\n    }}')
     stats = ",\n".join(f'  {{ name: "stats_{i}" data_type: TYPE_FP64 dims: [ 3 ] }}' for i in range(num_stages))
     return (f'# The stages chained inside Triton: `orca` calls this once per iteration when its\n'
             f'# parameter stage_transport is "ensemble" (written by orca_backend.pipeline).\n'
-            f'name: "{ENSEMBLE_MODEL}"\nplatform: "ensemble"\nmax_batch_size: 0\n\n'
+            f'name: "{ensemble_model(name)}"\nplatform: "ensemble"\nmax_batch_size: 0\n\n'
             f'input [ {{ name: "message" data_type: TYPE_UINT8 dims: [ -1 ] }} ]\n'
             f'output [\n  {{ name: "output" data_type: TYPE_UINT8 dims: [ -1 ] }},\n'
             f'  {{ name: "error" data_type: TYPE_STRING dims: [ 1 ] }},\n{stats}\n]\n\n'
@@ -194,15 +196,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="torch threads of each CPU stage (default: torch's own choice)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="another parameter of the orca model, e.g. max_inflight=1")
+    parser.add_argument("--name", default="orca", help="the serving model's name (default: orca)")
     parser.add_argument("--output", type=Path, required=True)
     args = parser.parse_args(argv)
     extra = dict(item.split("=", 1) for item in args.set)
-    layout = PipelineLayout(args.stages, args.kind, [int(g) for g in args.gpus.split(",")] if args.gpus else None,
+    layout = PipelineLayout(args.stages, args.name, args.kind, [int(g) for g in args.gpus.split(",")] if args.gpus else None,
                             args.model, _parse_layers(args.layers) if args.layers else None, args.dtype,
                             args.threads_per_stage, {"stage_transport": args.transport, **extra})
     path = write_repository(layout, args.output)
-    print(f"wrote {path}: orca, {', '.join(f'{STAGE_MODEL_PREFIX}{i}' for i in range(args.stages))}, "
-          f"{ENSEMBLE_MODEL}")
+    names = [args.name, *(stage_model(args.name, i) for i in range(args.stages)), ensemble_model(args.name)]
+    print(f"wrote {path}: {', '.join(names)}")
 
 
 if __name__ == "__main__":

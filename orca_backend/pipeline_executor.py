@@ -24,9 +24,6 @@ from .executor import Executor, IterationFailedError, RunnerDiedError, RunnerSpe
 from .messages import RunnerOutput, SchedulerOutput
 
 log = logging.getLogger(__name__)
-# The Triton models of the `stages` executor (see triton_pipeline.py and pipeline.py).
-STAGE_MODEL_PREFIX = "orca_stage_"
-ENSEMBLE_MODEL = "orca_pipeline"
 
 
 def split_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
@@ -41,6 +38,16 @@ def split_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
         bounds.append((start, stop))
         start = stop
     return bounds
+
+
+def stage_model(pipeline: str, i: int) -> str:
+    """The Triton model of stage i of the serving model named `pipeline` (the `stages` executor)."""
+    return f"{pipeline}_stage_{i}"
+
+
+def ensemble_model(pipeline: str) -> str:
+    """The ensemble that chains the stages of the serving model named `pipeline`."""
+    return f"{pipeline}_pipeline"
 
 
 def stage_name(i: int, layers: tuple[int, int], model: str | None = None) -> str:

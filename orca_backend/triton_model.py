@@ -37,8 +37,9 @@ class TritonPythonModel:
         trace_path = options.iteration_trace or os.environ.get("ORCA_ITERATION_TRACE")
         engine_config = engine_config_from_parameters(
             parameters, args.get("model_instance_kind", "CPU"), int(args.get("model_instance_device_id", 0)))
-        self.engine = LLMEngine(engine_config)
         name = args["model_name"]
+        engine_config.pipeline_name = name  # the `stages` executor calls <name>_stage_<i>
+        self.engine = LLMEngine(engine_config)
         if trace_path:  # one file per model, so two models never share one
             trace_path = trace_path.replace("{model}", name)
         self.loop = EngineLoop(self.engine, _TritonMetrics(name), trace_path, options.max_queue_size)

@@ -1,4 +1,5 @@
-"""The `stages` executor: pipeline stages as Triton models (`orca_stage_<i>`, one instance
+"""The `stages` executor: pipeline stages as Triton models (`<name>_stage_<i>` of the serving
+model `<name>`, one instance
 each, on its own GPU or CPU cores), driven from the serving model. Only usable inside
 tritonserver; `python -m orca_backend.pipeline` writes such a repository.
 
@@ -7,7 +8,7 @@ Two transports, both Triton's own machinery:
   submission order, and hands the stage's `hidden` output on as the next stage's input. So
   stage 1 runs iteration k while stage 0 runs iteration k + 1: up to `max_inflight`
   iterations are in the pipeline.
-- `ensemble`: one call per iteration to the generated ensemble `orca_pipeline`, which chains
+- `ensemble`: one call per iteration to the generated ensemble `<name>_pipeline`, which chains
   the stages inside Triton. Triton gives no order between concurrent calls (and every stage
   must see the iterations in order), so this transport keeps one iteration in flight.
 
@@ -36,7 +37,7 @@ import triton_python_backend_utils as pb_utils
 from .executor import (Executor, IterationFailedError, RunnerDiedError, RunnerSpec,
                        RunnerUnavailableError)
 from .messages import RunnerOutput, SchedulerOutput
-from .pipeline_executor import ENSEMBLE_MODEL, STAGE_MODEL_PREFIX, StageStats, StageTimes, stage_name
+from .pipeline_executor import StageStats, StageTimes, ensemble_model, stage_model, stage_name
 from .triton_stage import string_tensor, tensor_text
 
 log = logging.getLogger(__name__)
@@ -54,9 +55,10 @@ class _Work:
 
 class TritonStagesExecutor(Executor):
     def __init__(self, spec: RunnerSpec, num_stages: int, transport: str = "bls",
-                 timeout: float = 600.0) -> None:
+                 timeout: float = 600.0, pipeline: str = "orca") -> None:
         self.spec, self.transport, self.timeout = spec, transport, float(timeout)
-        self.models = [f"{STAGE_MODEL_PREFIX}{i}" for i in range(num_stages)]
+        self.models = [stage_model(pipeline, i) for i in range(num_stages)]
+        self.ensemble = ensemble_model(pipeline)
         self.layer_ranges: list[tuple[int, int]] | None = None  # known once configured
         self.times = StageTimes(num_stages)
         self._lock = threading.Lock()
@@ -198,7 +200,7 @@ class TritonStagesExecutor(Executor):
             if self._dead:
                 continue
             request = pb_utils.InferenceRequest(
-                model_name=ENSEMBLE_MODEL, inputs=[pb_utils.Tensor("message", work.message)],
+                model_name=self.ensemble, inputs=[pb_utils.Tensor("message", work.message)],
                 requested_output_names=["output", "error", *(f"stats_{i}" for i in range(n))])
             response = self._exec(0, work, request)
             if response is None:
@@ -222,10 +224,12 @@ class TritonStagesExecutor(Executor):
             return None
         if isinstance(response, Exception) or response.has_error():
             why = response if isinstance(response, Exception) else response.error().message()
-            where = self.stage_name(i) if self.transport == "bls" else f"the ensemble {ENSEMBLE_MODEL}"
-            self._die(f"{where} failed iteration {work.iteration_id}: {why}")
+            self._die(f"{self._where(i)} failed iteration {work.iteration_id}: {why}")
             return None
         return response
+
+    def _where(self, i: int) -> str:
+        return self.stage_name(i) if self.transport == "bls" else f"the ensemble {self.ensemble}"
 
     def _take_error(self, work: _Work, error: str) -> None:
         if error and not work.error:
@@ -258,8 +262,7 @@ class TritonStagesExecutor(Executor):
             now = time.monotonic()
             for i, (start, iteration) in list(self._calls.items()):
                 if now - start > self.timeout:
-                    where = self.stage_name(i) if self.transport == "bls" else f"the ensemble {ENSEMBLE_MODEL}"
-                    self._die(f"{where} did not answer iteration {iteration} within {self.timeout:.0f} s")
+                    self._die(f"{self._where(i)} did not answer iteration {iteration} within {self.timeout:.0f} s")
                     return
 
     def _die(self, reason: str) -> None:

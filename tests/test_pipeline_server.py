@@ -1,0 +1,176 @@
+"""Pipeline stages as Triton models, end to end: repositories written by
+`orca_backend.pipeline`, served by a real tritonserver, driven by tritonclient.
+
+One server hosts a single-stage model (`single`, the reference) and four 2-stage pipelines
+on the CPU, one torch thread per stage: `p1` (1 iteration in flight), `p2` (2 in flight,
+batches of at most 4, so that two iterations really are in flight), `pk` (2 in flight over
+a K/V pool small enough to force preemptions) and `pf` (its stage 1 fails iteration 2; the
+last test kills its process).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from client.triton_client import StreamingClient
+from orca_backend.launch import Server
+from orca_backend.pipeline import TEMPLATE, PipelineLayout, _set_parameters, write_repository
+
+from helpers import assert_no_leak, wait_until
+
+FAIL_AT = 2
+PROMPTS = [  # mixed lengths, sent staggered
+    "Once upon a time",
+    "The capital of France is",
+    "Write a long story about a robot who learns to paint. " * 6,
+    "1, 2, 3, 4,",
+    "In a hole in the ground there lived",
+    "Explain why the sky is blue, in simple words, to a child who keeps asking why. " * 3,
+    "def fibonacci(n):",
+    "The quick brown fox",
+    "Lists of things to pack for a week in the mountains:",
+]
+MAX_TOKENS = [24, 9, 16, 30, 12, 20, 28, 5, 18]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, default_model):
+    repo = tmp_path_factory.mktemp("pipeline_repo")
+    single = _set_parameters(TEMPLATE.read_text(), {"kv_cache_tokens": "8192"})
+    (repo / "single" / "1").mkdir(parents=True)
+    (repo / "single" / "config.pbtxt").write_text(single.replace('name: "orca"', 'name: "single"', 1))
+    (repo / "single" / "1" / "model.py").write_text("from orca_backend.triton_model import TritonPythonModel  # noqa\n")
+    pipelines = {
+        "p1": {"max_inflight": "1"},
+        "p2": {"max_inflight": "2", "max_batch_size": "4"},
+        "pk": {"max_inflight": "2", "kv_cache_tokens": "128"},
+        "pf": {"iteration_timeout_seconds": "30"},
+    }
+    for name, parameters in pipelines.items():
+        faults = {1: {"fail_at_iteration": str(FAIL_AT)}} if name == "pf" else {}
+        write_repository(PipelineLayout(2, name, threads_per_stage=1, orca_parameters=parameters,
+                                        stage_parameters=faults), repo)
+    s = Server(tmp_path_factory.mktemp("pipeline_triton"), repo, ["--exit-timeout-secs=20"])
+    try:
+        s.wait_ready(600)
+        yield s
+    finally:
+        s.stop()
+
+
+def greedy(max_tokens: int) -> dict:
+    return {"temperature": "0", "max_tokens": str(max_tokens)}
+
+
+def seeded(max_tokens: int, seed: int) -> dict:
+    return {"temperature": "0.9", "top_p": "0.9", "max_tokens": str(max_tokens), "seed": str(seed)}
+
+
+def run_staggered(server, model: str, samplings: list[dict], gap: float = 0.15) -> list:
+    with StreamingClient(server.grpc_url, model) as c:
+        ids = []
+        for prompt, sampling in zip(PROMPTS, samplings):
+            ids.append(c.send(prompt, sampling=sampling))
+            time.sleep(gap)
+        return [c.wait(i, 300) for i in ids]
+
+
+def stage_metric(server, name: str, model: str, stage: int) -> float:
+    _, text = server.http("/metrics", port=server.metrics_port)
+    prefix = f'{name}{{model="{model}",stage="{stage}"}} '
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            return float(line[len(prefix):])
+    raise KeyError(prefix)
+
+
+def assert_stages_hold_nothing(server, model: str) -> None:
+    assert_no_leak(server, model)
+    for stage in (0, 1):
+        wait_until(lambda: stage_metric(server, "orca_stage_kv_blocks_used", model, stage) == 0,
+                   timeout=10, what=f"stage {stage} of {model} dropped its block tables")
+
+
+@pytest.fixture(scope="module")
+def reference(server) -> dict[str, list[str]]:
+    """What the single-stage model answers (sent at once: staggering does not change it)."""
+    greedy_results = run_staggered(server, "single", [greedy(n) for n in MAX_TOKENS], gap=0)
+    seeded_results = run_staggered(server, "single", [seeded(n, 100 + i) for i, n in enumerate(MAX_TOKENS)], gap=0)
+    assert all(r.error is None for r in greedy_results + seeded_results)
+    return {"greedy": [r.text for r in greedy_results], "seeded": [r.text for r in seeded_results]}
+
+
+@pytest.mark.parametrize("model", ["p1", "p2"])
+def test_greedy_tokens_equal_the_single_stage_model(server, reference, model):
+    results = run_staggered(server, model, [greedy(n) for n in MAX_TOKENS])
+    assert [r.error for r in results] == [None] * len(PROMPTS)
+    assert [r.text for r in results] == reference["greedy"]
+    assert_stages_hold_nothing(server, model)
+    # Every iteration went through both stages.
+    assert stage_metric(server, "orca_stage_iterations_total", model, 1) == \
+        stage_metric(server, "orca_stage_iterations_total", model, 0) > 0
+
+
+def test_preempted_requests_resume_exactly_through_the_stages(server, reference):
+    results = run_staggered(server, "pk", [greedy(n) for n in MAX_TOKENS], gap=0.02)
+    assert [r.error for r in results] == [None] * len(PROMPTS)
+    assert [r.text for r in results] == reference["greedy"]
+    assert server.metric("orca_preemptions_total", "pk") > 0
+    assert_stages_hold_nothing(server, "pk")
+
+
+def test_seeded_sampling_equals_the_single_stage_model(server, reference):
+    results = run_staggered(server, "p2", [seeded(n, 100 + i) for i, n in enumerate(MAX_TOKENS)])
+    assert [r.error for r in results] == [None] * len(PROMPTS)
+    assert [r.text for r in results] == reference["seeded"]
+
+
+def test_cancelling_mid_stream_frees_the_blocks_of_every_stage(server):
+    c = StreamingClient(server.grpc_url, "p2")
+    request_id = c.send("Tell me everything about the sea.", sampling={**greedy(400), "ignore_eos": True})
+    wait_until(lambda: len(c._results[request_id].responses) >= 5, what="five tokens")
+    for stage in (0, 1):  # the stages hold the request's block table while it runs
+        assert stage_metric(server, "orca_stage_kv_blocks_used", "p2", stage) > 0
+    c.close(cancel=True)
+    assert_stages_hold_nothing(server, "p2")
+
+
+def test_a_stage_that_fails_an_iteration_fails_its_requests_alone(server, reference):
+    with StreamingClient(server.grpc_url, "pf") as c:
+        failed = c.generate(PROMPTS[0], sampling=greedy(MAX_TOKENS[0]))  # runs iterations 0, 1, 2, ...
+        assert failed.error is not None
+        assert "pipeline stage 1 (model pf_stage_1, layers [15, 30)) failed" in failed.error
+        assert f"injected at iteration {FAIL_AT}" in failed.error
+        assert len(failed.responses) == FAIL_AT  # the tokens of iterations 0 and 1 came out
+        later = [c.send(p, sampling=greedy(n)) for p, n in zip(PROMPTS, MAX_TOKENS)]
+        assert [c.wait(i).text for i in later] == reference["greedy"]  # later requests succeed
+    assert_stages_hold_nothing(server, "pf")
+
+
+def test_a_killed_stage_fails_requests_naming_it_and_shutdown_is_bounded(server, reference):
+    """Runs last: it takes `pf` down for good (Triton does not restart a Python model's
+    process), and then the server."""
+    with StreamingClient(server.grpc_url, "pf") as c:
+        running = c.send("Tell me everything about the mountains.", sampling={**greedy(400), "ignore_eos": True})
+        wait_until(lambda: len(c._results[running].responses) >= 3, what="three tokens")
+        stub = subprocess.run(["pgrep", "-f", "pf_stage_1/1/model.py"], capture_output=True, text=True)
+        pids = [int(p) for p in stub.stdout.split()]
+        assert len(pids) == 1, stub.stdout
+        killed_at = time.monotonic()
+        os.kill(pids[0], signal.SIGKILL)
+        result = c.wait(running, timeout=60)
+        assert result.error is not None and "pipeline stage 1 (model pf_stage_1" in result.error
+        assert time.monotonic() - killed_at < 30
+        later = c.generate(PROMPTS[1], sampling=greedy(4), timeout=60)  # a clear error, at once
+        assert later.error is not None and "pipeline stage 1 (model pf_stage_1) is unavailable" in later.error
+    # The server and the other models are untouched.
+    with StreamingClient(server.grpc_url, "p1") as c:
+        assert c.generate(PROMPTS[1], sampling=greedy(MAX_TOKENS[1])).text == reference["greedy"][1]
+    started = time.monotonic()
+    server.terminate()
+    server.process.wait(timeout=90)
+    assert time.monotonic() - started < 60, "shutdown took longer than the exit timeout allows"
