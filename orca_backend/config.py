@@ -38,6 +38,7 @@ class EngineConfig:
     stage_transport: str = "bls"  # "stages": BLS calls per stage from this model, or one "ensemble" call
     pipeline_name: str = "orca"  # "stages": the serving model's name; its stages are <name>_stage_<i>
     max_inflight: int | None = None  # iterations out at once; None: pipeline_stages for a pipeline, else 1
+    # (the ensemble transport runs one iteration at a time: Triton does not order concurrent calls)
     iteration_timeout_seconds: int = 600  # a runner silent this long is treated as dead
     attention: str = "auto"  # "torch" (SDPA), "triton" (our kernel) or "auto"
     cuda_graphs: bool = True  # decode iterations replayed from CUDA graphs (kernel backend)
@@ -49,7 +50,8 @@ class EngineConfig:
         if self.device == "cpu" and self.dtype != "float32":
             raise ConfigError(f"dtype {self.dtype!r} is for GPUs; use 'float32' on cpu")
         if self.max_inflight is None:
-            self.max_inflight = self.pipeline_stages if self.executor in ("pipeline", "stages") else 1
+            pipelined = self.executor == "pipeline" or (self.executor == "stages" and self.stage_transport == "bls")
+            self.max_inflight = self.pipeline_stages if pipelined else 1
         for name in ("max_batch_size", "max_num_batched_tokens", "block_size", "max_prompt_bytes",
                      "max_inflight", "iteration_timeout_seconds", "pipeline_stages"):
             value = getattr(self, name)

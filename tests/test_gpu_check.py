@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SMOKE_TIMEOUT_SECONDS = 600  # the run takes ~50 s on two cores; a hang fails, not blocks
+SMOKE_TIMEOUT_SECONDS = 600  # the run takes ~80 s on two cores; a hang fails, not blocks
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,8 @@ def test_smoke_run_passes_every_section(tmp_path):
     proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_SECONDS)
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     sections = report["sections"]
-    assert list(sections) == ["kernel_numerics", "engine_parity", "decode_throughput", "kernel_vs_sdpa"]
+    assert list(sections) == ["kernel_numerics", "engine_parity", "pipeline", "decode_throughput",
+                              "kernel_vs_sdpa"]
     for name, s in sections.items():
         assert s["status"] == "ok", f"{name}: {s['status']}\n{s['error']}"
         failed = [check for check, ok in s["checks"].items() if not ok]
@@ -37,8 +38,21 @@ def test_smoke_run_passes_every_section(tmp_path):
         assert any(t for t in s["tables"].values()), f"{name} reported nothing"
     assert len(sections["kernel_numerics"]["checks"]) == 10
     assert len(sections["engine_parity"]["checks"]) == 6  # two models x three engine variants
+    # Four runs complete (the reference, the executor with one and two in flight, the stage
+    # workers), and the stage workers' hidden states have the right shape; tokens are goals.
+    pipeline = sections["pipeline"]
+    assert len(pipeline["checks"]) == 5
+    assert {g: v["met"] for g, v in pipeline["goals"].items()} == {
+        "pipeline_tokens_equal_single_stage": True, "stage_workers_tokens_equal_single_stage": True}
+    variants = pipeline["tables"]["greedy tokens against the single-stage engine"]
+    assert [r["variant"] for r in variants] == ["pipeline executor, 1 in flight",
+                                                "stage workers by hand, 1 in flight",
+                                                "pipeline executor, 2 in flight"]
+    transfers = pipeline["tables"]["hidden-state transfer per iteration (median microseconds)"]
+    timed = [r for r in transfers if "stage0_forward_us" in r]  # the tiny model's rows, at 8 and 32 tokens
+    assert len(timed) == 2 and all(r["stage0_forward_us"] > 0 and r["stage1_forward_us"] > 0 for r in timed)
     # What a CPU cannot run is named, not silently dropped.
-    for name in ("engine_parity", "decode_throughput", "kernel_vs_sdpa"):
+    for name in ("engine_parity", "pipeline", "decode_throughput", "kernel_vs_sdpa"):
         assert any(n.startswith("skipped on CPU") for n in sections[name]["notes"]), name
     assert set(sections["decode_throughput"]["goals"]) == {"batch1_fraction_of_hbm_bound",
                                                            "trace_speedup_over_transformers"}

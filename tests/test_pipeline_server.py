@@ -4,8 +4,8 @@
 One server hosts a single-stage model (`single`, the reference) and four 2-stage pipelines
 on the CPU, one torch thread per stage: `p1` (1 iteration in flight), `p2` (2 in flight,
 batches of at most 4, so that two iterations really are in flight), `pk` (2 in flight over
-a K/V pool small enough to force preemptions) and `pf` (its stage 1 fails iteration 2; the
-last test kills its process).
+a K/V pool small enough to force preemptions), `pe` (the ensemble transport) and `pf` (its
+stage 1 fails iteration 2; the last test kills its process).
 """
 from __future__ import annotations
 
@@ -48,6 +48,7 @@ def server(tmp_path_factory, default_model):
         "p1": {"max_inflight": "1"},
         "p2": {"max_inflight": "2", "max_batch_size": "4"},
         "pk": {"max_inflight": "2", "kv_cache_tokens": "128"},
+        "pe": {"stage_transport": "ensemble"},
         "pf": {"iteration_timeout_seconds": "30"},
     }
     for name, parameters in pipelines.items():
@@ -104,7 +105,7 @@ def reference(server) -> dict[str, list[str]]:
     return {"greedy": [r.text for r in greedy_results], "seeded": [r.text for r in seeded_results]}
 
 
-@pytest.mark.parametrize("model", ["p1", "p2"])
+@pytest.mark.parametrize("model", ["p1", "p2", "pe"])
 def test_greedy_tokens_equal_the_single_stage_model(server, reference, model):
     results = run_staggered(server, model, [greedy(n) for n in MAX_TOKENS])
     assert [r.error for r in results] == [None] * len(PROMPTS)

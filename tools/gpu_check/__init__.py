@@ -9,20 +9,28 @@ Sections, run in order (`--sections` picks some):
    CUDA graphs on and off, chunked prefill) against transformers' greedy `generate`, token
    for token, with staggered arrivals so iterations mix prefill and decode. bf16 agreement
    is reported for information.
-3. decode_throughput: a Llama-3-8B-shaped random model (bf16). Decode tokens/s per batch
+3. pipeline: the tiny random Llama split into two pipeline stages on GPU 0 (bf16), through the
+   in-process `pipeline` executor and through two `StageWorker`s (the `orca_stage_<i>` Triton
+   models' Python entry points) called by hand, against the single-stage engine: greedy
+   tokens, first divergence and max |logit difference|. Then the cost of handing the hidden
+   states on per iteration ([tokens, hidden] copied within the GPU, and GPU->CPU->GPU) next to
+   each stage's measured forward.
+4. decode_throughput: a Llama-3-8B-shaped random model (bf16). Decode tokens/s per batch
    size next to the HBM bound, CUDA graphs on and off, and a trace of varied output lengths
    through our engine (continuous batching) and transformers (static batches).
-4. kernel_vs_sdpa: our kernel against dense flash SDPA on prefill and decode shapes.
+5. kernel_vs_sdpa: our kernel against dense flash SDPA on prefill and decode shapes.
 
 Each section runs in a process of its own, so that a crash or a poisoned CUDA context costs
 that section only; a failure is recorded with its traceback and the next section runs. A
-global time budget (an alarm inside each section, a kill past it) skips what would overrun.
+global time budget (an alarm inside each section, a kill past it) skips what would overrun;
+a short section also has a cap of its own (cli.MAX_SECONDS), so that a hang there cannot eat
+the budget of the sections after it.
 gpu_check.json, gpu_check.md and gpu_check.log in --out are rewritten as results come in.
 `--smoke` is a CPU dry run at tiny sizes (TRITON_INTERPRET=1) that walks every code path
 except the CUDA-only calls, and says which those were.
 
 Usage: bash tools/gpu_check.sh [--smoke] [--sections a,b] [--budget-seconds 450] [--layers 32]
 (or `python -m tools.gpu_check ...` from the repository root). cli.py parses the arguments and
-runs the sections; report.py keeps the report; kernel_sections.py, engine_sections.py and
-throughput.py hold the sections, checkpoints.py the random models they load.
+runs the sections; report.py keeps the report; kernel_sections.py, engine_sections.py,
+pipeline_section.py and throughput.py hold the sections, checkpoints.py the random models they load.
 """

@@ -3,6 +3,7 @@ its share of the time budget; the child (`--child`) runs that section in-process
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import signal
@@ -15,17 +16,22 @@ from pathlib import Path
 import tools.gpu_check as package
 from tools.gpu_check.engine_sections import engine_parity
 from tools.gpu_check.kernel_sections import kernel_numerics, kernel_vs_sdpa
+from tools.gpu_check.pipeline_section import pipeline
 from tools.gpu_check.report import (BudgetExceeded, Context, Report, checks_passed, free_memory, log_to,
                                     say)
 from tools.gpu_check.sizes import FULL, SMOKE
 from tools.gpu_check.throughput import decode_throughput
 
 REPO = Path(__file__).resolve().parents[2]
-SECTION_FUNCTIONS = {"kernel_numerics": kernel_numerics, "engine_parity": engine_parity,
+SECTION_FUNCTIONS = {"kernel_numerics": kernel_numerics, "engine_parity": engine_parity, "pipeline": pipeline,
                      "decode_throughput": decode_throughput, "kernel_vs_sdpa": kernel_vs_sdpa}
 SECTIONS = tuple(SECTION_FUNCTIONS)
 # A section starts only with this much budget left, and leaves as much to the ones after it.
-MIN_SECONDS = {"kernel_numerics": 20, "engine_parity": 30, "decode_throughput": 90, "kernel_vs_sdpa": 25}
+MIN_SECONDS = {"kernel_numerics": 20, "engine_parity": 30, "pipeline": 25, "decode_throughput": 90,
+               "kernel_vs_sdpa": 25}
+# A section gets at most this much, however much is left: a short one that hangs must not eat
+# the budget of the ones after it.
+MAX_SECONDS = {"pipeline": 120}
 CHILD_GRACE_SECONDS = 30  # past the child's own alarm, for a hang the alarm cannot interrupt
 
 
@@ -84,12 +90,16 @@ def run_parent(args: argparse.Namespace, cuda: bool) -> int:
             _skip(report, name, left)
             continue
         reserve = sum(MIN_SECONDS[n] for n in args.sections[i + 1:])
-        run_section_process(args, name, max(MIN_SECONDS[name], left - reserve))
+        run_section_process(args, name, capped(name, max(MIN_SECONDS[name], left - reserve)))
     report = Report.load(args.out)
     ok = report.all_passed()
     say(f"gpu_check: done, {'all ran and passed' if ok else 'some section failed'}; "
         f"see {args.out / 'gpu_check.md'}")
     return 0 if ok else 1
+
+
+def capped(name: str, seconds: float) -> float:
+    return min(MAX_SECONDS.get(name, math.inf), seconds)
 
 
 def _skip(report: Report, name: str, left: float) -> None:
@@ -198,7 +208,7 @@ def _run_section(ctx: Context, name: str, reserve: float) -> None:
     start = time.monotonic()
     if ctx.cuda:
         torch.cuda.reset_peak_memory_stats()
-    signal.setitimer(signal.ITIMER_REAL, max(1.0, ctx.left() - reserve))
+    signal.setitimer(signal.ITIMER_REAL, max(1.0, capped(name, ctx.left() - reserve)))
     try:
         SECTION_FUNCTIONS[name](ctx, rec)
         rec["status"] = "ok"

@@ -10,9 +10,11 @@ from tools.gpu_check.checkpoints import new_engine, save_tiny
 from tools.gpu_check.report import Context, attempt, cpu_skip, say
 
 
-def run_staggered(engine, prompts: list[list[int]], max_tokens: list[int]) -> tuple[dict, int]:
+def run_staggered(engine, prompts: list[list[int]], max_tokens: list[int],
+                  logits: dict | None = None) -> tuple[dict, int]:
     """Add two requests, then one per iteration; greedy tokens per request, and how many
-    iterations mixed prefill with decode."""
+    iterations mixed prefill with decode. With `logits` (and an engine with keep_logits),
+    each request's logits rows are appended there, one per token."""
     from orca_backend import SamplingParams
 
     tokens: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
@@ -27,6 +29,8 @@ def run_staggered(engine, prompts: list[list[int]], max_tokens: list[int]) -> tu
             if delta.error:
                 raise RuntimeError(f"request {delta.request_id} failed: {delta.error}")
             tokens[int(delta.request_id)] += delta.token_ids
+            if logits is not None and delta.logits is not None:
+                logits.setdefault(int(delta.request_id), []).append(delta.logits)
         shape = engine.stats.last_iteration
         num_mixed += bool(shape and shape.num_prefill_requests and shape.num_decode_requests)
     if engine.kv.num_used_blocks:
@@ -86,14 +90,14 @@ def parity_variant(ctx: Context, folder: Path, options: dict, prompts, max_token
         tokens, num_mixed = run_staggered(engine, prompts, max_tokens)
     finally:
         engine.shutdown()
-    diverged = [f"r{i}@{_first_difference(tokens[i], ref)}" for i, ref in enumerate(reference)
+    diverged = [f"r{i}@{first_difference(tokens[i], ref)}" for i, ref in enumerate(reference)
                 if tokens[i] != ref]
     return {"requests_equal": f"{len(prompts) - len(diverged)}/{len(prompts)}",
             "diverged (request@token)": " ".join(diverged) or "-", "mixed_iterations": num_mixed,
             "ok": not diverged and num_mixed > 0}
 
 
-def _first_difference(a: list[int], b: list[int]) -> int:
+def first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
@@ -104,7 +108,7 @@ def _bf16_agreement(ctx: Context, folder: Path, kind: str, prompts, max_tokens) 
         tokens, _ = run_staggered(engine, prompts, max_tokens)
     finally:
         engine.shutdown()
-    same_prefix = sum(_first_difference(tokens[i], ref) for i, ref in enumerate(reference))
+    same_prefix = sum(first_difference(tokens[i], ref) for i, ref in enumerate(reference))
     return {"model": kind, "requests_equal": sum(tokens[i] == ref for i, ref in enumerate(reference)),
             "requests": len(prompts), "tokens_before_first_divergence": same_prefix,
             "tokens": sum(max_tokens), "agreement": same_prefix / sum(max_tokens)}

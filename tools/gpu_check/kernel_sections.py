@@ -1,4 +1,4 @@
-"""Sections 1 and 4: the kernel against the shared float64 reference (kernel_numerics), and
+"""Sections 1 and 5: the kernel against the shared float64 reference (kernel_numerics), and
 against dense SDPA on the flash backend (kernel_vs_sdpa).
 
 trt_plugins is imported inside the functions: a section's process must set TRITON_INTERPRET
@@ -74,7 +74,7 @@ def numerics_case(ctx: Context, rec: dict, name: str, dtype_name: str, heads, ki
     say(f"kernel_numerics: {name}: error {error:.3g}, wrong cache slots {wrong_slots}")
 
 
-# -- 4. kernel vs SDPA -----------------------------------------------------------------------------------
+# -- 5. kernel vs SDPA -----------------------------------------------------------------------------------
 def median_microseconds(ctx: Context, fn, reps: int) -> float:
     """Median of `reps` timed calls after warm-up: CUDA events on a GPU, wall clock on CPU."""
     import torch

@@ -38,6 +38,9 @@ class Sizes:
     decode_contexts: tuple[int, ...]
     attention_heads: tuple[int, int, int]
     reps: int
+    pipeline_prompts: tuple[int, ...]  # prompt lengths of the pipeline section's requests
+    pipeline_max_tokens: int  # greedy tokens each
+    transfer_tokens: tuple[int, ...]  # rows of the hidden states timed per transfer and stage forward
 
 
 FULL = Sizes(
@@ -45,10 +48,12 @@ FULL = Sizes(
     max_context=2048, max_query=512, parity_shapes=PARITY_SHAPES, big_model=LLAMA_8B,
     batch_sizes=(1, 16, 64, 256), no_graph_batch_sizes=(1, 16), prompt_tokens=128, warmup_steps=5,
     timed_steps=40, trace_requests=64, trace_max_output=128, trace_batch_size=16, prefill=(4, 1024),
-    decode_requests=64, decode_contexts=(1024, 4096), attention_heads=(32, 8, 128), reps=30)
+    decode_requests=64, decode_contexts=(1024, 4096), attention_heads=(32, 8, 128), reps=30,
+    pipeline_prompts=tuple(n for n, _ in PARITY_SHAPES), pipeline_max_tokens=32, transfer_tokens=(8, 64, 512))
 SMOKE = Sizes(
     dtypes=("bfloat16", "float32"), heads=((9, 3, 64),), num_requests=3, max_context=40, max_query=20,
     parity_shapes=SMOKE_PARITY_SHAPES, big_model=TINY_LLAMA, batch_sizes=(1, 3), no_graph_batch_sizes=(1,),
     prompt_tokens=8, warmup_steps=1, timed_steps=2, trace_requests=4, trace_max_output=4,
     trace_batch_size=2, prefill=(2, 24), decode_requests=3, decode_contexts=(40,),
-    attention_heads=(4, 2, 16), reps=2)
+    attention_heads=(4, 2, 16), reps=2, pipeline_prompts=tuple(n for n, _ in SMOKE_PARITY_SHAPES),
+    pipeline_max_tokens=4, transfer_tokens=(8, 32))

@@ -1,4 +1,4 @@
-"""Section 3, decode_throughput: a Llama-3-8B-shaped random model; decode tokens/s per batch
+"""Section 4, decode_throughput: a Llama-3-8B-shaped random model; decode tokens/s per batch
 size next to the HBM bound, and a trace of varied output lengths through our engine
 (continuous batching) and transformers (static batches)."""
 from __future__ import annotations
