@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install model serve test bench bench-full bench-engine bench-executors perf clean
+.PHONY: install model serve test bench bench-full bench-engine bench-executors bench-pipeline perf clean
 
 install: $(STAMP)
 
@@ -35,6 +35,10 @@ bench: model
 
 bench-full: model
 	$(PY) benchmarks/bench_serving.py
+
+# 1 stage vs 2 pipeline stages with 1 or 2 iterations in flight; writes docs/benchmarks/pipeline.*
+bench-pipeline: model
+	$(PY) benchmarks/bench_pipeline.py --quick
 
 bench-engine: model
 	$(PY) benchmarks/bench_engine.py --markdown docs/benchmarks/engine.md

@@ -231,13 +231,16 @@ class TritonStagesExecutor(Executor):
     def _where(self, i: int) -> str:
         return self.stage_name(i) if self.transport == "bls" else f"the ensemble {self.ensemble}"
 
-    def _take_error(self, work: _Work, error: str) -> None:
+    @staticmethod
+    def _take_error(work: _Work, error: str) -> None:
         if error and not work.error:
-            work.error = error
-            self._settle(work, error=IterationFailedError(error))
+            work.error = error  # the first stage that failed it; it fails once it has left the pipeline
 
     def _finish(self, work: _Work, response) -> None:
-        if not work.error:
+        """The iteration has been through every stage (so the stages' counters include it)."""
+        if work.error:
+            self._settle(work, error=IterationFailedError(work.error))
+        else:
             data = pb_utils.get_output_tensor_by_name(response, "output").as_numpy().tobytes()
             self._settle(work, result=RunnerOutput.from_wire(msgpack.unpackb(data, strict_map_key=False)))
 

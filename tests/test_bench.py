@@ -248,3 +248,66 @@ def test_a_model_is_done_after_two_runs_over_the_bound_or_one_far_over():
     assert done([_point(1, 0.9, 0.1), _point(2, 1.8, 0.3), _point(3, 2.0, 0.3)])
     assert done([_point(1, 0.9, 0.1), _point(2, 1.8, 0.6)])      # over twice the bound
     assert done([_point(1, 0.9, 0.1, errors=1)])
+
+
+def test_pipeline_bench_reads_stage_counters_and_bubble_shares():
+    from benchmarks.bench_pipeline import stage_counters, stage_deltas
+
+    def metrics(busy0, bubble0, busy1):
+        return "\n".join([
+            "# HELP orca_stage_busy_seconds_total Time the stage spent on iterations",
+            f'orca_stage_busy_seconds_total{{model="orca",stage="0"}} {busy0}',
+            f'orca_stage_bubble_seconds_total{{stage="0",model="orca"}} {bubble0}',
+            'orca_stage_iterations_total{model="orca",stage="0"} 10',
+            f'orca_stage_busy_seconds_total{{model="orca",stage="1"}} {busy1}',
+            'orca_stage_busy_seconds_total{model="other",stage="0"} 99',
+            'orca_iterations_total{model="orca"} 10'])
+
+    before = stage_counters(metrics(1.0, 0.5, 2.0))
+    assert before == {0: {"busy_seconds_total": 1.0, "bubble_seconds_total": 0.5,
+                          "iterations_total": 10.0}, 1: {"busy_seconds_total": 2.0}}
+    deltas = stage_deltas(before, stage_counters(metrics(4.0, 1.5, 2.0)))
+    assert (deltas[0].busy_s, deltas[0].bubble_s, deltas[0].iterations) == (3.0, 1.0, 0.0)
+    assert deltas[0].bubble_share == pytest.approx(0.25)
+    assert math.isnan(deltas[1].bubble_share)  # neither busy nor in a bubble
+    assert stage_deltas({}, before)[1].busy_s == 2.0  # a stage unseen before counts from 0
+
+
+def test_pipeline_bench_ratio_keeps_track_of_bounds():
+    from benchmarks.bench_pipeline import ratio, verdict
+
+    assert ratio((3.0, "about"), (2.0, "about")) == (1.5, "about")
+    assert ratio((3.0, "at least"), (2.0, "about")) == (1.5, "at least")
+    assert ratio((3.0, "about"), (2.0, "below")) == (1.5, "at least")
+    assert ratio((3.0, "below"), (2.0, "at least")) == (1.5, "at most")
+    assert ratio((3.0, "at least"), (2.0, "at least"))[1] == "unknown"
+    assert verdict(1.7, "about", 1.6) and verdict(1.7, "at least", 1.6)
+    assert verdict(1.5, "about", 1.6) is False and verdict(1.5, "at most", 1.6) is False
+    assert verdict(1.5, "at least", 1.6) is None and verdict(1.7, "at most", 1.6) is None
+
+
+def test_pipeline_bench_repositories_share_the_engine_settings(tmp_path, default_model):
+    from benchmarks.bench_pipeline import write_repo
+
+    single = write_repo(None, {"max_batch_size": "8"}, tmp_path / "single")
+    assert sorted(p.name for p in single.iterdir()) == ["orca"]  # no orca_request_level
+    text = (single / "orca" / "config.pbtxt").read_text()
+    assert 'key: "max_batch_size" value: { string_value: "8" }' in text
+    assert 'key: "executor" value: { string_value: "inline" }' in text
+    staged = write_repo(2, {"max_batch_size": "8"}, tmp_path / "staged", [(0, 19), (19, 30)])
+    text = (staged / "orca" / "config.pbtxt").read_text()
+    for key, value in (("max_batch_size", "8"), ("max_inflight", "2"), ("executor", "stages")):
+        assert f'key: "{key}" value: {{ string_value: "{value}" }}' in text
+    stage = (staged / "orca_stage_1" / "config.pbtxt").read_text()
+    assert 'key: "num_threads" value: { string_value: "1" }' in stage
+    assert 'key: "layer_start" value: { string_value: "19" }' in stage
+
+
+def test_pipeline_bench_mean_batch_from_the_histogram():
+    from benchmarks.bench_pipeline import mean_batch
+
+    text = lambda total, count: (f'orca_iteration_batch_size_sum{{model="orca"}} {total}\n'
+                                 f'orca_iteration_batch_size_count{{model="orca"}} {count}\n'
+                                 'orca_iteration_batch_size_count{model="orca_request_level"} 99')
+    assert mean_batch(text(10, 5), text(70, 15)) == 6.0
+    assert math.isnan(mean_batch(text(10, 5), text(10, 5)))  # no iteration in between

@@ -5,7 +5,7 @@ One server hosts a single-stage model (`single`, the reference) and four 2-stage
 on the CPU, one torch thread per stage: `p1` (1 iteration in flight), `p2` (2 in flight,
 batches of at most 4, so that two iterations really are in flight), `pk` (2 in flight over
 a K/V pool small enough to force preemptions), `pe` (the ensemble transport) and `pf` (its
-stage 1 fails iteration 2; the last test kills its process).
+stages fail chosen iterations; the last test kills a stage's process).
 """
 from __future__ import annotations
 
@@ -22,7 +22,9 @@ from orca_backend.pipeline import TEMPLATE, PipelineLayout, _set_parameters, wri
 
 from helpers import assert_no_leak, wait_until
 
-FAIL_AT = 2
+# `pf`: stage 0 fails iteration 2, which only tells the stages that a request has ended;
+# stage 1 fails iteration 5, the third of a request's iterations.
+FAIL_AT = {0: 2, 1: 5}
 PROMPTS = [  # mixed lengths, sent staggered
     "Once upon a time",
     "The capital of France is",
@@ -52,7 +54,7 @@ def server(tmp_path_factory, default_model):
         "pf": {"iteration_timeout_seconds": "30"},
     }
     for name, parameters in pipelines.items():
-        faults = {1: {"fail_at_iteration": str(FAIL_AT)}} if name == "pf" else {}
+        faults = {i: {"fail_at_iteration": str(k)} for i, k in FAIL_AT.items()} if name == "pf" else {}
         write_repository(PipelineLayout(2, name, threads_per_stage=1, orca_parameters=parameters,
                                         stage_parameters=faults), repo)
     s = Server(tmp_path_factory.mktemp("pipeline_triton"), repo, ["--exit-timeout-secs=20"])
@@ -142,11 +144,17 @@ def test_cancelling_mid_stream_frees_the_blocks_of_every_stage(server):
 
 def test_a_stage_that_fails_an_iteration_fails_its_requests_alone(server, reference):
     with StreamingClient(server.grpc_url, "pf") as c:
-        failed = c.generate(PROMPTS[0], sampling=greedy(MAX_TOKENS[0]))  # runs iterations 0, 1, 2, ...
+        assert c.generate(PROMPTS[1], sampling=greedy(2)).error is None  # iterations 0 and 1
+        # Iteration 2 tells the stages the request has ended, and stage 0 fails it: stage 1
+        # must still take note, or it would hold the request's blocks for ever.
+        wait_until(lambda: stage_metric(server, "orca_stage_iterations_total", "pf", 1) == 3,
+                   what="iteration 2 through both stages")
+        assert_stages_hold_nothing(server, "pf")
+        failed = c.generate(PROMPTS[0], sampling=greedy(MAX_TOKENS[0]))  # iterations 3, 4, 5, ...
         assert failed.error is not None
         assert "pipeline stage 1 (model pf_stage_1, layers [15, 30)) failed" in failed.error
-        assert f"injected at iteration {FAIL_AT}" in failed.error
-        assert len(failed.responses) == FAIL_AT  # the tokens of iterations 0 and 1 came out
+        assert f"injected at iteration {FAIL_AT[1]}" in failed.error
+        assert len(failed.responses) == 2  # the tokens of iterations 3 and 4 came out
         later = [c.send(p, sampling=greedy(n)) for p, n in zip(PROMPTS, MAX_TOKENS)]
         assert [c.wait(i).text for i in later] == reference["greedy"]  # later requests succeed
     assert_stages_hold_nothing(server, "pf")
