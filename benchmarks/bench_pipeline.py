@@ -48,7 +48,7 @@ from benchmarks.report import log, machine_lines, table  # noqa: E402
 from client.bench import CSV_FIELDS, Summary, run_trace, summarize  # noqa: E402
 from client.trace import LengthDist, load_tokenizer, make_trace  # noqa: E402
 from orca_backend.launch import REPO_ROOT, Server  # noqa: E402
-from orca_backend.pipeline import (PipelineLayout, _parse_layers, _set_parameters,  # noqa: E402
+from orca_backend.pipeline import (PipelineLayout, parse_layers, set_parameters,  # noqa: E402
                                    write_repository)
 
 # Configuration -> max_inflight of the two-stage pipeline; None: the single-process model.
@@ -212,7 +212,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.rates = sorted(float(r) for r in str(args.rates).split(","))
-    args.layer_ranges = _parse_layers(args.layers) if args.layers else None
+    args.layer_ranges = parse_layers(args.layers) if args.layers else None
     return args
 
 
@@ -226,7 +226,7 @@ def write_repo(max_inflight: int | None, engine: dict[str, str], folder: Path,
     source = REPO_ROOT / "model_repository" / "orca"  # without orca_request_level
     shutil.copytree(source, folder / "orca", ignore=shutil.ignore_patterns("__pycache__"))
     (folder / "orca" / "config.pbtxt").write_text(
-        _set_parameters((source / "config.pbtxt").read_text(), engine))
+        set_parameters((source / "config.pbtxt").read_text(), engine))
     return folder
 
 

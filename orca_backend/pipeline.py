@@ -67,7 +67,7 @@ def write_repository(layout: PipelineLayout, output: Path) -> Path:
     orca = {"model": str(model_path) if layout.model else "", "executor": "stages",
             "pipeline_stages": str(layout.num_stages), "dtype": layout.dtype,
             "device": "cuda" if on_gpu else "cpu", **layout.orca_parameters}
-    serving = _set_parameters(TEMPLATE.read_text(), orca).replace('name: "orca"', f'name: "{layout.name}"', 1)
+    serving = set_parameters(TEMPLATE.read_text(), orca).replace('name: "orca"', f'name: "{layout.name}"', 1)
     _write_model(output / layout.name, serving, "orca_backend.triton_model")
     hidden_type = _TRITON_TYPES[layout.dtype]
     for i, (start, stop) in enumerate(layers):
@@ -111,7 +111,7 @@ def _write_model(folder: Path, config_text: str, module: str) -> None:
         f"from {module} import TritonPythonModel  # noqa: F401\n")
 
 
-def _set_parameters(text: str, values: dict[str, str]) -> str:
+def set_parameters(text: str, values: dict[str, str]) -> str:
     """Set `parameters` entries of a config.pbtxt; a key it lacks is added."""
     for key, value in values.items():
         pattern = re.compile(r'(parameters: \{ key: "' + re.escape(key) + r'" value: \{ string_value: ")[^"]*(")')
@@ -176,7 +176,7 @@ def _ensemble(name: str, num_stages: int) -> str:
             f'ensemble_scheduling {{\n  step [\n' + ",\n".join(steps) + "\n  ]\n}\n")
 
 
-def _parse_layers(text: str) -> list[tuple[int, int]]:
+def parse_layers(text: str) -> list[tuple[int, int]]:
     try:
         return [(int(a), int(b)) for a, b in (part.split(":") for part in text.split(","))]
     except ValueError:
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     extra = dict(item.split("=", 1) for item in args.set)
     layout = PipelineLayout(args.stages, args.name, args.kind, [int(g) for g in args.gpus.split(",")] if args.gpus else None,
-                            args.model, _parse_layers(args.layers) if args.layers else None, args.dtype,
+                            args.model, parse_layers(args.layers) if args.layers else None, args.dtype,
                             args.threads_per_stage, {"stage_transport": args.transport, **extra})
     path = write_repository(layout, args.output)
     names = [args.name, *(stage_model(args.name, i) for i in range(args.stages)), ensemble_model(args.name)]

@@ -44,11 +44,13 @@ STATS_FIELDS = ("forward_seconds", "kv_blocks_used", "busy_seconds")
 
 
 class StageWorker:
-    """`fail_at_iteration` is for tests: the stage fails that iteration (after taking note of
-    its message, as a real failure in the forward would)."""
+    """For tests: `fail_at_iteration` makes the stage fail that iteration (after taking note
+    of its message, as a real failure in the forward would); `stall` = (iteration, seconds)
+    makes it sleep that long in that iteration, once."""
 
     def __init__(self, index: int, layers: tuple[int, int], model_path: str | None, dtype: str,
-                 device: str, fail_at_iteration: int | None = None, model_name: str | None = None) -> None:
+                 device: str, fail_at_iteration: int | None = None, model_name: str | None = None,
+                 stall: tuple[int, float] | None = None) -> None:
         self.index, self.layers = index, layers
         self.device, self.dtype = torch.device(device), dtype
         if self.device.type == "cuda":
@@ -57,6 +59,7 @@ class StageWorker:
         self.name = stage_name(index, layers, model_name)
         self.model = load_model(self.model_path, getattr(torch, dtype), self.device, range(*layers))
         self.fail_at_iteration = fail_at_iteration
+        self.stall = stall
         self.runner = None
         self.is_last = layers[1] == self.model.config.num_layers
 
@@ -79,6 +82,11 @@ class StageWorker:
         if self.runner is None:
             raise RuntimeError(f"{self.name} has not been configured by the serving model")
         message = SchedulerOutput.from_wire(msgpack.unpackb(message_bytes))
+        if self.stall and message.iteration_id == self.stall[0]:
+            seconds, self.stall = self.stall[1], None
+            log.warning("%s stalls iteration %d for %.0f s (parameter stall_at_iteration)",
+                        self.name, message.iteration_id, seconds)
+            time.sleep(seconds)
         error, result, forward = upstream_error, None, 0.0
         if error:
             self.runner.apply_only(message)

@@ -6,7 +6,8 @@ bytes), `hidden` (the previous stage's [num_tokens, hidden]) and `error` (an ear
 failed this iteration). Outputs: `hidden` (a stage before the last) or `output` (the last
 stage: the RunnerOutput, msgpack bytes), `error`, `stats` (STATS_FIELDS) and `reply` (the
 answer to a control call). Parameters: `stage`, `layer_start`, `layer_end`, `model`,
-`dtype`, `num_threads`, and for tests `fail_at_iteration`.
+`dtype`, `num_threads`, and for tests `fail_at_iteration`, `stall_at_iteration` and
+`stall_seconds`.
 """
 from __future__ import annotations
 
@@ -42,8 +43,10 @@ class TritonPythonModel:
             raise ConfigError(f"model {args['model_name']} needs integer parameters stage, "
                               f"layer_start and layer_end: {e}") from None
         fail_at = parameters.get("fail_at_iteration", "")
+        stall_at = parameters.get("stall_at_iteration", "")
+        stall = (int(stall_at), float(parameters.get("stall_seconds") or 60)) if stall_at else None
         self.worker = StageWorker(index, layers, parameters.get("model") or None, dtype, device,
-                                  int(fail_at) if fail_at else None, args["model_name"])
+                                  int(fail_at) if fail_at else None, args["model_name"], stall)
 
     def execute(self, requests) -> list:
         responses = []

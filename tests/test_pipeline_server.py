@@ -18,12 +18,14 @@ import pytest
 
 from client.triton_client import StreamingClient
 from orca_backend.launch import Server
-from orca_backend.pipeline import TEMPLATE, PipelineLayout, _set_parameters, write_repository
+from orca_backend.pipeline import TEMPLATE, PipelineLayout, set_parameters, write_repository
 
 from helpers import assert_no_leak, wait_until
 
-# `pf`: stage 0 fails iteration 2, which only tells the stages that a request has ended;
-# stage 1 fails iteration 5, the third of a request's iterations.
+# `pf`: stage 1 sleeps through iteration 1 once, past the deadline (which restarts the
+# engine's iteration count); then stage 0 fails iteration 2, which only tells the stages that
+# a request has ended, and stage 1 fails iteration 5, the third of a request's iterations.
+DEADLINE_SECONDS, STALL_SECONDS = 4, 10
 FAIL_AT = {0: 2, 1: 5}
 PROMPTS = [  # mixed lengths, sent staggered
     "Once upon a time",
@@ -42,7 +44,7 @@ MAX_TOKENS = [24, 9, 16, 30, 12, 20, 28, 5, 18]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, default_model):
     repo = tmp_path_factory.mktemp("pipeline_repo")
-    single = _set_parameters(TEMPLATE.read_text(), {"kv_cache_tokens": "8192"})
+    single = set_parameters(TEMPLATE.read_text(), {"kv_cache_tokens": "8192"})
     (repo / "single" / "1").mkdir(parents=True)
     (repo / "single" / "config.pbtxt").write_text(single.replace('name: "orca"', 'name: "single"', 1))
     (repo / "single" / "1" / "model.py").write_text("from orca_backend.triton_model import TritonPythonModel  # noqa\n")
@@ -51,10 +53,12 @@ def server(tmp_path_factory, default_model):
         "p2": {"max_inflight": "2", "max_batch_size": "4"},
         "pk": {"max_inflight": "2", "kv_cache_tokens": "128"},
         "pe": {"stage_transport": "ensemble"},
-        "pf": {"iteration_timeout_seconds": "30"},
+        "pf": {"iteration_timeout_seconds": str(DEADLINE_SECONDS), "kv_cache_tokens": "4096"},
     }
     for name, parameters in pipelines.items():
         faults = {i: {"fail_at_iteration": str(k)} for i, k in FAIL_AT.items()} if name == "pf" else {}
+        if name == "pf":
+            faults[1].update(stall_at_iteration="1", stall_seconds=str(STALL_SECONDS))
         write_repository(PipelineLayout(2, name, threads_per_stage=1, orca_parameters=parameters,
                                         stage_parameters=faults), repo)
     s = Server(tmp_path_factory.mktemp("pipeline_triton"), repo, ["--exit-timeout-secs=20"])
@@ -140,6 +144,19 @@ def test_cancelling_mid_stream_frees_the_blocks_of_every_stage(server):
         assert stage_metric(server, "orca_stage_kv_blocks_used", "p2", stage) > 0
     c.close(cancel=True)
     assert_stages_hold_nothing(server, "p2")
+
+
+def test_a_stage_that_does_not_answer_fails_its_requests_by_the_deadline(server):
+    with StreamingClient(server.grpc_url, "pf") as c:
+        started = time.monotonic()
+        stalled = c.generate(PROMPTS[3], sampling=greedy(8))  # stage 1 sleeps through iteration 1
+        waited = time.monotonic() - started
+    assert stalled.error is not None
+    assert "pipeline stage 1 (model pf_stage_1, layers [15, 30))" in stalled.error
+    assert "iteration 1" in stalled.error
+    assert len(stalled.responses) == 1  # iteration 0's token came out
+    assert waited < STALL_SECONDS  # the deadline ended it, not the stage
+    time.sleep(max(0.0, STALL_SECONDS + 1 - waited))  # the stage wakes; the next test starts afresh
 
 
 def test_a_stage_that_fails_an_iteration_fails_its_requests_alone(server, reference):

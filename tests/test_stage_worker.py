@@ -1,0 +1,158 @@
+"""Pipeline stages as Triton models, without Triton: the stage worker each `<name>_stage_<i>`
+model wraps, the repository generator, and the per-stage counters. (Served end to end in
+test_pipeline_server.py.)"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from orca_backend import ConfigError, EngineConfig, LLMEngine, SamplingParams
+from orca_backend.pipeline import PipelineLayout, parse_layers, write_repository
+from orca_backend.pipeline_executor import StageTimes
+from orca_backend.stage_worker import StageWorker
+from tools.gpu_check.pipeline_section import stage_worker_engine
+
+PROMPTS = [list(range(3, 3 + n)) for n in (5, 17, 9, 30, 2, 12)]
+
+
+def _drain(engine, add_later: list | None = None) -> tuple[dict[str, list[int]], dict[str, str]]:
+    """Step to the end; `add_later` requests join one per step (staggered)."""
+    tokens, errors, later = {}, {}, list(add_later or [])
+    for _ in range(500):
+        if later:
+            engine.add_request(*later.pop(0))
+        if not engine.has_unfinished_requests() and not later:
+            break
+        for d in engine.step():
+            tokens.setdefault(d.request_id, []).extend(d.token_ids)
+            if d.error:
+                errors[d.request_id] = d.error
+    return tokens, errors
+
+
+def _requests(params=None):
+    return [(f"r{i}", p, params or SamplingParams(temperature=0, max_tokens=6 + i, ignore_eos=True))
+            for i, p in enumerate(PROMPTS)]
+
+
+@pytest.mark.parametrize("kv_cache_tokens", [4096, 64])  # 64: preemptions
+def test_two_stage_workers_give_the_inline_engines_tokens(tiny_models, kv_cache_tokens):
+    folder = tiny_models["llama"]
+    options = dict(dtype="float32", device="cpu", kv_cache_tokens=kv_cache_tokens, block_size=8)
+    expected, _ = _drain(LLMEngine(EngineConfig(model=str(folder), **options)), _requests())
+    engine, stages = stage_worker_engine(folder, options)
+    tokens, errors = _drain(engine, _requests())
+    assert errors == {} and tokens == expected
+    assert not stages.hidden_problems
+    if kv_cache_tokens == 64:
+        assert engine.scheduler.num_preemptions > 0
+    for worker in stages.workers:  # every ended request was dropped, by both stages
+        assert worker.runner.requests == {}
+
+
+def test_a_stage_failure_comes_back_in_band_and_the_next_stage_keeps_in_step(tiny_models):
+    folder = tiny_models["llama"]
+    options = dict(dtype="float32", device="cpu", kv_cache_tokens=4096)
+    expected, _ = _drain(LLMEngine(EngineConfig(model=str(folder), **options)), _requests())
+    engine, stages = stage_worker_engine(folder, options)
+    stages.workers[0].fail_at_iteration = 1
+    engine.add_request("victim", PROMPTS[1], SamplingParams(temperature=0, max_tokens=8))
+    tokens, errors = _drain(engine)
+    assert errors == {"victim": "internal error in the engine's iteration: pipeline stage 0 (layers [0, 1)) "
+                                "failed: RuntimeError: failure injected at iteration 1 (parameter "
+                                "fail_at_iteration)"}
+    assert len(tokens["victim"]) == 1
+    assert all(w.runner.requests == {} for w in stages.workers)  # stage 1 took note of the end too
+    tokens, errors = _drain(engine, _requests())
+    assert errors == {} and tokens == expected
+
+
+def test_a_stage_refuses_a_spec_that_is_not_its_own(tiny_models):
+    folder = tiny_models["llama"]
+    engine, stages = stage_worker_engine(folder, dict(dtype="float32", device="cpu", kv_cache_tokens=256))
+    worker = stages.workers[1]
+    with pytest.raises(ConfigError, match=r"pipeline stage 1 \(layers \[1, 2\)\) runs in float32, "
+                                          r"the serving model expects bfloat16"):
+        worker.configure(list(dataclasses.astuple(dataclasses.replace(engine.runner_spec, dtype="bfloat16"))))
+    other = dataclasses.replace(engine.runner_spec, model_path=str(tiny_models["qwen2"]))
+    with pytest.raises(ConfigError, match="serves .*llama, the serving model .*qwen2"):
+        worker.configure(list(dataclasses.astuple(other)))
+    with pytest.raises(ConfigError, match=r"layers \[1, 3\) are not a non-empty range within the model's 2"):
+        StageWorker(1, (1, 3), str(folder), "float32", "cpu")
+
+
+def test_the_generator_writes_a_repository_of_chained_stages(tiny_models, tmp_path):
+    folder = tiny_models["llama"]
+    write_repository(PipelineLayout(2, "big", model=str(folder), threads_per_stage=1,
+                                    orca_parameters={"max_inflight": "1"},
+                                    stage_parameters={1: {"fail_at_iteration": "3"}}), tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big", "big_pipeline", "big_stage_0", "big_stage_1"]
+    serving = (tmp_path / "big" / "config.pbtxt").read_text()
+    for key, value in [("executor", "stages"), ("pipeline_stages", "2"), ("max_inflight", "1"),
+                       ("model", str(folder)), ("dtype", "float32")]:
+        assert f'key: "{key}" value: {{ string_value: "{value}" }}' in serving
+    assert 'name: "big"' in serving
+    last = (tmp_path / "big_stage_1" / "config.pbtxt").read_text()
+    assert 'name: "big_stage_1"' in last and "count: 1 kind: KIND_CPU" in last
+    assert '{ name: "output" data_type: TYPE_UINT8' in last
+    assert 'key: "layer_start" value: { string_value: "1" }' in last
+    assert 'key: "fail_at_iteration" value: { string_value: "3" }' in last
+    first = (tmp_path / "big_stage_0" / "config.pbtxt").read_text()
+    assert '{ name: "hidden" data_type: TYPE_FP32 dims: [ -1, 64 ] }' in first
+    ensemble = (tmp_path / "big_pipeline" / "config.pbtxt").read_text()
+    assert ensemble.count("model_name:") == 2 and '{ key: "hidden" value: "hidden_0" }' in ensemble
+    gpu = PipelineLayout(2, kind="gpu", gpus=[3, 5], model=str(folder))
+    write_repository(gpu, tmp_path / "gpu")
+    stage = (tmp_path / "gpu" / "orca_stage_1" / "config.pbtxt").read_text()
+    assert "kind: KIND_GPU gpus: [ 5 ]" in stage and "TYPE_BF16" in stage
+
+
+@pytest.mark.parametrize("layers, message", [
+    ("0:1", "gives 1 ranges for 2 stages"),
+    ("0:1,2:2", r"one starting at 1 was due"),
+    ("0:1,1:3", "ends at layer 3, the model has 2 layers"),
+    ("a:b", "must look like 0:15,15:30"),
+])
+def test_the_generator_refuses_layers_that_do_not_chain(tiny_models, tmp_path, layers, message):
+    with pytest.raises(ConfigError, match=message):
+        write_repository(PipelineLayout(2, model=str(tiny_models["llama"]), layers=parse_layers(layers)), tmp_path)
+
+
+def test_the_generator_refuses_bad_layouts():
+    with pytest.raises(ConfigError, match="stages on the CPU run in float32"):
+        PipelineLayout(2, dtype="bfloat16")
+    with pytest.raises(ConfigError, match="--gpus names 1 GPUs for 2 stages"):
+        PipelineLayout(2, kind="gpu", gpus=[0])
+
+
+def test_bubble_time_is_pipeline_time_less_each_stages_busy_time(monkeypatch):
+    import orca_backend.pipeline_executor as pe
+
+    now = [0.0]
+    monkeypatch.setattr(pe.time, "monotonic", lambda: now[0])
+    times = StageTimes(2)
+    times.submitted()  # one iteration in flight: each stage idles while the other works
+    now[0] = 1.0
+    times.passed(0, busy=1.0, forward=0.9, blocks=3)
+    now[0] = 2.0
+    times.passed(1, busy=1.0, forward=0.8, blocks=3)
+    times.returned()
+    s0, s1 = times.snapshot()
+    assert (s0.bubble_seconds, s1.bubble_seconds) == (1.0, 1.0)
+    assert (s0.iterations, s0.kv_blocks_used, s0.forward_seconds, s1.iterations_in_flight) == (1, 3, 0.9, 0)
+    now[0] = 10.0  # idle with nothing in the pipeline: no bubble
+    times.submitted()
+    times.submitted()  # two in flight: both stages busy the whole time
+    now[0] = 11.0
+    times.passed(0, 1.0, 1.0, 3)
+    assert times.snapshot()[1].iterations_in_flight == 1
+    now[0] = 12.0
+    times.passed(0, 1.0, 1.0, 3)
+    times.passed(1, 1.0, 1.0, 3)
+    now[0] = 13.0
+    times.passed(1, 1.0, 1.0, 3)
+    times.returned()
+    times.returned()
+    s0, s1 = times.snapshot()
+    assert (s0.bubble_seconds, s1.bubble_seconds) == (2.0, 2.0)  # +1 each: stage 0 at the end, 1 at the start
