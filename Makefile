@@ -37,8 +37,10 @@ bench-full: model
 	$(PY) benchmarks/bench_serving.py
 
 # 1 stage vs 2 pipeline stages with 1 or 2 iterations in flight; writes docs/benchmarks/pipeline.*
+# 1 stage vs 2 stage models at 1 and 2 iterations in flight; writes docs/benchmarks/pipeline.*
+# (batches of 4, so that the swept rates fill more than one; layers split to balance the LM head)
 bench-pipeline: model
-	$(PY) benchmarks/bench_pipeline.py --quick
+	$(PY) benchmarks/bench_pipeline.py --quick --max-batch-size 4 --bound-ms 400 --layers 0:19,19:30
 
 bench-engine: model
 	$(PY) benchmarks/bench_engine.py --markdown docs/benchmarks/engine.md
