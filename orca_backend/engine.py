@@ -20,6 +20,7 @@ from .messages import RunnerOutput, SampledToken, SchedulerOutput
 from .model_store import prepare_default_model
 from .models.config import ModelConfig
 from .outputs import EngineStats, IterationRecord, RequestDelta
+from .pipeline_executor import StageTimes
 from .request import Request, RequestStatus
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
@@ -50,6 +51,9 @@ class LLMEngine:
                                       config.block_size, config.seed, config.keep_logits,
                                       config.attention_backend, config.cuda_graphs,
                                       config.max_batch_size, self.max_model_len)
+        # A pipeline's per-stage counters outlive a restart of its runners (they are counters).
+        self._stage_times = (StageTimes(config.pipeline_stages) if config.executor in ("pipeline", "stages")
+                             else None)
         self.executor = executor or self._make_executor()
         self.stats = EngineStats()
         self.reset()
@@ -88,6 +92,8 @@ class LLMEngine:
     def _restart_runner(self) -> None:
         log.warning("starting a new model runner")
         self.executor.shutdown()
+        if self._stage_times is not None:
+            self._stage_times.restart()
         self.executor = self._make_executor()
         self.stats.num_runner_restarts += 1
         self._runner_died = False
@@ -95,7 +101,7 @@ class LLMEngine:
     def _make_executor(self) -> Executor:
         c = self.config
         return make_executor(c.executor, self.runner_spec, c.pipeline_stages, c.stage_transport,
-                             c.iteration_timeout_seconds, c.pipeline_name)
+                             c.iteration_timeout_seconds, c.pipeline_name, self._stage_times)
 
     def shutdown(self) -> None:
         """Stop the runner (a child process, with the `process` executor)."""

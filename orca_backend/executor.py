@@ -285,17 +285,18 @@ class ProcessExecutor(Executor):
 
 
 def make_executor(kind: str, spec: RunnerSpec, num_stages: int = 1, transport: str = "bls",
-                  timeout: float = 600.0, pipeline: str = "orca") -> Executor:
+                  timeout: float = 600.0, pipeline: str = "orca", times=None) -> Executor:
+    """`times`: the per-stage counters (`StageTimes`) of a pipeline, kept across restarts."""
     if kind == "process":
         return ProcessExecutor(spec)
     if kind == "pipeline":
         from .pipeline_executor import PipelineExecutor
 
-        return PipelineExecutor(spec, num_stages)
+        return PipelineExecutor(spec, num_stages, times)
     if kind == "stages":  # only inside tritonserver: the stages are its models
         from .triton_pipeline import TritonStagesExecutor
 
-        return TritonStagesExecutor(spec, num_stages, transport, timeout, pipeline)
+        return TritonStagesExecutor(spec, num_stages, transport, timeout, pipeline, times)
     return InlineExecutor(spec)
 
 

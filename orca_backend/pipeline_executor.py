@@ -84,6 +84,14 @@ class StageTimes:
         self._occupied = 0.0
         self._since = 0.0
 
+    def restart(self) -> None:
+        """A new pipeline takes over: what was in flight is gone; the totals go on."""
+        with self._lock:
+            if self._num_out:
+                self._occupied += time.monotonic() - self._since
+            self._num_out = 0
+            self._in_flight = [0] * len(self._in_flight)
+
     def submitted(self) -> None:
         with self._lock:
             if not self._num_out:
@@ -128,7 +136,7 @@ class _Work:
 
 
 class PipelineExecutor(Executor):
-    def __init__(self, spec: RunnerSpec, num_stages: int) -> None:
+    def __init__(self, spec: RunnerSpec, num_stages: int, times: StageTimes | None = None) -> None:
         from .models import ModelConfig
 
         num_layers = ModelConfig.from_folder(spec.model_path).num_layers
@@ -137,7 +145,7 @@ class PipelineExecutor(Executor):
         self._inboxes: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in self.runners]
         self._threads = [threading.Thread(target=self._serve, args=(i,), name=f"orca-stage-{i}",
                                           daemon=True) for i in range(num_stages)]
-        self.times = StageTimes(num_stages)
+        self.times = times or StageTimes(num_stages)
         for t in self._threads:
             t.start()
 

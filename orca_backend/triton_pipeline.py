@@ -55,12 +55,12 @@ class _Work:
 
 class TritonStagesExecutor(Executor):
     def __init__(self, spec: RunnerSpec, num_stages: int, transport: str = "bls",
-                 timeout: float = 600.0, pipeline: str = "orca") -> None:
+                 timeout: float = 600.0, pipeline: str = "orca", times: StageTimes | None = None) -> None:
         self.spec, self.transport, self.timeout = spec, transport, float(timeout)
         self.models = [stage_model(pipeline, i) for i in range(num_stages)]
         self.ensemble = ensemble_model(pipeline)
         self.layer_ranges: list[tuple[int, int]] | None = None  # known once configured
-        self.times = StageTimes(num_stages)
+        self.times = times or StageTimes(num_stages)
         self._lock = threading.Lock()
         self._pending: dict[int, _Work] = {}
         self._calls: dict[int, tuple[float, int]] = {}  # stage -> (start, iteration) of its open call

@@ -86,12 +86,14 @@ def run_staggered(server, model: str, samplings: list[dict], gap: float = 0.15) 
         return [c.wait(i, 300) for i in ids]
 
 
-def stage_metric(server, name: str, model: str, stage: int) -> float:
+def stage_metric(server, name: str, model: str, stage: int, default: float | None = None) -> float:
     _, text = server.http("/metrics", port=server.metrics_port)
     prefix = f'{name}{{model="{model}",stage="{stage}"}} '
     for line in text.splitlines():
         if line.startswith(prefix):
             return float(line[len(prefix):])
+    if default is not None:  # the stage has not reported yet
+        return default
     raise KeyError(prefix)
 
 
@@ -160,11 +162,12 @@ def test_a_stage_that_does_not_answer_fails_its_requests_by_the_deadline(server)
 
 
 def test_a_stage_that_fails_an_iteration_fails_its_requests_alone(server, reference):
+    done_before = stage_metric(server, "orca_stage_iterations_total", "pf", 1, default=0.0)
     with StreamingClient(server.grpc_url, "pf") as c:
         assert c.generate(PROMPTS[1], sampling=greedy(2)).error is None  # iterations 0 and 1
         # Iteration 2 tells the stages the request has ended, and stage 0 fails it: stage 1
         # must still take note, or it would hold the request's blocks for ever.
-        wait_until(lambda: stage_metric(server, "orca_stage_iterations_total", "pf", 1) == 3,
+        wait_until(lambda: stage_metric(server, "orca_stage_iterations_total", "pf", 1) == done_before + 3,
                    what="iteration 2 through both stages")
         assert_stages_hold_nothing(server, "pf")
         failed = c.generate(PROMPTS[0], sampling=greedy(MAX_TOKENS[0]))  # iterations 3, 4, 5, ...

@@ -63,7 +63,7 @@ def test_config_parameters_become_engine_options():
     ({"max_batch_size": "many"}, "'max_batch_size' must be an integer"),
     ({"max_batchsize": "8"}, "unknown model parameter 'max_batchsize'"),
     ({"policy": "lifo"}, "'policy'"),
-    ({"executor": "thread"}, "engine option 'executor' must be one of inline, process, pipeline, got 'thread'"),
+    ({"executor": "thread"}, "engine option 'executor' must be one of inline, process, pipeline, stages, got 'thread'"),
     ({"max_inflight": "0"}, "engine option 'max_inflight' must be an integer >= 1, got 0"),
     ({"pipeline_stages": "0"}, "engine option 'pipeline_stages' must be an integer >= 1, got 0"),
     ({"attention": "flash"}, "engine option 'attention' must be one of auto, torch, triton, got 'flash'"),
