@@ -156,3 +156,20 @@ def test_bubble_time_is_pipeline_time_less_each_stages_busy_time(monkeypatch):
     times.returned()
     s0, s1 = times.snapshot()
     assert (s0.bubble_seconds, s1.bubble_seconds) == (2.0, 2.0)  # +1 each: stage 0 at the end, 1 at the start
+
+
+def test_stage_counters_go_on_across_a_restart_of_the_stages(tiny_models):
+    """A runner restart replaces the executor; the engine's per-stage counters must not fall
+    back (they are Prometheus counters), and nothing stays in flight."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_models["llama"]), executor="pipeline"))
+    engine.add_request("a", PROMPTS[0], SamplingParams(temperature=0, max_tokens=3))
+    _drain(engine)
+    before = engine.executor.stage_stats()
+    assert before[0].iterations > 0
+    engine._restart_runner()
+    after = engine.executor.stage_stats()
+    assert [s.iterations for s in after] == [s.iterations for s in before]
+    assert [s.iterations_in_flight for s in after] == [0, 0]
+    engine.add_request("b", PROMPTS[1], SamplingParams(temperature=0, max_tokens=3))
+    _drain(engine)
+    assert engine.executor.stage_stats()[1].iterations > before[1].iterations
