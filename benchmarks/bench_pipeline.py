@@ -41,8 +41,8 @@ from pathlib import Path
 
 # `python benchmarks/bench_pipeline.py` puts benchmarks/ on the path, not the repo root.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_serving import (Point, describe, done, exact_rate, fmt,  # noqa: E402
-                                      sustained_rate)
+from benchmarks.bench_serving import (Point, add_sweep_arguments, describe, done,  # noqa: E402
+                                      exact_rate, fmt, sustained_rate)
 from benchmarks.plots import plot_curves  # noqa: E402
 from benchmarks.report import log, machine_lines, table  # noqa: E402
 from client.bench import CSV_FIELDS, Summary, run_trace, summarize  # noqa: E402
@@ -193,10 +193,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="a sweep that fits 15 minutes on 2 cores")
     preset.add_argument("--smoke", action="store_true",
                         help="two short rates: does it run end to end?")
-    p.add_argument("--rates", help="comma-separated request rates, ascending")
-    p.add_argument("--duration", type=float, help="seconds of arrivals per rate")
-    p.add_argument("--min-requests", type=int, help="requests per rate, at least")
-    p.add_argument("--scale", type=float, help="orca trace: multiplies the length ranges")
+    add_sweep_arguments(p)
     p.add_argument("--max-batch-size", type=int, default=8,
                    help="max_batch_size of every configuration (requests per iteration)")
     p.add_argument("--minutes", type=float,

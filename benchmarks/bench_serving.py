@@ -67,13 +67,18 @@ def is_over(summary: Summary, metric: str, bound: float) -> bool:
     return summary.errors > 0 or not getattr(summary, metric) <= bound
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="a sweep that fits 10 minutes on 2 cores")
+def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
+    """The sweep's options, shared by the benchmarks that sweep request rates."""
     p.add_argument("--rates", help="comma-separated request rates, ascending")
     p.add_argument("--duration", type=float, help="seconds of arrivals per rate")
     p.add_argument("--min-requests", type=int, help="requests per rate, at least")
     p.add_argument("--scale", type=float, help="orca trace: multiplies the length ranges")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="a sweep that fits 10 minutes on 2 cores")
+    add_sweep_arguments(p)
     p.add_argument("--bound-ms", type=float, default=250.0,
                    help="median normalized latency bound, ms per output token (the headline)")
     p.add_argument("--ttft-bound-ms", type=float, default=1000.0,

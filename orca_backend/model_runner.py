@@ -60,7 +60,7 @@ class ModelRunner:
         self.model = model
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.device = device
+        self.device, self.dtype = device, dtype
         self.attention = attention or TorchPagedAttention(block_size, device)
         layers = model.layer_range
         caches = self.attention.allocate_kv_cache(len(layers), num_blocks, cfg.num_kv_heads,
@@ -76,15 +76,22 @@ class ModelRunner:
         """Whether this runner's model ends with the LM head (a whole model always does)."""
         return self.model.layer_range.stop == self.model.config.num_layers
 
+    @property
+    def num_held_blocks(self) -> int:
+        """K/V blocks in the block tables of the requests this runner holds."""
+        return sum(len(r.block_ids) for r in self.requests.values())
+
+    def no_rows(self) -> torch.Tensor:
+        """Hidden states of an iteration with no rows, as a stage before the last passes on."""
+        return torch.empty(0, self.model.config.hidden_size, dtype=self.dtype, device=self.device)
+
     @torch.inference_mode()
     def execute(self, message: SchedulerOutput, hidden: torch.Tensor | None = None):
         """Run one iteration. A pipeline stage after the first takes the previous stage's
         hidden states; a stage before the last returns its own [num_tokens, hidden]."""
         layout, token_ids, sampling = self._apply(message)
         if not token_ids:  # a message that only says which requests have ended
-            if not self.is_last_stage:
-                return torch.empty(0, self.model.config.hidden_size, device=self.device)
-            return RunnerOutput(message.iteration_id)
+            return RunnerOutput(message.iteration_id) if self.is_last_stage else self.no_rows()
         last_rows = [row for row, _ in sampling]
         start = time.perf_counter()
         h = self._forward(layout, token_ids, hidden)  # [num_tokens, hidden]

@@ -113,6 +113,8 @@ class StageTimes:
     def returned(self) -> None:
         """An iteration has left the pipeline (its last stage, or a failure)."""
         with self._lock:
+            if not self._num_out:
+                return  # an iteration of a pipeline that has been restarted since
             self._num_out -= 1
             if not self._num_out:
                 self._occupied += time.monotonic() - self._since
@@ -132,7 +134,7 @@ class _Work:
     message: SchedulerOutput
     future: Future
     hidden: object = None  # the previous stage's [num_tokens, hidden]
-    failed: bool = False
+    error: str = ""  # why the first stage that failed it did; it fails once it has left the pipeline
 
 
 class PipelineExecutor(Executor):
@@ -183,20 +185,20 @@ class PipelineExecutor(Executor):
         while (work := inbox.get()) is not None:
             start = time.monotonic()
             try:
-                if work.failed:
+                if work.error:
                     runner.apply_only(work.message)
                 else:
                     work.hidden = runner.execute(work.message, work.hidden)
             except Exception as e:
                 log.exception("%s failed iteration %d", self.stage_name(i), work.message.iteration_id)
-                if not work.failed:
-                    work.future.set_exception(IterationFailedError(
-                        f"{self.stage_name(i)} failed: {type(e).__name__}: {e}"))
-                work.failed, work.hidden = True, None
+                if not work.error:
+                    work.error = f"{self.stage_name(i)} failed: {type(e).__name__}: {e}"
+                work.hidden = None
             busy = time.monotonic() - start
-            blocks = sum(len(r.block_ids) for r in runner.requests.values())
-            self.times.passed(i, busy, busy, blocks)
+            self.times.passed(i, busy, busy, runner.num_held_blocks)
             if not last:
                 self._inboxes[i + 1].put(work)
-            elif not work.failed:
+            elif work.error:
+                work.future.set_exception(IterationFailedError(work.error))
+            else:
                 work.future.set_result(work.hidden)

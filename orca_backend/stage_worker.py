@@ -105,14 +105,11 @@ class StageWorker:
             except Exception as e:
                 log.exception("%s failed iteration %d", self.name, message.iteration_id)
                 error = f"{self.name} failed: {type(e).__name__}: {e}"
-        blocks = sum(len(r.block_ids) for r in self.runner.requests.values())
-        stats = [forward, float(blocks), time.monotonic() - start]
+        stats = [forward, float(self.runner.num_held_blocks), time.monotonic() - start]
         if self.is_last:
             output = None if error else msgpack.packb(result.to_wire())
             return StageReply(None, output, error, stats)
-        if error:
-            result = torch.empty(0, self.model.config.hidden_size, dtype=self.model_dtype, device=self.device)
-        return StageReply(result, None, error, stats)
+        return StageReply(self.runner.no_rows() if error else result, None, error, stats)
 
     @property
     def model_dtype(self) -> torch.dtype:

@@ -134,14 +134,14 @@ class _TritonSink:
         return self.sender.is_cancelled()
 
 
-# StageStats field, metric name (orca_stage_...), kind, description; labelled model and stage.
+# StageStats field, metric name (orca_stage_...), description; labelled model and stage.
 _STAGE_METRICS = (
-    ("iterations_in_flight", "iterations_in_flight", "gauge", "Iterations handed to the stage and not yet passed on"),
-    ("iterations", "iterations_total", "counter", "Iterations the stage has run or taken note of"),
-    ("forward_seconds", "forward_seconds_total", "counter", "Time in the stage's model forward"),
-    ("busy_seconds", "busy_seconds_total", "counter", "Time the stage spent on iterations, transfers included"),
-    ("bubble_seconds", "bubble_seconds_total", "counter", "Time the stage was idle while iterations were in the pipeline"),
-    ("kv_blocks_used", "kv_blocks_used", "gauge", "K/V blocks in the block tables the stage holds"),
+    ("iterations_in_flight", "iterations_in_flight", "Iterations handed to the stage and not yet passed on"),
+    ("iterations", "iterations_total", "Iterations the stage has run or taken note of"),
+    ("forward_seconds", "forward_seconds_total", "Time in the stage's model forward"),
+    ("busy_seconds", "busy_seconds_total", "Time the stage spent on iterations, transfers included"),
+    ("bubble_seconds", "bubble_seconds_total", "Time the stage was idle while iterations were in the pipeline"),
+    ("kv_blocks_used", "kv_blocks_used", "K/V blocks in the block tables the stage holds"),
 )
 _STAGE_GAUGES = ("iterations_in_flight", "kv_blocks_used")
 
@@ -181,20 +181,22 @@ class _TritonMetrics:
         self._seen = dict.fromkeys(self._counters, 0)
         self._labels = labels
         self._stages: list[dict] = []  # per pipeline stage: its metrics, made on first report
+        self._stage_seen: list[dict] = []  # per stage: the counters' values already counted
 
     def _stage_metrics(self, stage: int) -> dict:
         while len(self._stages) <= stage:
             labels = {**self._labels, "stage": str(len(self._stages))}
             G, C = pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER
             metrics = {}
-            for field, name, kind, description in _STAGE_METRICS:
+            for field, name, description in _STAGE_METRICS:
                 if field not in self._stage_families:
                     family = pb_utils.MetricFamily(name=f"orca_stage_{name}", description=description,
-                                                   kind=G if kind == "gauge" else C)
+                                                   kind=G if field in _STAGE_GAUGES else C)
                     self._families.append(family)
                     self._stage_families[field] = family
-                metrics[field] = [self._stage_families[field].Metric(labels=labels), 0.0]
+                metrics[field] = self._stage_families[field].Metric(labels=labels)
             self._stages.append(metrics)
+            self._stage_seen.append(dict.fromkeys(metrics, 0.0))
         return self._stages[stage]
 
     def on_iteration(self, s: EngineSnapshot) -> None:
@@ -210,15 +212,14 @@ class _TritonMetrics:
         if s.batch_size:
             self.batch_size.observe(s.batch_size)
         for stage in s.stages or ():
-            for field, (metric, seen) in self._stage_metrics(stage.stage).items():
+            metrics, seen = self._stage_metrics(stage.stage), self._stage_seen[stage.stage]
+            for field, metric in metrics.items():
                 value = getattr(stage, field)
                 if field in _STAGE_GAUGES:
                     metric.set(value)
-                elif value > seen:  # counters restart with a new pipeline: count on from there
-                    metric.increment(value - seen)
-                    self._stages[stage.stage][field][1] = value
-                elif value < seen:
-                    self._stages[stage.stage][field][1] = value
+                elif value > seen[field]:  # bubble time dips while a stage is busy: count rises only
+                    metric.increment(value - seen[field])
+                    seen[field] = value
 
     def on_tokens(self, num_tokens: int, first: bool, seconds_since_last: float) -> None:
         (self.ttft if first else self.itl).observe(seconds_since_last)

@@ -184,9 +184,8 @@ class TritonStagesExecutor(Executor):
             response = self._exec(i, work, request)
             if response is None:
                 continue
-            stats = pb_utils.get_output_tensor_by_name(response, "stats").as_numpy()
-            self.times.passed(i, stats[2], stats[0], int(stats[1]))
-            self._take_error(work, tensor_text(pb_utils.get_output_tensor_by_name(response, "error")))
+            self._passed(i, response, "stats")
+            self._take_error(work, response)
             if last:
                 self._finish(work, response)
             else:
@@ -206,9 +205,8 @@ class TritonStagesExecutor(Executor):
             if response is None:
                 continue
             for i in range(n):
-                stats = pb_utils.get_output_tensor_by_name(response, f"stats_{i}").as_numpy()
-                self.times.passed(i, stats[2], stats[0], int(stats[1]))
-            self._take_error(work, tensor_text(pb_utils.get_output_tensor_by_name(response, "error")))
+                self._passed(i, response, f"stats_{i}")
+            self._take_error(work, response)
             self._finish(work, response)
 
     def _exec(self, i: int, work: _Work, request):
@@ -220,8 +218,8 @@ class TritonStagesExecutor(Executor):
             response = e
         finally:
             self._calls.pop(i, None)
-        if self._dead:
-            return None
+        if self._dead or self._stopped.is_set():
+            return None  # a late answer to a pipeline given up on: its iteration has been failed
         if isinstance(response, Exception) or response.has_error():
             why = response if isinstance(response, Exception) else response.error().message()
             self._die(f"{self._where(i)} failed iteration {work.iteration_id}: {why}")
@@ -231,8 +229,14 @@ class TritonStagesExecutor(Executor):
     def _where(self, i: int) -> str:
         return self.stage_name(i) if self.transport == "bls" else f"the ensemble {self.ensemble}"
 
+    def _passed(self, i: int, response, stats_output: str) -> None:
+        """Count stage i's part of an iteration from the stats it answered with."""
+        forward, blocks, busy = pb_utils.get_output_tensor_by_name(response, stats_output).as_numpy()
+        self.times.passed(i, busy, forward, int(blocks))
+
     @staticmethod
-    def _take_error(work: _Work, error: str) -> None:
+    def _take_error(work: _Work, response) -> None:
+        error = tensor_text(pb_utils.get_output_tensor_by_name(response, "error"))
         if error and not work.error:
             work.error = error  # the first stage that failed it; it fails once it has left the pipeline
 
