@@ -133,10 +133,10 @@ class EngineLoop:
 
     def _step(self) -> None:
         deltas = self.engine.step()
-        self.sender.put(Deltas(deltas))
         for iteration in self.engine.stats.last_step_iterations:
             self._write_trace(iteration)
             self.sender.put(Stats(self._snapshot(iteration)))
+        self.sender.put(Deltas(deltas))  # after the gauges: no client sees a token the metrics do not
         if not self.engine.stats.last_step_iterations and not self.engine.has_unfinished_requests():
             self.sender.put(Stats(self._snapshot()))  # e.g. the runner has dropped ended requests
 

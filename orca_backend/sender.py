@@ -230,14 +230,14 @@ class Sender:
         stream.num_unsent_tokens += len(delta.token_ids)
         stream.unsent_logprobs += self._logprob_entries(delta)
         stream.text.append(delta.text)
+        if delta.finished and self.metrics is not None:  # counted before the client hears of it
+            _safe(lambda: self.metrics.on_finish(delta.num_prompt_tokens, delta.num_output_tokens,
+                                                 now - stream.arrival))
         if req.stream and (delta.text or delta.finished):
             self._send(stream, delta, delta.text)
         elif delta.finished:
             text = "".join(stream.text)
             self._send(stream, delta, text if req.exclude_input_in_output else req.prompt + text)
-        if delta.finished and self.metrics is not None:
-            _safe(lambda: self.metrics.on_finish(delta.num_prompt_tokens, delta.num_output_tokens,
-                                                 now - stream.arrival))
 
     def _send(self, stream: Stream, delta: RequestDelta, text: str) -> None:
         if stream.request.stream:

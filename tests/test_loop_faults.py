@@ -186,3 +186,41 @@ def test_a_cancel_racing_the_final_token_gets_exactly_one_final_response(loop):
         loop.submit(_request(max_tokens=2 + i % 3), sink)
     _finished(sinks)  # each exactly one final: a last token or a cancellation, never both
     assert all((s.error is None) == any(r.final for r in s.responses) for s in sinks)
+
+
+class _RecordingMetrics:
+    """Metrics that remember what they had seen when each response reached the client."""
+
+    def __init__(self):
+        self.blocks_used, self.num_finished = None, 0
+        self.at_response: list[tuple] = []
+
+    def on_iteration(self, snapshot):
+        self.blocks_used = snapshot.num_used_blocks
+
+    def on_tokens(self, num_tokens, first, seconds_since_last):
+        pass
+
+    def on_finish(self, num_prompt_tokens, num_output_tokens, seconds):
+        self.num_finished += 1
+
+    def on_rejected(self):
+        pass
+
+
+def test_no_client_hears_of_a_token_or_an_end_before_the_metrics_do(engine):
+    metrics = _RecordingMetrics()
+    sink = FakeSink()
+    real_send = sink.send
+    sink.send = lambda response: (metrics.at_response.append((metrics.blocks_used, metrics.num_finished)),
+                                  real_send(response))
+    loop = EngineLoop(engine, metrics)
+    loop.start()
+    try:
+        loop.submit(_request(max_tokens=3), sink)
+        _finished([sink])
+    finally:
+        loop.shutdown()
+    first, last = metrics.at_response[0], metrics.at_response[-1]
+    assert first[0] > 0  # the running request's blocks were on the gauge before its first token
+    assert last == (0, 1)  # freed and counted before the final response

@@ -215,8 +215,8 @@ def test_a_client_killed_mid_stream_gives_its_blocks_back_within_a_second(server
     try:
         assert child.stdout.readline().strip() == "streaming"
         assert server.metric("orca_kv_blocks_used") > 0
-        child.kill()
     finally:
+        child.kill()  # also when an assert fails, so its stream does not run into the next test
         child.wait(30)
     assert_no_leak(server, timeout=1.0)
     with StreamingClient(server.grpc_url) as c:
