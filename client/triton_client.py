@@ -30,8 +30,10 @@ class Result:
 
 
 def build_inputs(prompt: str | bytes, sampling: dict | None = None, stream: bool = True,
-                 exclude_input: bool | None = None, flags: dict[str, bool] | None = None):
-    """Input tensors; `sampling` None sends no sampling_parameters tensor at all."""
+                 exclude_input: bool | None = None, flags: dict[str, bool] | None = None,
+                 batched: bool = False):
+    """Input tensors; `sampling` None sends no sampling_parameters tensor at all. `batched`:
+    for a model with max_batch_size > 0, every tensor gets a batch axis of 1 in front."""
     raw = prompt if isinstance(prompt, bytes) else prompt.encode("utf-8")
     tensors = [_tensor("text_input", np.array([raw], dtype=np.object_), "BYTES"),
                _tensor("stream", np.array([stream]), "BOOL")]
@@ -43,6 +45,9 @@ def build_inputs(prompt: str | bytes, sampling: dict | None = None, stream: bool
         tensors.append(_tensor("exclude_input_in_output", np.array([exclude_input]), "BOOL"))
     for name, value in (flags or {}).items():
         tensors.append(_tensor(name, np.array([value]), "BOOL"))
+    if batched:
+        for t in tensors:
+            t.set_shape([1, *t.shape()])
     return tensors
 
 
@@ -64,6 +69,15 @@ def _decode(result) -> dict:
     return out
 
 
+def _batched(client, model: str) -> bool:
+    """Whether `model` batches in Triton (max_batch_size > 0), so inputs carry a batch axis;
+    False when its config cannot be read (the requests then get the server's error)."""
+    try:
+        return client.get_model_config(model).config.max_batch_size > 0
+    except InferenceServerException:
+        return False
+
+
 class StreamingClient:
     """One gRPC stream; several requests may be in flight on it at once."""
 
@@ -74,6 +88,7 @@ class StreamingClient:
         self._done: dict[str, threading.Event] = {}
         self.events: queue.Queue = queue.Queue()  # (request_id, response dict | error) as they arrive
         self._next = 0
+        self.batched = _batched(self.client, model)
         self.client.start_stream(callback=self._on_response)
 
     def _on_response(self, result, error) -> None:
@@ -110,7 +125,8 @@ class StreamingClient:
         self._next += 1
         self._results[request_id] = Result(sent_at=time.monotonic())
         self._done[request_id] = threading.Event()
-        self.client.async_stream_infer(self.model, build_inputs(prompt, **options), request_id=request_id,
+        inputs = build_inputs(prompt, batched=self.batched, **options)
+        self.client.async_stream_infer(self.model, inputs, request_id=request_id,
                                        outputs=[grpcclient.InferRequestedOutput(n) for n in OUTPUTS],
                                        enable_empty_final_response=True)
         return request_id

@@ -2,25 +2,21 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer
 
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
-from .errors import ConfigError, InvalidRequestError
+from .errors import InvalidRequestError
 from .executor import Executor, RunnerDiedError, RunnerSpec, RunnerUnavailableError, make_executor
 from .kv_manager import BlockManager
 from .messages import RunnerOutput, SampledToken, SchedulerOutput
-from .model_store import prepare_default_model
-from .models.config import ModelConfig
 from .outputs import EngineStats, IterationRecord, RequestDelta
 from .pipeline_executor import StageTimes
+from .request_rules import RequestRules
 from .request import Request, RequestStatus
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
@@ -42,10 +38,9 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig | None = None, executor: Executor | None = None) -> None:
         self.config = config = config or EngineConfig()
-        self.model_path = Path(config.model) if config.model else prepare_default_model()
-        self.model_config = ModelConfig.from_folder(self.model_path)
-        self.tokenizer = _load_tokenizer(self.model_path)
-        self.max_model_len = min(config.max_model_len or math.inf, self.model_config.max_model_len)
+        self.rules = RequestRules(config)
+        self.model_path, self.model_config = self.rules.model_path, self.rules.model_config
+        self.tokenizer, self.max_model_len = self.rules.tokenizer, self.rules.max_model_len
         num_blocks = config.num_kv_blocks(self.model_config.kv_elements_per_token)
         self.runner_spec = RunnerSpec(str(self.model_path), config.dtype, config.device, num_blocks,
                                       config.block_size, config.seed, config.keep_logits,
@@ -119,55 +114,20 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         token_ids = self.prepare(prompt, params)
         req = Request(request_id, token_ids, params, track_logprob=track_logprob)
-        self._tracked[request_id] = _Tracked(req, IncrementalDetokenizer(self.tokenizer, token_ids, params))
+        self._tracked[request_id] = _Tracked(req, self.rules.detokenizer(token_ids, params))
         self.scheduler.add(req)
         return req
 
     def prepare(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
-        """Tokenize and check a request against the model; raises InvalidRequestError.
-
-        Safe to call from any thread (it reads the tokenizer and limits only), so a server
-        can tokenize long prompts without holding up iterations.
-        """
-        token_ids = self.encode(prompt)
-        self._check_lengths(len(token_ids), params)
-        vocab = self.model_config.vocab_size
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise InvalidRequestError(f"sampling parameter 'stop_token_ids' must be token ids "
-                                      f"below the vocabulary size {vocab}")
-        return token_ids
-
-    def encode(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            num_bytes = len(prompt.encode("utf-8"))
-            if num_bytes > self.config.max_prompt_bytes:
-                raise InvalidRequestError(f"prompt is {num_bytes} bytes, more than max_prompt_bytes "
-                                          f"({self.config.max_prompt_bytes})")
-            # encode_batch lets go of the GIL while it works; encode holds it throughout.
-            token_ids = self.tokenizer.encode_batch([prompt])[0].ids if prompt else []
-        else:
-            token_ids = list(prompt)
-        if not token_ids:
-            raise InvalidRequestError("prompt is empty")
-        vocab = self.model_config.vocab_size
-        # Also for text: a tokenizer may know more tokens than the model has embeddings for.
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
-            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
-        return token_ids
-
-    def _check_lengths(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        limit = self.max_model_len
-        if num_prompt_tokens >= limit:
-            raise InvalidRequestError(f"prompt has {num_prompt_tokens} tokens, the model's context "
-                                      f"is {limit} tokens (room is needed for one output token)")
-        if num_prompt_tokens + params.max_tokens > limit:
-            raise InvalidRequestError(
-                f"max_tokens {params.max_tokens} plus the prompt's {num_prompt_tokens} tokens "
-                f"exceed the model's context of {limit} tokens")
-        need = self.kv.blocks_for(num_prompt_tokens + params.max_tokens - 1)
+        """Tokenize and check a request against the model and the K/V pool; raises
+        InvalidRequestError. Safe to call from any thread (it reads the tokenizer and limits
+        only), so a server can tokenize long prompts without holding up iterations."""
+        token_ids = self.rules.prepare(prompt, params)
+        need = self.kv.blocks_for(len(token_ids) + params.max_tokens - 1)
         if need > self.kv.num_blocks:
             raise InvalidRequestError(
                 f"prompt plus max_tokens needs {need} K/V blocks, the pool has {self.kv.num_blocks}")
+        return token_ids
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a request and free its K/V blocks (when its iteration returns, if one is in
@@ -313,28 +273,10 @@ class LLMEngine:
             torch.frombuffer(bytearray(logits), dtype=torch.float32) if logits is not None else None)
 
     def _finish_status(self, req: Request, tracked: _Tracked, token_id: int) -> RequestStatus | None:
-        p = req.params
-        may_stop = req.num_output_tokens >= p.min_tokens
-        if tracked.detokenizer.append(token_id, check_stop=may_stop):
-            return RequestStatus.FINISHED_STOPPED
-        is_eos = token_id in self.model_config.eos_token_ids and not p.ignore_eos
-        if may_stop and (is_eos or token_id in p.stop_token_ids):
-            return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+        return self.rules.finish_status(req.params, tracked.detokenizer, token_id, req.num_output_tokens,
+                                        req.num_tokens)
 
 
 def _error_delta(req: Request, message: str) -> RequestDelta:
     return RequestDelta(req.request_id, [], "", None, req.num_prompt_tokens, req.num_output_tokens,
                         None, error=message)
-
-
-def _load_tokenizer(folder: Path) -> Tokenizer:
-    path = folder / "tokenizer.json"
-    if not path.exists():
-        raise ConfigError(f"model folder {folder} has no tokenizer.json")
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:  # the tokenizers library raises a bare Exception
-        raise ConfigError(f"cannot load {path}: {e}") from e

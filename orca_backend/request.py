@@ -20,6 +20,11 @@ class RequestStatus(enum.Enum):
     def finished(self) -> bool:
         return self in _FINISH_REASONS
 
+    @property
+    def reason(self) -> str | None:
+        """The finish_reason a client sees: stop, length, abort or error; None while open."""
+        return _FINISH_REASONS.get(self)
+
 
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -79,4 +84,4 @@ class Request:
 
     @property
     def finish_reason(self) -> str | None:
-        return _FINISH_REASONS.get(self.status)
+        return self.status.reason

@@ -50,7 +50,7 @@ class TritonPythonModel:
         for request in requests:
             sink = _TritonSink(request)
             try:
-                sink.parsed = _parse(request)
+                sink.parsed = parse_request(request)
             except OrcaError as e:
                 sink.fail(str(e), ErrorKind.INVALID)
                 continue
@@ -87,7 +87,7 @@ def _close_on_interrupt(loop: EngineLoop) -> None:
     threading.Thread(target=watch, name="orca-interrupt", daemon=True).start()
 
 
-def _parse(request) -> GenerateRequest:
+def parse_request(request) -> GenerateRequest:
     def scalar(name):
         tensor = pb_utils.get_input_tensor_by_name(request, name)
         return None if tensor is None else tensor.as_numpy().reshape(-1)[0]
@@ -95,6 +95,27 @@ def _parse(request) -> GenerateRequest:
     flags = {name: (None if (v := scalar(name)) is None else bool(v)) for name in FLAG_INPUTS}
     text, sampling = scalar("text_input"), scalar("sampling_parameters")
     return GenerateRequest.parse(_as_bytes(text), flags, _as_bytes(sampling), request.parameters())
+
+
+def response_tensors(parsed: GenerateRequest, r: Response, batched: bool = False) -> list:
+    """The output tensors of one response: text_output, and the outputs the request's flags
+    ask for. `batched`: with a leading batch axis of 1, for a model with max_batch_size > 0."""
+    optional = {  # output name -> (the flag that asks for it, its value)
+        "finish_reason": ("return_finish_reason", _bytes(str(r.finish_reason))),
+        "cumulative_logprob": ("return_cumulative_logprob",
+                               np.array([r.cumulative_logprob or 0.0], dtype=np.float32)),
+        "logprobs": ("return_logprobs", _bytes(json.dumps(r.logprobs))),
+        "num_input_tokens": ("return_num_input_tokens", np.array([r.num_input_tokens], dtype=np.uint32)),
+        "num_output_tokens": ("return_num_output_tokens", np.array([r.num_output_tokens], dtype=np.uint32)),
+    }
+    values = [("text_output", _bytes(r.text))]
+    values += [(name, value) for name, (flag, value) in optional.items() if getattr(parsed, flag)]
+    return [pb_utils.Tensor(name, value[None] if batched else value) for name, value in values]
+
+
+def error_response(message: str, kind: ErrorKind):
+    code = getattr(pb_utils.TritonError, _ERROR_CODES[ErrorKind(kind)])
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
 
 
 def _bytes(text: str) -> np.ndarray:
@@ -113,22 +134,11 @@ class _TritonSink:
         self.parsed: GenerateRequest | None = None
 
     def send(self, r: Response) -> None:
-        optional = {  # output name -> (the flag that asks for it, its value)
-            "finish_reason": ("return_finish_reason", _bytes(str(r.finish_reason))),
-            "cumulative_logprob": ("return_cumulative_logprob",
-                                   np.array([r.cumulative_logprob or 0.0], dtype=np.float32)),
-            "logprobs": ("return_logprobs", _bytes(json.dumps(r.logprobs))),
-            "num_input_tokens": ("return_num_input_tokens", np.array([r.num_input_tokens], dtype=np.uint32)),
-            "num_output_tokens": ("return_num_output_tokens", np.array([r.num_output_tokens], dtype=np.uint32)),
-        }
-        tensors = [pb_utils.Tensor("text_output", _bytes(r.text))]
-        tensors += [pb_utils.Tensor(name, value) for name, (flag, value) in optional.items()
-                    if getattr(self.parsed, flag)]
-        self.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=_FINAL if r.final else 0)
+        self.sender.send(pb_utils.InferenceResponse(output_tensors=response_tensors(self.parsed, r)),
+                         flags=_FINAL if r.final else 0)
 
     def fail(self, message: str, kind: ErrorKind) -> None:
-        code = getattr(pb_utils.TritonError, _ERROR_CODES[ErrorKind(kind)])
-        self.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)), flags=_FINAL)
+        self.sender.send(error_response(message, kind), flags=_FINAL)
 
     def is_cancelled(self) -> bool:
         return self.sender.is_cancelled()

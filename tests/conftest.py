@@ -44,7 +44,7 @@ def _save_tiny(kind: str, folder: Path, tokenizer_json: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory, default_model):
-    """A real tritonserver on free ports with model_repository/ (both models)."""
+    """A real tritonserver on free ports with model_repository/ (every model)."""
     from orca_backend.launch import Server
 
     s = Server(tmp_path_factory.mktemp("triton"))

@@ -195,7 +195,7 @@ def test_request_level_model_serves_the_same_text(server, client):
 
 
 def test_shutdown_ends_every_open_stream(tmp_path, default_model):
-    s = Server(tmp_path, extra_args=["--exit-timeout-secs=5"])
+    s = Server(tmp_path, extra_args=["--exit-timeout-secs=5", "--model-control-mode=explicit", "--load-model=orca"])
     try:
         s.wait_ready()
         c = StreamingClient(s.grpc_url)
