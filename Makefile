@@ -29,14 +29,16 @@ serve: model
 test: model
 	$(PY) -m pytest -q
 
-# Iteration-level vs request-level under Poisson load; writes docs/benchmarks/serving.*
+# orca vs hf_dynamic_batching (Triton's dynamic batcher + transformers generate) vs
+# orca_request_level under Poisson load, lengths scaled by 0.25; writes docs/benchmarks/serving.*
 bench: model
 	$(PY) benchmarks/bench_serving.py --quick
 
+# The same at the paper's lengths (prompts [32, 512], outputs [1, 128]), about 45 minutes;
+# writes docs/benchmarks/serving_full.*
 bench-full: model
 	$(PY) benchmarks/bench_serving.py
 
-# 1 stage vs 2 pipeline stages with 1 or 2 iterations in flight; writes docs/benchmarks/pipeline.*
 # 1 stage vs 2 stage models at 1 and 2 iterations in flight; writes docs/benchmarks/pipeline.*
 # (batches of 4, so that the swept rates fill more than one; layers split to balance the LM head)
 bench-pipeline: model

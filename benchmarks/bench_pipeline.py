@@ -41,8 +41,8 @@ from pathlib import Path
 
 # `python benchmarks/bench_pipeline.py` puts benchmarks/ on the path, not the repo root.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_serving import (Point, add_sweep_arguments, describe, done,  # noqa: E402
-                                      exact_rate, fmt, sustained_rate)
+from benchmarks.bench_serving import (Point, add_sweep_arguments, describe, describe_ratio,  # noqa: E402
+                                      done, exact_rate, fmt, ratio, sustained_rate, verdict)
 from benchmarks.plots import plot_curves  # noqa: E402
 from benchmarks.report import log, machine_lines, table  # noqa: E402
 from client.bench import CSV_FIELDS, Summary, run_trace, summarize  # noqa: E402
@@ -133,26 +133,6 @@ def stage_deltas(before: dict[int, dict[str, float]],
     def delta(stage: int, name: str) -> float:
         return after[stage].get(name, 0.0) - before.get(stage, {}).get(name, 0.0)
     return {s: StageDelta(*(delta(s, name) for name in STAGE_COUNTERS)) for s in sorted(after)}
-
-
-def ratio(num: tuple[float, str], den: tuple[float, str]) -> tuple[float, str]:
-    """num / den of two sustained_rate results; the kind says what the value is: "about",
-    "at least", "at most", or "unknown" (the two bounds point different ways)."""
-    (a, a_kind), (b, b_kind) = num, den
-    value = a / b if b > 0 else math.inf
-    low = a_kind in ("about", "at least") and b_kind in ("about", "below")
-    high = a_kind in ("about", "below") and b_kind in ("about", "at least")
-    kind = "about" if low and high else "at least" if low else "at most" if high else "unknown"
-    return value, kind
-
-
-def verdict(value: float, kind: str, target: float) -> bool | None:
-    """True: at least `target`; False: below it; None: the sweep cannot tell."""
-    if value >= target and kind in ("about", "at least"):
-        return True
-    if value < target and kind in ("about", "at most"):
-        return False
-    return None
 
 
 def as_tokens(p: Point) -> Point:
@@ -292,11 +272,6 @@ def headline(runs: list[Run], bound: float) -> dict[str, dict[str, tuple[float, 
                          "tok": sustained_rate([as_tokens(p) for p in points],
                                                "normalized_latency_p50", bound)}
     return out
-
-
-def describe_ratio(value: float, kind: str) -> str:
-    prefix = {"about": "", "at least": ">= ", "at most": "<= ", "unknown": "? "}[kind]
-    return f"{prefix}{value:.2f}x"
 
 
 def goal_lines(heads: dict, runs: list[Run], args) -> list[str]:

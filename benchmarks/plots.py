@@ -13,16 +13,17 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-COLORS = {"orca": "tab:blue", "orca_request_level": "tab:red"}
+COLORS = {"orca": "tab:blue", "orca_request_level": "tab:red", "hf_dynamic_batching": "tab:green"}
 
 
 def plot_curves(out: Path, points: list, models: dict[str, str], bound: float,
-                ttft_bound: float) -> None:
-    """Median normalized latency and median TTFT against throughput, one line per model."""
+                ttft_bound: float, prefix: str = "serving") -> None:
+    """Median normalized latency and median TTFT against throughput, one line per model:
+    `<prefix>_latency.png` and `<prefix>_ttft.png`."""
     for name, attr, label, limit, unit in (
-            ("serving_latency.png", "normalized_latency_p50",
+            (f"{prefix}_latency.png", "normalized_latency_p50",
              "median normalized latency (ms per output token)", bound, " ms/token"),
-            ("serving_ttft.png", "ttft_p50", "median time to first token (ms)", ttft_bound, " ms")):
+            (f"{prefix}_ttft.png", "ttft_p50", "median time to first token (ms)", ttft_bound, " ms")):
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         for model, batching in models.items():
             mine = [p for p in points if p.model == model]
@@ -48,8 +49,9 @@ def load_iterations(path: Path, start: float, end: float) -> list[dict]:
     return [r for r in rows if start <= r["time"] <= end]
 
 
-def plot_scheduler(out: Path, pair: list, trace_dir: Path, models: dict[str, str]) -> bool:
-    """Both models' iterations during their runs at one rate; False if no trace was written."""
+def plot_scheduler(out: Path, pair: list, trace_dir: Path, models: dict[str, str],
+                   name: str = "scheduler_trace.png") -> bool:
+    """Each model's iterations during its run at one rate; False if no trace was written."""
     fig, axes = plt.subplots(2, len(pair), figsize=(6 * len(pair), 6), sharex="col", squeeze=False)
     drawn = False
     for col, p in enumerate(pair):
@@ -77,6 +79,6 @@ def plot_scheduler(out: Path, pair: list, trace_dir: Path, models: dict[str, str
         for ax in (top, bottom):
             ax.grid(True, alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out / "scheduler_trace.png", dpi=110)
+    fig.savefig(out / name, dpi=110)
     plt.close(fig)
     return drawn

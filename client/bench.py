@@ -2,9 +2,12 @@
 
     python -m client.bench --rate 2 --num-requests 50 --dist orca --scale 0.1
     python -m client.bench --concurrency 8 --num-requests 50 --dist fixed --json out.json
+    python -m client.bench --model hf_dynamic_batching --no-stream --rate 0.5 --num-requests 20
 
 Open loop (`--rate`) sends at Poisson arrival offsets from one thread; closed loop
 (`--concurrency`) keeps N requests in flight. Exits non-zero if any request failed.
+`--no-stream` asks for one response per request (for models that do not stream): its time to
+first token is then its end-to-end latency, and it has no inter-token latencies.
 """
 from __future__ import annotations
 
@@ -120,8 +123,8 @@ class _Run:
     that never got a final response are the failed ones.
     """
 
-    def __init__(self, client: StreamingClient, temperature: float) -> None:
-        self.client, self.temperature = client, temperature
+    def __init__(self, client: StreamingClient, temperature: float, stream: bool = True) -> None:
+        self.client, self.temperature, self.stream = client, temperature, stream
         self.t0 = time.monotonic()
         self.sent: dict[str, tuple[TraceRequest, float]] = {}
         self.finished: set[str] = set()
@@ -135,7 +138,7 @@ class _Run:
         sampling = {"max_tokens": request.output_tokens, "ignore_eos": True,
                     "temperature": self.temperature}
         now = time.monotonic() - self.t0
-        request_id = self.client.send(request.prompt, sampling=sampling, stream=True, flags=FLAGS)
+        request_id = self.client.send(request.prompt, sampling=sampling, stream=self.stream, flags=FLAGS)
         self.sent[request_id] = (request, now)
 
     def pump(self, timeout: float) -> bool:
@@ -172,15 +175,16 @@ class _Run:
 
 
 def run_trace(url: str, model: str, trace: list[TraceRequest], concurrency: int | None = None,
-              temperature: float = 0.0, stall_timeout: float = 300.0) -> list[RequestRecord]:
+              temperature: float = 0.0, stall_timeout: float = 300.0, stream: bool = True) -> list[RequestRecord]:
     """Send `trace` to `model` and record every request, in trace order.
 
     With `concurrency` None requests go out at their offsets (open loop); otherwise offsets
     are ignored and `concurrency` requests are kept in flight (closed loop). The run stops
-    waiting when nothing arrives for `stall_timeout` seconds.
+    waiting when nothing arrives for `stall_timeout` seconds. `stream` False asks for one
+    response per request.
     """
     client = StreamingClient(url, model)
-    run = _Run(client, temperature)
+    run = _Run(client, temperature, stream)
     stalled = False
     try:
         if not client.client.is_model_ready(model):
@@ -251,6 +255,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--num-requests", type=int, default=100)
     add_trace_arguments(p)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
+                   help="streamed responses (default), or one response per request")
     p.add_argument("--json", help="write the summary and per-request records here")
     p.add_argument("--csv", help="write one row per request here")
     return p
@@ -261,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     trace = trace_from_arguments(args, args.num_requests, args.rate)
     try:
-        records = run_trace(args.url, args.model, trace, args.concurrency, args.temperature)
+        records = run_trace(args.url, args.model, trace, args.concurrency, args.temperature,
+                            stream=args.stream)
     except (RuntimeError, InferenceServerException) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -142,6 +142,24 @@ def test_cli_writes_json_and_csv(server, tmp_path):
     assert [row["output_tokens"] for row in rows] == ["3", "3"]
 
 
+def test_the_non_streaming_path_gets_one_response_and_ttft_is_the_latency(server, tokenizer):
+    trace = make_trace(LengthDist(kind="orca", scale=0.05), 4, 8.0, seed=1, tokenizer=tokenizer)
+    records = run_trace(server.grpc_url, "hf_dynamic_batching", trace, stream=False)
+    _check(records, trace)
+    assert [len(r.response_times) for r in records] == [1] * 4
+    summary = summarize(records)
+    assert summary.ttft_p50 == summary.latency_p50 and math.isnan(summary.itl_p50)
+    streamed = run_trace(server.grpc_url, "orca", trace[:1])
+    assert len(streamed[0].response_times) > 1  # the same request, streamed by orca
+
+
+def test_cli_no_stream_serves_a_model_that_does_not_stream(server):
+    args = ["--url", server.grpc_url, "--model", "hf_dynamic_batching", "--concurrency", "2",
+            "--num-requests", "2", "--dist", "fixed", "--input-tokens", "8", "--output-tokens", "3"]
+    assert main(args + ["--no-stream"]) == 0
+    assert main(args) == 1  # streaming is refused, by name, and the run says so
+
+
 def test_a_failed_request_is_the_one_counted(server):
     # The empty prompt fails while request 0 is still streaming: the error callback cannot
     # say which request it was, yet only request 1 may end up failed.
@@ -154,14 +172,51 @@ def test_a_failed_request_is_the_one_counted(server):
     assert summarize(records).errors == 1
 
 
-def _point(rate: float, throughput: float, p50: float, errors: int = 0):
+def _point(rate: float, throughput: float, p50: float, errors: int = 0, model: str = "orca"):
     from benchmarks.bench_serving import Point
     from client.bench import Summary
 
     fields = {f: math.nan for f in Summary.__dataclass_fields__}
     summary = Summary(**{**fields, "num_requests": 10, "errors": errors,
                          "request_throughput": throughput, "normalized_latency_p50": p50})
-    return Point("orca", rate, summary, [], 0.0, 1.0, bound=0.25)
+    return Point(model, rate, summary, [], 0.0, 1.0, bound=0.25)
+
+
+def test_the_three_way_headline_leads_with_what_users_run_today():
+    from benchmarks.bench_serving import headline, headline_lines
+
+    points = [_point(1, 0.9, 0.10), _point(2, 1.8, 0.15), _point(4, 2.6, 0.35),
+              _point(1, 0.9, 0.20, model="orca_request_level"), _point(2, 1.7, 0.30, model="orca_request_level"),
+              _point(1, 0.5, 0.40, model="hf_dynamic_batching")]
+    rates = headline(points, "normalized_latency_p50", 0.25)
+    assert rates["orca"] == (pytest.approx(2.2), "about")
+    assert rates["orca_request_level"] == (pytest.approx(1.3), "about")  # 0.9 + 0.5 * 0.8
+    assert rates["orca/orca_request_level"] == (pytest.approx(2.2 / 1.3), "about")
+    assert rates["hf_dynamic_batching"] == (0.5, "below")
+    assert rates["orca/hf_dynamic_batching"] == (pytest.approx(4.4), "at least")  # hf was over already
+    text = "\n".join(headline_lines(rates, "median normalized latency", "250 ms"))
+    assert text.index("`hf_dynamic_batching` (what users run today): **>= 4.40x**") < \
+        text.index("`orca_request_level` (scheduling alone): **1.69x**")
+
+
+def test_costs_from_the_traces_hand_computed():
+    from benchmarks.bench_serving import batch_costs, engine_costs
+
+    # Two iterations 0.5 s apart, 2 requests waiting after the first: 1 request-second of
+    # waiting over 4 requests. Prefill: 9 tokens - 1 decoding, then 3 - 3.
+    iterations = [{"time": 10.0, "num_requests": 2, "num_tokens": 9, "num_decode_requests": 1, "num_waiting": 0},
+                  {"time": 10.5, "num_requests": 3, "num_tokens": 3, "num_decode_requests": 3, "num_waiting": 2}]
+    c = engine_costs(iterations, num_requests=4)
+    assert (c.mean_batch, c.computed_tokens, c.padding_share) == (2.5, 12, 0.0)
+    assert c.prefill_share == pytest.approx(8 / 12) and c.queue_seconds == pytest.approx(0.25)
+    # One batch of 2: prompts 3 + 5 tokens padded to 5 (2 pad), 4 steps, outputs 4 and 1 token.
+    batch = {"batch_size": 2, "num_prompt_tokens": 8, "num_padded_prompt_tokens": 2, "num_steps": 4,
+             "num_output_tokens": 5, "num_computed_output_tokens": 8}
+    c = batch_costs([batch], queue_seconds=0.3)
+    # Computed: 10 prompt + (8 - 2) decode = 16; useful: 8 + (5 - 2) = 11.
+    assert (c.computed_tokens, c.mean_batch, c.queue_seconds) == (16, 2.0, 0.3)
+    assert c.padding_share == pytest.approx(5 / 16) and c.prefill_share == pytest.approx(10 / 16)
+    assert engine_costs([], 3) is None and batch_costs([], 0.1) is None
 
 
 def test_sustained_rate_interpolates_between_the_runs_around_the_bound():
