@@ -63,6 +63,9 @@ def test_each_row_ends_by_the_engine_s_rule_stop_strings_eos_and_stop_tokens(tin
     assert [r.text for r in results] == [o.text for o in expected]
     assert [r.finish_reason for r in results] == [o.finish_reason for o in expected]
     assert results[0].finish_reason == "stop" and results[0].token_ids[-1] == stop_token
+    # A batch whose rows all stop early ends with its last row, not at max_tokens.
+    early, record = _run(generator, prompts[:2], params[:2])
+    assert record.num_steps == max(len(r.token_ids) for r in early) < 12
 
 
 @pytest.fixture(scope="module")
