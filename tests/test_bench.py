@@ -143,7 +143,8 @@ def test_cli_writes_json_and_csv(server, tmp_path):
 
 
 def test_the_non_streaming_path_gets_one_response_and_ttft_is_the_latency(server, tokenizer):
-    trace = make_trace(LengthDist(kind="orca", scale=0.05), 4, 8.0, seed=1, tokenizer=tokenizer)
+    trace = make_trace(LengthDist(kind="fixed", input_tokens=12, output_tokens=5), 4, 8.0, seed=1,
+                       tokenizer=tokenizer)
     records = run_trace(server.grpc_url, "hf_dynamic_batching", trace, stream=False)
     _check(records, trace)
     assert [len(r.response_times) for r in records] == [1] * 4
