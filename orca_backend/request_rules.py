@@ -26,7 +26,7 @@ class RequestRules:
         self.model_config = ModelConfig.from_folder(self.model_path)
         self.tokenizer = load_tokenizer(self.model_path)
         self.max_model_len = min(config.max_model_len or math.inf, self.model_config.max_model_len)
-        self.max_prompt_bytes = config.max_prompt_bytes
+        self.config = config
 
     def prepare(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """Tokenize and check a request against the model; raises InvalidRequestError.
@@ -43,9 +43,9 @@ class RequestRules:
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             num_bytes = len(prompt.encode("utf-8"))
-            if num_bytes > self.max_prompt_bytes:
-                raise InvalidRequestError(f"prompt is {num_bytes} bytes, more than max_prompt_bytes "
-                                          f"({self.max_prompt_bytes})")
+            limit = self.config.max_prompt_bytes
+            if num_bytes > limit:
+                raise InvalidRequestError(f"prompt is {num_bytes} bytes, more than max_prompt_bytes ({limit})")
             # encode_batch lets go of the GIL while it works; encode holds it throughout.
             token_ids = self.tokenizer.encode_batch([prompt])[0].ids if prompt else []
         else:

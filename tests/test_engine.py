@@ -127,7 +127,7 @@ def test_seeded_sampling_survives_chunked_prefill_and_preemption(llm, default_mo
     chunked = LLMEngine(EngineConfig(model=str(default_model), kv_cache_tokens=2048,
                                      **ENGINE_VARIANTS["chunked"]))
     budget = chunked.config.max_num_batched_tokens
-    assert all(len(chunked.encode(p)) > budget for p in SEEDED_PROMPTS), "prompts must be chunked"
+    assert all(len(chunked.rules.encode(p)) > budget for p in SEEDED_PROMPTS), "prompts must be chunked"
     tokens, _ = _run_seeded(chunked)
     assert tokens == alone and chunked.scheduler.num_preemptions == 0
 

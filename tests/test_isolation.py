@@ -138,7 +138,7 @@ def test_a_prompt_over_max_prompt_bytes_is_refused_before_tokenizing(engine, mon
         raise AssertionError("the prompt was tokenized")
 
     monkeypatch.setattr(engine.config, "max_prompt_bytes", 1000)
-    monkeypatch.setattr(engine, "tokenizer", type("T", (), {"encode_batch": no_tokenizing})())
+    monkeypatch.setattr(engine.rules, "tokenizer", type("T", (), {"encode_batch": no_tokenizing})())
     with pytest.raises(InvalidRequestError, match="1001 bytes, more than max_prompt_bytes \\(1000\\)"):
         engine.add_request("x", "é" + "a" * 999, GOOD)
 
