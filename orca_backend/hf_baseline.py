@@ -154,18 +154,21 @@ class HFBatchGenerator:
             input_ids[i, width - len(row.prompt):] = torch.tensor(row.prompt)
             attention[i, width - len(row.prompt):] = 1
         p = items[0][0]
+        # top_k 0 is "off" for generate (unset, it would default to 50).
         sampling = ({"do_sample": False} if p.greedy else
-                    {"do_sample": True, "temperature": p.temperature, "top_k": p.top_k if p.top_k > 0 else None,
+                    {"do_sample": True, "temperature": p.temperature, "top_k": max(p.top_k, 0),
                      "top_p": p.top_p, "min_p": p.min_p or None})
-        config = tf.GenerationConfig(max_new_tokens=max(r.params.max_tokens for r in rows),
-                                     repetition_penalty=p.repetition_penalty, eos_token_id=None,
-                                     pad_token_id=self.pad_id, bos_token_id=None, **sampling)
         done = _RowsDone(self.rules, rows)
         started = time.perf_counter()
         with torch.inference_mode():
+            # Settings as arguments: they override the checkpoint's generation config, while
+            # unset fields of a config object are filled from it. eos_token_id=None, or
+            # generate stops rows at EOS on its own, ignore_eos or not: our rule decides.
             out = self.model.generate(input_ids.to(self.device), attention_mask=attention.to(self.device),
-                                      generation_config=config,
-                                      stopping_criteria=tf.StoppingCriteriaList([done]))
+                                      max_new_tokens=max(r.params.max_tokens for r in rows),
+                                      repetition_penalty=p.repetition_penalty, eos_token_id=None,
+                                      pad_token_id=self.pad_id, stopping_criteria=tf.StoppingCriteriaList([done]),
+                                      **sampling)
         steps = out.shape[1] - width
         record.num_generate_calls += 1
         record.num_prompt_tokens += sum(len(r.prompt) for r in rows)

@@ -73,6 +73,17 @@ def default(default_model):
     return HFBatchGenerator(EngineConfig())
 
 
+def test_generate_never_stops_a_row_at_the_checkpoint_s_eos_on_its_own(tiny, monkeypatch):
+    # A checkpoint whose generation config names a token the model will produce as EOS: an
+    # ignore_eos request goes on past it (and one that does not ignore EOS uses our rule only).
+    generator, llm = tiny
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    expected = llm.generate([TINY_PROMPTS[1]], [params])[0].token_ids
+    monkeypatch.setattr(generator.model.generation_config, "eos_token_id", expected[2])
+    results, _ = _run(generator, [TINY_PROMPTS[1]], [params])
+    assert results[0].token_ids == expected
+
+
 def test_the_default_model_matches_the_engine_in_a_padded_batch(default):
     generator, llm = default, LLM(kv_cache_tokens=4096)
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=ie)
@@ -97,10 +108,10 @@ def test_a_failed_generate_call_fails_only_its_own_requests(tiny, monkeypatch):
     generator, _ = tiny
     real = generator.model.generate
 
-    def generate(*args, generation_config, **kwargs):
-        if generation_config.do_sample:
+    def generate(*args, **kwargs):
+        if kwargs["do_sample"]:
             raise RuntimeError("out of memory")
-        return real(*args, generation_config=generation_config, **kwargs)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(generator.model, "generate", generate)
     params = [SamplingParams(max_tokens=3, temperature=0), SamplingParams(max_tokens=3, temperature=1.0)]
