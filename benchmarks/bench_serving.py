@@ -54,7 +54,7 @@ BASELINES = {"hf_dynamic_batching": "what users run today", "orca_request_level"
 NOT_STREAMING = {"hf_dynamic_batching"}  # one response per request
 ENGINE_MODELS = ("orca", "orca_request_level")  # they write per-iteration traces
 QUICK = dict(rates="0.5,1,2,3,4,6", duration=20.0, min_requests=10, scale=0.25)
-FULL = dict(rates="0.1,0.2,0.3,0.4,0.5,0.6,0.8", duration=90.0, min_requests=12, scale=1.0)
+FULL = dict(rates="0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8", duration=90.0, min_requests=12, scale=1.0)
 GOAL_VS_HF = 10.0  # at the paper's lengths
 CALIBRATION_REQUESTS = 8
 
