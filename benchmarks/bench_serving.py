@@ -256,14 +256,18 @@ def warm_up(server: Server, tokenizer, args) -> None:
             raise SystemExit(f"warm-up requests to {model} failed; see {server.log_path}")
 
 
-def calibrate(server: Server, tokenizer, args) -> Summary:
-    """orca unloaded: one request at a time; the default bounds are multiples of its medians."""
+def calibrate(server: Server, tokenizer, args) -> dict[str, Summary]:
+    """Every model unloaded: the same requests, one at a time. The default bounds are
+    multiples of orca's medians; the others show each model's cost per request alone."""
     trace = make_trace(LengthDist(kind="orca", scale=args.scale), CALIBRATION_REQUESTS, None,
                        args.seed + 2, tokenizer)
-    summary = summarize(run_trace(server.grpc_url, "orca", trace, concurrency=1))
-    if summary.errors:
-        raise SystemExit(f"calibration requests to orca failed; see {server.log_path}")
-    return summary
+    out = {}
+    for model in args.models:
+        out[model] = summarize(run_trace(server.grpc_url, model, trace, concurrency=1,
+                                         stream=model not in NOT_STREAMING))
+        if out[model].errors:
+            raise SystemExit(f"calibration requests to {model} failed; see {server.log_path}")
+    return out
 
 
 def engine_costs(rows: list[dict], num_requests: int) -> Costs | None:
@@ -349,8 +353,9 @@ def goal_lines(args, headlines: dict) -> list[str]:
             f"({describe_ratio(value, kind)}).", ""]
 
 
-def report(args, points: list[Point], headlines: dict, unloaded: Summary, trace_rate: float | None,
-           started: datetime.datetime, elapsed: float) -> list[str]:
+def report(args, points: list[Point], headlines: dict, alone: dict[str, Summary],
+           trace_rate: float | None, started: datetime.datetime, elapsed: float) -> list[str]:
+    unloaded = alone["orca"]
     (lo_in, hi_in), (lo_out, hi_out) = LengthDist(kind="orca", scale=args.scale).orca_bounds()
     rows = [[p.model, f"{p.rate:g}", p.summary.num_requests, p.summary.errors,
              f"{p.summary.request_throughput:.2f}", f"{p.summary.token_throughput:.1f}",
@@ -396,9 +401,9 @@ def report(args, points: list[Point], headlines: dict, unloaded: Summary, trace_
         f"[{lo_in}, {hi_in}], output tokens uniform in [{lo_out}, {hi_out}] (max_tokens with "
         f"ignore_eos), greedy; seed {args.seed}, so every model gets the same requests at the "
         "same offsets",
-        f"- `orca` unloaded ({CALIBRATION_REQUESTS} requests of the same lengths, one at a time): "
-        f"median normalized latency {fmt(unloaded.normalized_latency_p50)} ms per token, median "
-        f"time to first token {fmt(unloaded.ttft_p50)} ms",
+        f"- unloaded ({CALIBRATION_REQUESTS} requests of the same lengths, one at a time), median "
+        "normalized latency in ms per token and median time to first token in ms: "
+        + "; ".join(f"`{m}` {fmt(s.normalized_latency_p50)} and {fmt(s.ttft_p50)}" for m, s in alone.items()),
         f"- per rate: Poisson arrivals for about {args.duration:g} s (offsets stretched so the "
         "last arrival is at (n - 1) / rate: each run offers exactly its nominal rate), at least "
         f"{args.min_requests} requests over gRPC (streamed, except to `hf_dynamic_batching`); "
@@ -447,7 +452,8 @@ def main() -> None:
             server.wait_ready()
             log("warming up ...")
             warm_up(server, tokenizer, args)
-            unloaded = calibrate(server, tokenizer, args)
+            alone = calibrate(server, tokenizer, args)
+            unloaded = alone["orca"]
             args.bound_given, args.ttft_bound_given = args.bound_ms is not None, args.ttft_bound_ms is not None
             if args.bound_ms is None:
                 args.bound_ms = args.bound_factor * unloaded.normalized_latency_p50 * 1e3
@@ -475,7 +481,7 @@ def main() -> None:
     write_csvs(args.out, args.name, points)
     plot_curves(args.out, points, {m: MODELS[m] for m in args.models}, bound, args.ttft_bound_ms / 1e3,
                 prefix=args.name)
-    lines = report(args, points, headlines, unloaded, trace_rate, started, time.monotonic() - t0)
+    lines = report(args, points, headlines, alone, trace_rate, started, time.monotonic() - t0)
     (args.out / f"{args.name}.md").write_text("\n".join(lines))
     print("\n".join(lines))
     if any(p.summary.errors for p in points):
