@@ -34,7 +34,8 @@ test: model
 bench: model
 	$(PY) benchmarks/bench_serving.py --quick
 
-# The same at the paper's lengths (prompts [32, 512], outputs [1, 128]), about 45 minutes;
+# The same at the paper's lengths (prompts [32, 512], outputs [1, 128]), about 30 minutes on 2 CPU
+# cores (a model's sweep ends once it is over the bound);
 # writes docs/benchmarks/serving_full.*
 bench-full: model
 	$(PY) benchmarks/bench_serving.py

@@ -24,7 +24,7 @@ time. The models take turns at each rate. A model's sweep stops after two rates 
 the bound, or one over twice the bound.
 
     python benchmarks/bench_serving.py --quick      # under 8 minutes on 2 CPU cores
-    python benchmarks/bench_serving.py              # the paper's lengths, about 45 minutes
+    python benchmarks/bench_serving.py              # the paper's lengths, about 30 minutes
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ from client.bench import CSV_FIELDS, RequestRecord, Summary, run_trace, summariz
 from client.trace import LengthDist, TraceRequest, load_tokenizer, make_trace  # noqa: E402
 from orca_backend.launch import REPO_ROOT, Server  # noqa: E402
 
-MODELS = {"orca": "iteration-level", "hf_dynamic_batching": "Triton dynamic batcher + transformers generate",
+MODELS = {"orca": "iteration-level", "hf_dynamic_batching": "Triton's dynamic batcher + generate",
           "orca_request_level": "request-level, same engine"}
 BASELINES = {"hf_dynamic_batching": "what users run today", "orca_request_level": "scheduling alone"}
 NOT_STREAMING = {"hf_dynamic_batching"}  # one response per request
@@ -116,6 +116,8 @@ def parse_args() -> argparse.Namespace:
                    help="the default bounds: this many times orca's unloaded medians")
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated, orca first")
     p.add_argument("--name", help="output files' name (default serving, or serving_full)")
+    p.add_argument("--replot", action="store_true",
+                   help="only redraw the latency plots from <name>.csv, with --bound-ms and --ttft-bound-ms")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "benchmarks")
     args = p.parse_args()
@@ -437,8 +439,24 @@ def scheduler_name(args) -> str:
     return "scheduler_trace.png" if args.name == "serving" else f"{args.name}_scheduler.png"
 
 
+def replot(args) -> None:
+    """The latency plots again from a run's <name>.csv (the scheduler view needs the traces)."""
+    with open(args.out / f"{args.name}.csv") as f:
+        rows = list(csv.DictReader(f))
+    points = []
+    for row in rows:
+        summary = Summary(**{f.name: float(row[f.name]) for f in dataclasses.fields(Summary)})
+        points.append(Point(row["model"], float(row["offered_rate"]), summary, [], 0.0, 0.0))
+    models = {m: MODELS[m] for m in dict.fromkeys(p.model for p in points)}
+    plot_curves(args.out, points, models, args.bound_ms / 1e3, args.ttft_bound_ms / 1e3, prefix=args.name)
+
+
 def main() -> None:
     args = parse_args()
+    if args.replot:
+        if args.bound_ms is None or args.ttft_bound_ms is None:
+            raise SystemExit("--replot needs --bound-ms and --ttft-bound-ms (the run's, from its report)")
+        return replot(args)
     started, t0 = datetime.datetime.now(), time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer()

@@ -31,12 +31,12 @@ def plot_curves(out: Path, points: list, models: dict[str, str], bound: float,
                     [getattr(p.summary, attr) * 1e3 for p in mine], "o-", color=COLORS.get(model),
                     label=f"{model} ({batching})")
         ax.axhline(limit * 1e3, color="gray", linestyle="--", linewidth=1,
-                   label=f"bound {limit * 1e3:g}{unit}")
+                   label=f"bound {limit * 1e3:.0f}{unit}")
         ax.set_yscale("log")
         ax.set_xlabel("throughput (completed requests/s)")
         ax.set_ylabel(label)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize="small")
         fig.tight_layout()
         fig.savefig(out / name, dpi=120)
         plt.close(fig)
