@@ -133,6 +133,11 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def send(server: Server, model: str, trace: list[TraceRequest], concurrency: int | None = None) -> list[RequestRecord]:
+    """`trace` to `model`, streamed unless the model does not stream."""
+    return run_trace(server.grpc_url, model, trace, concurrency, stream=model not in NOT_STREAMING)
+
+
 def sweep(server: Server, args, tokenizer) -> list[Point]:
     """Every rate, ascending, for each model still under way. The models take turns at each
     rate, so a drift in the machine's speed during the sweep hits all alike."""
@@ -146,7 +151,7 @@ def sweep(server: Server, args, tokenizer) -> list[Point]:
                 continue
             queue_before = triton_queue(server, model)
             wall_start = time.time()
-            records = run_trace(server.grpc_url, model, trace, stream=model not in NOT_STREAMING)
+            records = send(server, model, trace)
             mine.append(Point(model, rate, summarize(records), records, wall_start, time.time(),
                               bound=args.bound_ms / 1e3))
             (count, ns), (count0, ns0) = triton_queue(server, model), queue_before
@@ -253,7 +258,7 @@ def warm_up(server: Server, tokenizer, args) -> None:
     """First requests pay one-time costs (allocator, kernels); keep them out of the sweep."""
     trace = make_trace(LengthDist(kind="orca", scale=args.scale), 8, None, args.seed + 1, tokenizer)
     for model in args.models:
-        records = run_trace(server.grpc_url, model, trace, concurrency=4, stream=model not in NOT_STREAMING)
+        records = send(server, model, trace, concurrency=4)
         if any(r.error for r in records):
             raise SystemExit(f"warm-up requests to {model} failed; see {server.log_path}")
 
@@ -265,8 +270,7 @@ def calibrate(server: Server, tokenizer, args) -> dict[str, Summary]:
                        args.seed + 2, tokenizer)
     out = {}
     for model in args.models:
-        out[model] = summarize(run_trace(server.grpc_url, model, trace, concurrency=1,
-                                         stream=model not in NOT_STREAMING))
+        out[model] = summarize(send(server, model, trace, concurrency=1))
         if out[model].errors:
             raise SystemExit(f"calibration requests to {model} failed; see {server.log_path}")
     return out

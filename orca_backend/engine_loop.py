@@ -9,9 +9,7 @@ restarted with an empty pool: the server keeps serving.
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import json
 import logging
 import queue
 import threading
@@ -19,7 +17,7 @@ import time
 from dataclasses import dataclass
 
 from .engine import LLMEngine
-from .outputs import IterationRecord
+from .outputs import IterationRecord, TraceFile
 from .errors import OrcaError
 from .sender import (Deltas, EngineSnapshot, ErrorKind, Fail, FailAll, Metrics, Open, Rejected,
                      Response, ResponseSink, Sender, Stats, Stop, Stream)
@@ -49,7 +47,7 @@ class EngineLoop:
         self.engine = engine
         self.max_queue_size = max_queue_size  # None: unbounded
         # One JSON line per iteration (batch shape, K/V use, queue), to watch batching happen.
-        self._trace = open(trace_path, "a", buffering=1) if trace_path else None
+        self._trace = TraceFile(trace_path)
         self._to_tokenize: queue.Queue = queue.Queue()  # _Add | Stop
         self._inbox: queue.Queue = queue.Queue()  # to the engine thread: _Add | _Abort | Stop
         self.sender = Sender(engine, metrics, lambda request_id: self._inbox.put(_Abort(request_id)))
@@ -94,8 +92,7 @@ class EngineLoop:
         for thread in self._threads:
             thread.join(JOIN_TIMEOUT_SECONDS)
         self.sender.join(JOIN_TIMEOUT_SECONDS)
-        if self._trace is not None:
-            self._trace.close()
+        self._trace.close()
 
     def close(self) -> None:
         """Refuse new requests; the threads end the open ones and stop."""
@@ -134,7 +131,7 @@ class EngineLoop:
     def _step(self) -> None:
         deltas = self.engine.step()
         for iteration in self.engine.stats.last_step_iterations:
-            self._write_trace(iteration)
+            self._trace.write(iteration)
             self.sender.put(Stats(self._snapshot(iteration)))
         self.sender.put(Deltas(deltas))  # after the gauges: no client sees a token the metrics do not
         if not self.engine.stats.last_step_iterations and not self.engine.has_unfinished_requests():
@@ -215,16 +212,6 @@ class EngineLoop:
     def _publish_waiting(self) -> None:
         with self._lock:
             self._num_engine_waiting = len(self.engine.scheduler.waiting)
-
-    def _write_trace(self, iteration: IterationRecord) -> None:
-        if self._trace is None:
-            return
-        record = dataclasses.asdict(iteration)
-        try:
-            self._trace.write(json.dumps({"time": time.time(), **record}) + "\n")
-        except Exception:  # a full disk ends the trace, not the serving
-            log.exception("writing the iteration trace failed; the trace is switched off")
-            self._trace = None
 
     def _snapshot(self, iteration: IterationRecord | None = None) -> EngineSnapshot:
         """Gauges and counters for the metrics; `iteration` when one has just run."""

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import transformers
 
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
@@ -99,8 +100,6 @@ class HFBatchGenerator:
     """Loads the model with `transformers` and runs the batches Triton forms."""
 
     def __init__(self, config: EngineConfig, name: str = "hf_dynamic_batching") -> None:
-        import transformers
-
         self.name = name
         self.rules = RequestRules(config)
         self.device = torch.device(config.device)
@@ -108,7 +107,6 @@ class HFBatchGenerator:
             self.rules.model_path, dtype=getattr(torch, config.dtype)).to(self.device).eval()
         eos = self.rules.model_config.eos_token_ids
         self.pad_id = eos[0] if eos else 0  # masked out: any id does
-        self._transformers = transformers
 
     def check(self, request: GenerateRequest) -> list[int]:
         """The prompt's token ids; raises InvalidRequestError naming what this model refuses."""
@@ -145,7 +143,6 @@ class HFBatchGenerator:
         return results, record
 
     def _generate(self, items: list[tuple[SamplingParams, list[int]]], record: BatchRecord) -> list[Finished]:
-        tf = self._transformers
         rows = [_Row(params, prompt, self.rules.detokenizer(prompt, params)) for params, prompt in items]
         width = max(len(r.prompt) for r in rows)
         input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
@@ -167,7 +164,7 @@ class HFBatchGenerator:
             out = self.model.generate(input_ids.to(self.device), attention_mask=attention.to(self.device),
                                       max_new_tokens=max(r.params.max_tokens for r in rows),
                                       repetition_penalty=p.repetition_penalty, eos_token_id=None,
-                                      pad_token_id=self.pad_id, stopping_criteria=tf.StoppingCriteriaList([done]),
+                                      pad_token_id=self.pad_id, stopping_criteria=transformers.StoppingCriteriaList([done]),
                                       **sampling)
         steps = out.shape[1] - width
         record.num_generate_calls += 1

@@ -7,17 +7,15 @@ Parameters: `model`, `dtype`, `device`, `max_model_len`, `max_prompt_bytes` as f
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
-import os
-import time
 
 import triton_python_backend_utils as pb_utils
 
 from .engine_loop import ErrorKind
 from .errors import ConfigError, OrcaError
 from .hf_baseline import HFBatchGenerator
+from .outputs import TraceFile, trace_path
 from .sender import Response
 from .serving import engine_config_from_parameters
 from .triton_model import error_response, parse_request, response_tensors
@@ -31,7 +29,7 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         parameters = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         name = args["model_name"]
-        trace = parameters.pop("iteration_trace", "").strip() or os.environ.get("ORCA_ITERATION_TRACE")
+        trace = parameters.pop("iteration_trace", "")
         unknown = sorted(set(parameters) - set(PARAMETERS))
         if unknown:
             raise ConfigError(f"unknown model parameter {unknown[0]!r} for {name}; known: "
@@ -39,7 +37,7 @@ class TritonPythonModel:
         engine_config = engine_config_from_parameters(
             parameters, args.get("model_instance_kind", "CPU"), int(args.get("model_instance_device_id", 0)))
         self.generator = HFBatchGenerator(engine_config, name)
-        self._trace = open(trace.replace("{model}", name), "a", buffering=1) if trace else None
+        self._trace = TraceFile(trace_path(trace, name))
 
     def execute(self, requests) -> list:
         responses: list = [None] * len(requests)
@@ -57,7 +55,7 @@ class TritonPythonModel:
                                               f"({type(e).__name__})", ErrorKind.INTERNAL)
         if batch:
             results, record = self.generator.run(batch)
-            self._write_trace(record)
+            self._trace.write(record)
             for (i, parsed), result in zip(answered, results):
                 responses[i] = self._response(parsed, result)
         return responses
@@ -71,15 +69,5 @@ class TritonPythonModel:
         r = Response(text, result.finish_reason, result.num_prompt_tokens, len(result.token_ids), None, None, True)
         return pb_utils.InferenceResponse(output_tensors=response_tensors(parsed, r, batched=True))
 
-    def _write_trace(self, record) -> None:
-        if self._trace is None:
-            return
-        try:
-            self._trace.write(json.dumps({"time": time.time(), **dataclasses.asdict(record)}) + "\n")
-        except Exception:  # a full disk ends the trace, not the serving
-            log.exception("writing the batch trace failed; the trace is switched off")
-            self._trace = None
-
     def finalize(self) -> None:
-        if self._trace is not None:
-            self._trace.close()
+        self._trace.close()

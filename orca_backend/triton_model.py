@@ -17,6 +17,7 @@ import triton_python_backend_utils as pb_utils
 
 from .engine import LLMEngine
 from .engine_loop import EngineLoop, ErrorKind, Response
+from .outputs import trace_path
 from .sender import EngineSnapshot
 from .errors import OrcaError
 from .serving import FLAG_INPUTS, GenerateRequest, engine_config_from_parameters, serving_options
@@ -34,15 +35,13 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         parameters = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         options = serving_options(parameters)  # takes its own parameters out
-        trace_path = options.iteration_trace or os.environ.get("ORCA_ITERATION_TRACE")
         engine_config = engine_config_from_parameters(
             parameters, args.get("model_instance_kind", "CPU"), int(args.get("model_instance_device_id", 0)))
         name = args["model_name"]
         engine_config.pipeline_name = name  # the `stages` executor calls <name>_stage_<i>
         self.engine = LLMEngine(engine_config)
-        if trace_path:  # one file per model, so two models never share one
-            trace_path = trace_path.replace("{model}", name)
-        self.loop = EngineLoop(self.engine, _TritonMetrics(name), trace_path, options.max_queue_size)
+        self.loop = EngineLoop(self.engine, _TritonMetrics(name), trace_path(options.iteration_trace, name),
+                               options.max_queue_size)
         self.loop.start()
         _close_on_interrupt(self.loop)
 
