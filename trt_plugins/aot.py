@@ -34,7 +34,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from trt_plugins.kernel import INDEX_ARGS, build_kernel, dot_precision, tile_config
+from trt_plugins.kernel import INDEX_ARGS, PLUGIN_KERNEL, build_kernel, dot_precision, tile_config
 
 PTX_PARAMS = (
     ("q", "u64"), ("k", "u64"), ("v", "u64"), ("k_cache", "u64"), ("v_cache", "u64"),
@@ -43,6 +43,13 @@ PTX_PARAMS = (
     ("stride_v", "u32"), ("stride_out", "u32"), ("stride_cache_block", "u32"),
     ("stride_cache_slot", "u32"), ("stride_block_table", "u32"),
     ("global_scratch", "u64"), ("profile_scratch", "u64"),
+)
+# The plugin entry (trt_plugins.plugin) as TensorRT launches it: tensor inputs, the scalars it
+# computes from their shapes, then the output; Triton's two scratch pointers are dropped.
+PLUGIN_PTX_PARAMS = (
+    ("q", "u64"), ("k", "u64"), ("v", "u64"), ("kv_cache_ptrs", "u64"), ("cu_seqlens_q", "u64"),
+    ("seq_lens", "u64"), ("block_tables", "u64"), ("num_seqs", "u32"),
+    ("stride_block_table", "u32"), ("out", "u64"),
 )
 _DTYPES = {"float32": ("fp32", torch.float32), "float16": ("fp16", torch.float16),
            "bfloat16": ("bf16", torch.bfloat16)}
@@ -81,11 +88,13 @@ def _signature(arg_names, type_name: str, constexprs: dict) -> tuple[dict, dict]
     for index, name in enumerate(arg_names):
         if name in constexprs:
             signature[name] = "constexpr"
+        elif name == "kv_cache_ptrs_ptr":  # the plugin entry's table of cache addresses
+            signature[name] = "*i64"
         elif name.endswith("_ptr"):
             signature[name] = "*i32" if name in INDEX_ARGS else f"*{type_name}"
         else:
             signature[name] = "fp32" if name == "scale" else "i32"
-        if (name.endswith("_ptr") and name not in INDEX_ARGS) or name in _ALIGNED_STRIDES:
+        if (signature[name][1:] == type_name and name.endswith("_ptr")) or name in _ALIGNED_STRIDES:
             attrs[(index,)] = [["tt.divisibility", 16]]
     return signature, attrs
 
@@ -138,6 +147,75 @@ def compile_ptx(dtype: str = "bfloat16", head_dim: int = 128, num_queries_per_kv
     return CompiledPtx(name=name, ptx=ptx, param_types=_entry_params(ptx, name), constexprs=constexprs,
                        block_q=tiles.block_q, num_warps=compiled.metadata.num_warps,
                        shared_bytes=compiled.metadata.shared, **stats)
+
+
+@dataclass(frozen=True, slots=True)
+class PluginPtx:
+    """The plugin entry compiled for one layer's attributes: what TensorRT embeds and launches."""
+    name: str  # the PTX .entry
+    ptx: str
+    param_types: tuple[str, ...]
+    block_q: int
+    num_warps: int
+    shared_bytes: int
+
+    def grid_x(self, num_tokens, num_seqs):
+        """Programs along x for T rows of B requests (ints, or TensorRT's symbolic shapes)."""
+        return num_tokens // self.block_q + num_seqs
+
+
+def drop_unused_params(ptx: str, name: str, count: int) -> str:
+    """The PTX with the entry's last `count` parameters removed; raises if its body reads them.
+
+    Triton 3.6 appends global_scratch and profile_scratch to every kernel. TensorRT launches
+    an AOT plugin with exactly its inputs, scalars and outputs, so the entry must end there;
+    this kernel needs no scratch (the build checks its sizes are 0) and never loads them.
+    """
+    header = re.search(rf"(\.entry\s+{re.escape(name)}\s*\()(.*?)(\))", ptx, re.S)
+    if header is None:
+        raise RuntimeError(f"no .entry {name} in the PTX")
+    params = [p.strip() for p in header.group(2).split(",")]
+    kept, dropped = params[:-count], params[-count:]
+    for param in dropped:
+        param_name = param.split()[-1]
+        if re.search(rf"\[{re.escape(param_name)}(\+\d+)?\]", ptx[header.end():]):
+            raise RuntimeError(f"the kernel reads {param_name}; it cannot be dropped")
+    joined = ",\n\t".join(kept)
+    return ptx[:header.start(2)] + "\n\t" + joined + "\n" + ptx[header.end(2):]
+
+
+def compile_plugin_ptx(dtype: str, num_kv_heads: int, num_queries_per_kv: int, head_dim: int,
+                       block_size: int, layer: int, scale: float, arch: int = 90,
+                       decode_tiles: bool = True) -> PluginPtx:
+    """The TensorRT plugin's entry (`PLUGIN_PTX_PARAMS`) for one layer.
+
+    One engine launches one build for every iteration, so tiles are chosen once: decode's
+    (16-row tiles; decodes dominate a serving engine's iterations) unless decode_tiles=False.
+    Either gives the same result (tiles change speed only).
+    """
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    type_name, torch_dtype = _DTYPES[dtype]
+    tiles = tile_config(1 if decode_tiles else 1 << 16, num_queries_per_kv, head_dim,
+                        torch_dtype.itemsize)
+    constexprs = dict(SCALE=float(scale), LAYER=layer, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+                      NUM_QUERIES_PER_KV=num_queries_per_kv, G_PAD=tiles.g_pad,
+                      BLOCK_SIZE=block_size, BLOCK_Q=tiles.block_q, BLOCK_N=tiles.block_n,
+                      UPCAST=False, DOT_PRECISION=dot_precision(torch_dtype))
+    kernel = build_kernel(interpret=False, entry=PLUGIN_KERNEL)
+    signature, attrs = _signature(kernel.arg_names, type_name, constexprs)
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages})
+    metadata = compiled.metadata
+    for scratch in ("global_scratch_size", "profile_scratch_size"):
+        if getattr(metadata, scratch, 0):
+            raise RuntimeError(f"the plugin kernel needs {scratch} {getattr(metadata, scratch)}; "
+                               f"TensorRT cannot give it scratch memory")
+    ptx = drop_unused_params(compiled.asm["ptx"], metadata.name, 2)
+    return PluginPtx(name=metadata.name, ptx=ptx, param_types=_entry_params(ptx, metadata.name),
+                     block_q=tiles.block_q, num_warps=metadata.num_warps,
+                     shared_bytes=metadata.shared)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -136,7 +136,7 @@ def _attend(q, k_t, v, mask, m_i, l_i, acc, qk_scale, UPCAST: tl.constexpr,
     return m_new, l_i, acc
 
 
-def _paged_attention_kernel(
+def _attend_tile(
         q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
         cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr, scale, num_seqs,
         stride_q, stride_k, stride_v, stride_out,
@@ -144,6 +144,7 @@ def _paged_attention_kernel(
         HEAD_DIM: tl.constexpr, NUM_QUERIES_PER_KV: tl.constexpr, G_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
         UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # One program's work, for either entry below.
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = _find_request(cu_seqlens_q_ptr, num_seqs, tile, BLOCK_Q)
@@ -186,9 +187,48 @@ def _paged_attention_kernel(
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
 
 
+def _paged_attention_kernel(
+        q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+        cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr, scale, num_seqs,
+        stride_q, stride_k, stride_v, stride_out,
+        stride_cache_block, stride_cache_slot, stride_block_table,
+        HEAD_DIM: tl.constexpr, NUM_QUERIES_PER_KV: tl.constexpr, G_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+        UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    _attend_tile(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_seqlens_q_ptr,
+                 seq_lens_ptr, block_tables_ptr, scale, num_seqs, stride_q, stride_k, stride_v,
+                 stride_out, stride_cache_block, stride_cache_slot, stride_block_table, HEAD_DIM,
+                 NUM_QUERIES_PER_KV, G_PAD, BLOCK_SIZE, BLOCK_Q, BLOCK_N, UPCAST, DOT_PRECISION)
+
+
+def _paged_attention_plugin_kernel(
+        q_ptr, k_ptr, v_ptr, kv_cache_ptrs_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
+        num_seqs, stride_block_table, out_ptr,
+        SCALE: tl.constexpr, LAYER: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+        HEAD_DIM: tl.constexpr, NUM_QUERIES_PER_KV: tl.constexpr, G_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+        UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # The entry TensorRT launches (see trt_plugins/plugin.py): tensor inputs, then the scalars
+    # TensorRT computes from shapes, then the output. Rows are contiguous, so strides follow
+    # from the head counts; the K/V pool arrives as device addresses in an int64 tensor
+    # [num_layers, 2] (this layer's K and V caches at row LAYER), never as tensors TensorRT
+    # might copy.
+    cache_ty = tl.pointer_type(q_ptr.dtype.element_ty)
+    k_cache_ptr = tl.load(kv_cache_ptrs_ptr + 2 * LAYER).to(cache_ty)
+    v_cache_ptr = tl.load(kv_cache_ptrs_ptr + 2 * LAYER + 1).to(cache_ty)
+    q_width = NUM_KV_HEADS * NUM_QUERIES_PER_KV * HEAD_DIM
+    kv_width = NUM_KV_HEADS * HEAD_DIM
+    _attend_tile(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_seqlens_q_ptr,
+                 seq_lens_ptr, block_tables_ptr, SCALE, num_seqs, q_width, kv_width, kv_width,
+                 q_width, BLOCK_SIZE * kv_width, kv_width, stride_block_table, HEAD_DIM,
+                 NUM_QUERIES_PER_KV, G_PAD, BLOCK_SIZE, BLOCK_Q, BLOCK_N, UPCAST, DOT_PRECISION)
+
+
 _KERNEL = _paged_attention_kernel.__name__
+PLUGIN_KERNEL = _paged_attention_plugin_kernel.__name__
 _DEVICE_FUNCTIONS = (_max_combine, _sum_combine, _find_request, _write_new_kv, _load_cached_kv,
-                     _load_new_kv, _row_offsets, _load_queries, _attend, _paged_attention_kernel)
+                     _load_new_kv, _row_offsets, _load_queries, _attend, _attend_tile,
+                     _paged_attention_kernel, _paged_attention_plugin_kernel)
 
 
 # One compiled kernel whatever the batch: JIT would otherwise specialise integers equal to 1
@@ -200,8 +240,9 @@ _JIT_OPTIONS = {"do_not_specialize": ["num_seqs", "stride_block_table"],
 
 
 @functools.cache
-def build_kernel(interpret: bool):
-    """The kernel as a compiled `JITFunction` (interpret=False) or an `InterpretedFunction`.
+def build_kernel(interpret: bool, entry: str = _KERNEL):
+    """The kernel as a compiled `JITFunction` (interpret=False) or an `InterpretedFunction`;
+    `entry=PLUGIN_KERNEL` gives the entry the TensorRT plugin launches.
 
     `triton.jit` picks one of the two from TRITON_INTERPRET when a module is imported, which
     would tie this module to the environment of whoever imported it first. Instead each
@@ -221,7 +262,7 @@ def build_kernel(interpret: bool):
         # (matched by identity, never called); any other one it reduces element by element.
         namespace.update(_max_combine=tl.standard._elementwise_max,
                          _sum_combine=tl.standard._sum_combine)
-    return namespace[_KERNEL]
+    return namespace[entry]
 
 
 @dataclass(frozen=True, slots=True)
