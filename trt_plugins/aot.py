@@ -34,7 +34,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from trt_plugins.kernel import INDEX_ARGS, PLUGIN_KERNEL, build_kernel, dot_precision, tile_config
+from trt_plugins.kernel import (INDEX_ARGS, PLUGIN_KERNEL, build_kernel, dot_precision,
+                                plugin_constexprs, tile_config)
 
 PTX_PARAMS = (
     ("q", "u64"), ("k", "u64"), ("v", "u64"), ("k_cache", "u64"), ("v_cache", "u64"),
@@ -187,21 +188,13 @@ def drop_unused_params(ptx: str, name: str, count: int) -> str:
 def compile_plugin_ptx(dtype: str, num_kv_heads: int, num_queries_per_kv: int, head_dim: int,
                        block_size: int, layer: int, scale: float, arch: int = 90,
                        decode_tiles: bool = True) -> PluginPtx:
-    """The TensorRT plugin's entry (`PLUGIN_PTX_PARAMS`) for one layer.
-
-    One engine launches one build for every iteration, so tiles are chosen once: decode's
-    (16-row tiles; decodes dominate a serving engine's iterations) unless decode_tiles=False.
-    Either gives the same result (tiles change speed only).
-    """
+    """The TensorRT plugin's entry (`PLUGIN_PTX_PARAMS`) for one layer's attributes, with the
+    tiles `plugin_constexprs` picks."""
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     type_name, torch_dtype = _DTYPES[dtype]
-    tiles = tile_config(1 if decode_tiles else 1 << 16, num_queries_per_kv, head_dim,
-                        torch_dtype.itemsize)
-    constexprs = dict(SCALE=float(scale), LAYER=layer, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-                      NUM_QUERIES_PER_KV=num_queries_per_kv, G_PAD=tiles.g_pad,
-                      BLOCK_SIZE=block_size, BLOCK_Q=tiles.block_q, BLOCK_N=tiles.block_n,
-                      UPCAST=False, DOT_PRECISION=dot_precision(torch_dtype))
+    constexprs, tiles = plugin_constexprs(torch_dtype, num_kv_heads, num_queries_per_kv, head_dim,
+                                          block_size, layer, scale, decode_tiles)
     kernel = build_kernel(interpret=False, entry=PLUGIN_KERNEL)
     signature, attrs = _signature(kernel.arg_names, type_name, constexprs)
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),

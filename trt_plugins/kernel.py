@@ -299,6 +299,20 @@ def tile_config(max_query_len: int, num_queries_per_kv: int, head_dim: int,
     return TileConfig(block_q=block_q, g_pad=g_pad, block_n=block_n, num_warps=4, num_stages=2)
 
 
+def plugin_constexprs(dtype: torch.dtype, num_kv_heads: int, num_queries_per_kv: int,
+                      head_dim: int, block_size: int, layer: int, scale: float,
+                      decode_tiles: bool = True, interpret: bool = False) -> tuple[dict, TileConfig]:
+    """The plugin entry's constexprs and tiles for one layer. An engine launches one build for
+    every iteration, so tiles are chosen once: decode's by default (decodes dominate a serving
+    engine's iterations); any tiles give the same result."""
+    tiles = tile_config(1 if decode_tiles else 1 << 16, num_queries_per_kv, head_dim, dtype.itemsize)
+    constexprs = dict(SCALE=float(scale), LAYER=layer, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+                      NUM_QUERIES_PER_KV=num_queries_per_kv, G_PAD=tiles.g_pad,
+                      BLOCK_SIZE=block_size, BLOCK_Q=tiles.block_q, BLOCK_N=tiles.block_n,
+                      UPCAST=interpret, DOT_PRECISION=dot_precision(dtype))
+    return constexprs, tiles
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     # tf32 would miss fp32's tolerance; for 16-bit inputs the setting does not apply.
     return "ieee" if dtype == torch.float32 else "tf32"
