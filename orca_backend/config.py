@@ -13,6 +13,8 @@ DEFAULT_MAX_PROMPT_BYTES = 1 << 20
 # "auto": our kernel (trt_plugins) on a GPU, PyTorch SDPA on the CPU (where the kernel runs
 # only under the Triton interpreter, for tests).
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ENGINES = ("torch", "tensorrt")
+TENSORRT_RUNTIMES = ("tensorrt", "torch")
 
 
 @dataclass(slots=True)
@@ -42,6 +44,10 @@ class EngineConfig:
     iteration_timeout_seconds: int = 600  # a runner silent this long is treated as dead
     attention: str = "auto"  # "torch" (SDPA), "triton" (our kernel) or "auto"
     cuda_graphs: bool = True  # decode iterations replayed from CUDA graphs (kernel backend)
+    engine: str = "torch"  # "torch": PyTorch layers; "tensorrt": a TensorRT engine with our attention plugin
+    # "torch": evaluate the TensorRT engine's graph with torch instead of TensorRT (checks on the CPU)
+    tensorrt_runtime: str = "tensorrt"
+    engine_cache_dir: str | None = None  # built TensorRT engines; None: <cache>/engines
 
     def __post_init__(self) -> None:
         _need(self.dtype in DTYPE_SIZES, "dtype", self.dtype, f"one of {', '.join(DTYPE_SIZES)}")
@@ -67,6 +73,15 @@ class EngineConfig:
               f"one of {', '.join(ATTENTION_BACKENDS)}")
         _need(isinstance(self.cuda_graphs, bool), "cuda_graphs", self.cuda_graphs, "true or false")
         _need(self.executor in EXECUTORS, "executor", self.executor, f"one of {', '.join(EXECUTORS)}")
+        _need(self.engine in ENGINES, "engine", self.engine, f"one of {', '.join(ENGINES)}")
+        _need(self.tensorrt_runtime in TENSORRT_RUNTIMES, "tensorrt_runtime", self.tensorrt_runtime,
+              f"one of {', '.join(TENSORRT_RUNTIMES)}")
+        if self.engine == "tensorrt":
+            _need(self.executor in ("inline", "process"), "executor", self.executor,
+                  "'inline' or 'process' with engine 'tensorrt' (it builds whole models, not stages)")
+            _need(self.tensorrt_runtime == "torch" or self.device != "cpu", "device", self.device,
+                  "a GPU ('cuda[:N]') with engine 'tensorrt' (tensorrt_runtime 'torch' evaluates "
+                  "its graph on the CPU, for checks)")
         _need(self.stage_transport in STAGE_TRANSPORTS, "stage_transport", self.stage_transport,
               f"one of {', '.join(STAGE_TRANSPORTS)}")
 

@@ -10,9 +10,10 @@ import torch
 
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
-from .errors import InvalidRequestError
+from .errors import ConfigError, InvalidRequestError
 from .executor import Executor, RunnerDiedError, RunnerSpec, RunnerUnavailableError, make_executor
 from .kv_manager import BlockManager
+from .model_store import cache_root
 from .messages import RunnerOutput, SampledToken, SchedulerOutput
 from .outputs import EngineStats, IterationRecord, RequestDelta
 from .pipeline_executor import StageTimes
@@ -45,13 +46,25 @@ class LLMEngine:
         self.runner_spec = RunnerSpec(str(self.model_path), config.dtype, config.device, num_blocks,
                                       config.block_size, config.seed, config.keep_logits,
                                       config.attention_backend, config.cuda_graphs,
-                                      config.max_batch_size, self.max_model_len)
+                                      config.max_batch_size, self.max_model_len, None,
+                                      config.engine, config.tensorrt_runtime,
+                                      config.max_num_batched_tokens, self._engine_cache_dir())
         # A pipeline's per-stage counters outlive a restart of its runners (they are counters).
         self._stage_times = (StageTimes(config.pipeline_stages) if config.executor in ("pipeline", "stages")
                              else None)
         self.executor = executor or self._make_executor()
         self.stats = EngineStats()
         self.reset()
+
+    def _engine_cache_dir(self) -> str:
+        if self.config.engine != "tensorrt":
+            return ""
+        from trt_plugins.builder import SUPPORTED
+
+        if self.model_config.architecture not in SUPPORTED:
+            raise ConfigError(f"engine 'tensorrt' builds {', '.join(SUPPORTED)}; this model is "
+                              f"{self.model_config.architecture} (use engine 'torch')")
+        return self.config.engine_cache_dir or str(cache_root() / "engines")
 
     def reset(self) -> None:
         """Forget every request: a fresh scheduler and K/V pool. The weights stay loaded; a

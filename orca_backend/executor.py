@@ -67,6 +67,10 @@ class RunnerSpec:
     max_batch_size: int = 32  # the largest decode graph
     max_model_len: int = 2048  # sets the graphs' block-table width
     layer_range: tuple[int, int] | None = None  # a pipeline stage's layers [start, stop); None: all
+    engine: str = "torch"  # "torch" (PyTorch layers) or "tensorrt" (one TensorRT engine per iteration)
+    tensorrt_runtime: str = "tensorrt"  # "torch": the engine's graph evaluated with torch (checks)
+    max_num_batched_tokens: int = 512  # with the batch size and model length, the engine's profile
+    engine_cache_dir: str = ""  # where built TensorRT engines are kept
 
 
 def build_runner(spec: RunnerSpec, model=None):
@@ -79,6 +83,10 @@ def build_runner(spec: RunnerSpec, model=None):
     from .models.attention import TorchPagedAttention
     from .models.kernel_attention import KernelPagedAttention
 
+    if spec.engine == "tensorrt":
+        from .trt_runner import build_tensorrt_runner
+
+        return build_tensorrt_runner(spec)
     dtype, device = getattr(torch, spec.dtype), torch.device(spec.device)
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # kernels launch on the current device

@@ -94,10 +94,10 @@ class ModelRunner:
             return RunnerOutput(message.iteration_id) if self.is_last_stage else self.no_rows()
         last_rows = [row for row, _ in sampling]
         start = time.perf_counter()
-        h = self._forward(layout, token_ids, hidden)  # [num_tokens, hidden]
+        result = self._compute(layout, token_ids, hidden, last_rows)
         if not self.is_last_stage:
-            return h
-        logits = self.model.logits(h[last_rows])  # [num_sampled, vocab]: LM head on sampled rows only
+            return result  # [num_tokens, hidden]
+        logits = result  # [num_sampled, vocab]
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the time of the forward, not of its launches
         out = RunnerOutput(message.iteration_id, forward_seconds=time.perf_counter() - start)
@@ -126,6 +126,13 @@ class ModelRunner:
         """Keep the per-request state in step with an iteration that is not run here (an
         earlier pipeline stage failed it), so that later messages still match."""
         self._apply(message)
+
+    def _compute(self, layout: BatchLayout, token_ids: list[int], hidden: torch.Tensor | None,
+                 last_rows: list[int]) -> torch.Tensor:
+        """A stage before the last: its hidden states [num_tokens, hidden]. Otherwise the
+        logits [len(last_rows), vocab] of the rows that sample (the LM head on those only)."""
+        h = self._forward(layout, token_ids, hidden)
+        return self.model.logits(h[last_rows]) if self.is_last_stage else h
 
     def _forward(self, layout: BatchLayout, token_ids: list[int], hidden: torch.Tensor | None) -> torch.Tensor:
         if hidden is None and self.decode_graphs is not None and self.decode_graphs.can_run(layout):

