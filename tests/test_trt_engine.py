@@ -1,0 +1,150 @@
+"""engine: tensorrt on the CPU: the builder's graph evaluated with torch (tensorrt_runtime
+torch: our plugin by its own entry, interpreted) against the PyTorch engine; the optimisation
+profile; the options; the engine cache. Real TensorRT does not run here."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from orca_backend import EngineConfig, LLMEngine, SamplingParams
+from orca_backend.errors import ConfigError
+from trt_plugins.builder import (ENGINE_INPUTS, EngineBuildError, EngineShapes, build_engine,
+                                 cached_engine, engine_key)
+from trt_plugins.network import TorchGraph
+
+from test_numerics import _prompts, _run_staggered
+
+GRAPH = dict(engine="tensorrt", tensorrt_runtime="torch")
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_graph_matches_the_pytorch_engine_on_mixed_batches(kind, tiny_models):
+    """Same settings, same staggered requests: equal greedy tokens and logits within fp32
+    noise, with iterations mixing prompt chunks and decodes."""
+    prompts = _prompts(512)[:5]
+    runs = {}
+    for name, options in (("torch", {}), ("graph", GRAPH)):
+        engine = LLMEngine(EngineConfig(model=str(tiny_models[kind]), keep_logits=True,
+                                        max_num_batched_tokens=24, **options))
+        try:
+            runs[name] = _run_staggered(engine, prompts)
+        finally:
+            engine.shutdown()
+    (tokens, logits, _), (graph_tokens, graph_logits, mixed) = runs["torch"], runs["graph"]
+    assert mixed > 0, "no iteration mixed prefill with decode"
+    assert graph_tokens == tokens
+    for i in logits:
+        assert len(graph_logits[i]) == len(logits[i])
+        for step, (ours, theirs) in enumerate(zip(graph_logits[i], logits[i])):
+            torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4,
+                                       msg=lambda m: f"request {i} step {step}: {m}")
+
+
+def test_graph_has_one_plugin_per_layer_and_every_engine_input(tiny_models):
+    engine = LLMEngine(EngineConfig(model=str(tiny_models["qwen2"]), **GRAPH))
+    try:
+        graph = engine.executor.runner.engine.graph
+    finally:
+        engine.shutdown()
+    assert isinstance(graph, TorchGraph)
+    assert graph.count("plugin") == engine.model_config.num_layers
+    assert tuple(graph.inputs) == ENGINE_INPUTS and list(graph.outputs) == ["logits"]
+    # Tied embeddings: one constant serves the lookup and the LM head.
+    embeds = [n for n in graph.nodes if n.op == "constant" and n.attrs["value"].shape[0] == 512
+              and n.attrs["value"].dim() == 2]
+    assert len(embeds) == 1
+
+
+def test_profile_bounds_follow_the_engine_options():
+    shapes = EngineShapes.from_limits(num_layers=4, max_num_batched_tokens=512, max_batch_size=32,
+                                      max_model_len=2048, block_size=16)
+    profile = shapes.profile()
+    assert profile["input_ids"] == ((1,), (32,), (512,))
+    assert profile["cu_seqlens_q"] == ((2,), (33,), (33,))
+    assert profile["block_tables"] == ((1, 1), (32, 128), (32, 128))
+    for name, (lo, opt, hi) in profile.items():
+        assert all(a <= b <= c for a, b, c in zip(lo, opt, hi)), name
+    # A batch never holds more requests than tokens.
+    small = EngineShapes.from_limits(4, max_num_batched_tokens=8, max_batch_size=32,
+                                     max_model_len=100, block_size=16)
+    assert small.profile()["seq_lens"][2] == (8,) and small.max_blocks == math.ceil(100 / 16)
+    assert shapes.input_shapes()["kv_cache_ptrs"] == ("int64", (4, 2))
+
+
+def test_every_iteration_fits_the_profile_and_fills_it(tiny_models, monkeypatch):
+    """Many requests under small limits: every iteration's inputs lie inside the profile
+    (`check` raises otherwise), and the largest reach its maxima."""
+    seen: dict[str, list[int]] = {}
+    original = EngineShapes.check
+
+    def record(self, feeds):
+        for name in self.profile():
+            seen[name] = [max(a, b) for a, b in zip(seen.get(name, [0] * feeds[name].dim()), feeds[name].shape)]
+        original(self, feeds)
+
+    monkeypatch.setattr(EngineShapes, "check", record)
+    engine = LLMEngine(EngineConfig(model=str(tiny_models["llama"]), max_batch_size=3,
+                                    max_num_batched_tokens=16, max_model_len=64, **GRAPH))
+    try:
+        for i, prompt in enumerate(_prompts(512)[:6]):
+            engine.add_request(str(i), prompt[:40], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            for d in engine.step():
+                assert d.error is None
+        shapes = engine.executor.runner.engine.shapes
+    finally:
+        engine.shutdown()
+    assert seen["input_ids"] == [16] and seen["seq_lens"] == [3] and seen["cu_seqlens_q"] == [4]
+    assert seen["block_tables"][1] <= shapes.max_blocks
+    with pytest.raises(ValueError, match="'input_ids' has shape \\(17,\\), outside"):
+        original(shapes, {**{n: torch.zeros(1, dtype=torch.int32) for n in shapes.profile()},
+                          "block_tables": torch.zeros(1, 1, dtype=torch.int32),
+                          "cu_seqlens_q": torch.zeros(2, dtype=torch.int32),
+                          "input_ids": torch.zeros(17, dtype=torch.int32)})
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(engine="tensorrt"), "device.*a GPU .*with engine 'tensorrt'"),
+    (dict(engine="tensorrt", tensorrt_runtime="torch", executor="pipeline"),
+     "executor.*'inline' or 'process' with engine 'tensorrt'"),
+    (dict(engine="onnx"), "engine.*one of torch, tensorrt"),
+    (dict(tensorrt_runtime="numpy"), "tensorrt_runtime.*one of tensorrt, torch"),
+])
+def test_bad_options_are_named(options, match):
+    with pytest.raises(ConfigError, match=match):
+        EngineConfig(**options)
+
+
+def test_gpt2_is_refused_by_name(tiny_models):
+    with pytest.raises(ConfigError, match="builds LlamaForCausalLM, Qwen2ForCausalLM; this model is GPT2LMHeadModel"):
+        LLMEngine(EngineConfig(model=str(tiny_models["gpt2"]), **GRAPH))
+
+
+def test_building_without_tensorrts_builder_says_so(tiny_models):
+    """Here only the lean runtime bindings install: the build names what is missing."""
+    from orca_backend.models import load_model
+
+    model = load_model(tiny_models["llama"], torch.float32, torch.device("cpu"))
+    shapes = EngineShapes.from_limits(2, 64, 4, 256, 16)
+    with pytest.raises(EngineBuildError, match="needs TensorRT's builder; only the lean runtime"):
+        build_engine(model, shapes, 16)
+
+
+def test_engine_cache_builds_once_per_key(tmp_path, tiny_models):
+    shapes = EngineShapes.from_limits(2, 64, 4, 256, 16)
+    key = engine_key(tiny_models["llama"], "bfloat16", shapes, 16, "11.4", 90)
+    assert key != engine_key(tiny_models["llama"], "float16", shapes, 16, "11.4", 90)
+    assert key != engine_key(tiny_models["llama"], "bfloat16", EngineShapes.from_limits(2, 128, 4, 256, 16), 16, "11.4", 90)
+    assert key != engine_key(tiny_models["llama"], "bfloat16", shapes, 16, "11.4", 80)
+    assert key != engine_key(tiny_models["qwen2"], "bfloat16", shapes, 16, "11.4", 90)
+    builds = []
+
+    def build():
+        builds.append(1)
+        return b"plan"
+
+    assert cached_engine(tmp_path, key, build) == b"plan"
+    assert cached_engine(tmp_path, key, build) == b"plan"
+    assert len(builds) == 1 and sorted(p.name for p in tmp_path.iterdir()) == [f"{key}.engine"]
