@@ -85,8 +85,13 @@ ENGINE_VARIANTS = {
                            max_num_batched_tokens=24),
     # The GPU engine path: the kernel compiled, decode iterations replayed from CUDA graphs.
     "cuda": dict(device="cuda", attention="triton"),
+    # engine: tensorrt's graph evaluated with torch (our plugin entry interpreted), preempting.
+    "tensorrt-graph": dict(engine="tensorrt", tensorrt_runtime="torch", kv_cache_tokens=96,
+                           max_num_batched_tokens=24),
 }
-PREEMPTING = ("preempt", "process", "kernel-preempt", "pipeline-preempt")
+PREEMPTING = ("preempt", "process", "kernel-preempt", "pipeline-preempt", "tensorrt-graph")
+LLAMA_ONLY = ("kernel-preempt",)
+NO_GPT2 = ("tensorrt-graph",)  # the TensorRT builder takes the Llama family
 NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -95,7 +100,8 @@ def _variants():
     runs on llama alone."""
     params = []
     for v, options in ENGINE_VARIANTS.items():
-        for kind in (["llama"] if v == "kernel-preempt" else ["llama", "qwen2", "gpt2"]):
+        kinds = ["llama"] if v in LLAMA_ONLY else ["llama", "qwen2"] if v in NO_GPT2 else ["llama", "qwen2", "gpt2"]
+        for kind in kinds:
             marks = [NEEDS_CUDA] if options.get("device") == "cuda" else []
             params.append(pytest.param(v, kind, marks=marks, id=f"{v}-{kind}"))
     return params

@@ -19,6 +19,7 @@ and a copy of the K/V pool would lose this step's writes.
 # functions' annotations as objects.
 import enum
 import importlib
+import importlib.machinery
 import sys
 import types
 from typing import Tuple
@@ -54,6 +55,9 @@ def import_tensorrt():
     trt = types.ModuleType("tensorrt", "TensorRT's lean runtime bindings, for plugin registration")
     trt.__dict__.update({k: v for k, v in vars(lean).items() if not k.startswith("__")})
     trt.__version__, trt.__path__ = lean.__version__, list(lean.__path__)  # tensorrt.plugin from there
+    # A spec, as a real package has: importlib.util.find_spec("tensorrt") (torch does) reads it.
+    trt.__spec__ = importlib.machinery.ModuleSpec("tensorrt", None, is_package=True)
+    trt.__spec__.submodule_search_locations = trt.__path__
     trt.TensorFormat = enum.Enum("TensorFormat", "LINEAR")
     trt.ITensor = type("ITensor", (), {"__doc__": "placeholder: the lean bindings build no networks"})
     sys.modules["tensorrt"] = trt
