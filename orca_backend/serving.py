@@ -115,7 +115,7 @@ _INT_OPTIONS = ("max_batch_size", "max_num_batched_tokens", "block_size", "kv_ca
                 "kv_cache_bytes", "max_model_len", "seed", "max_prompt_bytes", "max_inflight",
                 "iteration_timeout_seconds", "pipeline_stages")
 _STR_OPTIONS = ("model", "dtype", "device", "policy", "batching", "executor", "attention",
-                "stage_transport")
+                "stage_transport", "engine", "tensorrt_runtime", "engine_cache_dir")
 _BOOL_OPTIONS = ("cuda_graphs",)
 _KNOWN = _INT_OPTIONS + _STR_OPTIONS + _BOOL_OPTIONS
 

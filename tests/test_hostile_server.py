@@ -64,6 +64,9 @@ def hostile(tmp_path_factory, default_model):
                                         "kv_cache_tokens": "2048"})
     # Our attention kernel, here under the Triton interpreter (about 3 s an iteration).
     _model(repository, "orca_kernel", {"attention": "triton", "kv_cache_tokens": "2048"})
+    # engine: tensorrt, its graph evaluated with torch and our plugin's entry interpreted.
+    _model(repository, "orca_tensorrt_graph", {"engine": "tensorrt", "tensorrt_runtime": "torch",
+                                               "kv_cache_tokens": "2048"})
     server = Server(root, model_repository=repository)
     try:
         server.wait_ready()
@@ -203,18 +206,20 @@ def test_a_killed_runner_process_fails_its_requests_and_a_new_runner_serves_on(h
     assert hostile.is_ready()
 
 
-def test_the_kernel_backend_serves_the_same_tokens_end_to_end(hostile):
-    """The `triton` attention backend through a real tritonserver: a prompt and a decode
-    batch of two (the padded CUDA-graph path, run eagerly on the CPU) stream the same greedy
-    text as the SDPA backend, and every K/V block comes back."""
+@pytest.mark.parametrize("model", ["orca_kernel", "orca_tensorrt_graph"])
+def test_the_kernel_backends_serve_the_same_tokens_end_to_end(hostile, model):
+    """Our kernel through a real tritonserver, as the `triton` attention backend (decode
+    batches through the padded CUDA-graph path, run eagerly on the CPU) and inside the
+    TensorRT engine's graph (engine tensorrt, evaluated with torch): two prompts stream the
+    same greedy text as the SDPA backend, and every K/V block comes back."""
     prompts, sampling = ["Once upon a time", "The capital of France is"], {"max_tokens": 4, **GREEDY}
     texts = {}
-    for model in ("orca_small_queue", "orca_kernel"):  # both the default model; SDPA, kernel
-        with _stream(hostile, model) as c:
+    for name in ("orca_small_queue", model):  # both the default model
+        with _stream(hostile, name) as c:
             ids = [c.send(p, sampling=sampling) for p in prompts]
             results = [c.wait(i, timeout=240) for i in ids]
         assert all(r.error is None and len(r.responses) == 4 for r in results), results
-        texts[model] = [r.text for r in results]
-    assert texts["orca_kernel"] == texts["orca_small_queue"]
-    assert hostile.metric("orca_iterations_total", "orca_kernel") >= 4
-    assert_no_leak(hostile, "orca_kernel")
+        texts[name] = [r.text for r in results]
+    assert texts[model] == texts["orca_small_queue"]
+    assert hostile.metric("orca_iterations_total", model) >= 4
+    assert_no_leak(hostile, model)
