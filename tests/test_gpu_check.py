@@ -29,14 +29,17 @@ def test_smoke_run_passes_every_section(tmp_path):
     proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_SECONDS)
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     sections = report["sections"]
-    assert list(sections) == ["kernel_numerics", "engine_parity", "pipeline", "decode_throughput",
-                              "kernel_vs_sdpa"]
+    assert list(sections) == ["kernel_numerics", "plugin_ptx", "engine_parity", "pipeline",
+                              "decode_throughput", "kernel_vs_sdpa"]
     for name, s in sections.items():
         assert s["status"] == "ok", f"{name}: {s['status']}\n{s['error']}"
         failed = [check for check, ok in s["checks"].items() if not ok]
         assert not failed, f"{name}: checks failed: {failed}"
         assert any(t for t in s["tables"].values()), f"{name} reported nothing"
     assert len(sections["kernel_numerics"]["checks"]) == 10
+    plugin = sections["plugin_ptx"]
+    assert len(plugin["checks"]) == 2 and all(r["ptx_params_match"] and r["interpreted_wrong_cache_slots"] == 0
+                                              for r in plugin["tables"]["plugin PTX against the JIT entry and float64"])
     assert len(sections["engine_parity"]["checks"]) == 6  # two models x three engine variants
     # Four runs complete (the reference, the executor with one and two in flight, the stage
     # workers), and the stage workers' hidden states have the right shape; tokens are goals.
@@ -52,7 +55,7 @@ def test_smoke_run_passes_every_section(tmp_path):
     timed = [r for r in transfers if "stage0_forward_us" in r]  # the tiny model's rows, at 8 and 32 tokens
     assert len(timed) == 2 and all(r["stage0_forward_us"] > 0 and r["stage1_forward_us"] > 0 for r in timed)
     # What a CPU cannot run is named, not silently dropped.
-    for name in ("engine_parity", "pipeline", "decode_throughput", "kernel_vs_sdpa"):
+    for name in ("plugin_ptx", "engine_parity", "pipeline", "decode_throughput", "kernel_vs_sdpa"):
         assert any(n.startswith("skipped on CPU") for n in sections[name]["notes"]), name
     assert set(sections["decode_throughput"]["goals"]) == {"batch1_fraction_of_hbm_bound",
                                                            "trace_speedup_over_transformers"}
