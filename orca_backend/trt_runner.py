@@ -122,13 +122,13 @@ def build_tensorrt_runner(spec) -> TensorRTRunner:
     else:
         if device.type != "cuda":
             raise ConfigError(f"engine 'tensorrt' runs on a GPU; device is {spec.device!r}")
-        from trt_plugins.plugin import _gpu_arch, import_tensorrt, register_plugin
+        from trt_plugins.plugin import gpu_arch, import_tensorrt, register_plugin
 
         torch.cuda.set_device(device)
         trt = import_tensorrt()
         register_plugin()
         key = engine_key(Path(spec.model_path), spec.dtype, shapes, spec.block_size,
-                         trt.__version__, _gpu_arch())
+                         trt.__version__, gpu_arch())
 
         def build() -> bytes:
             log.info("building the TensorRT engine for %s (cached for later starts)", spec.model_path)

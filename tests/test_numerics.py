@@ -90,18 +90,17 @@ ENGINE_VARIANTS = {
                            max_num_batched_tokens=24),
 }
 PREEMPTING = ("preempt", "process", "kernel-preempt", "pipeline-preempt", "tensorrt-graph")
-LLAMA_ONLY = ("kernel-preempt",)
-NO_GPT2 = ("tensorrt-graph",)  # the TensorRT builder takes the Llama family
+# The interpreter is slow: preemption under the kernel, and the TensorRT graph (which
+# test_trt_engine.py checks on Qwen2 too), run on llama alone.
+LLAMA_ONLY = ("kernel-preempt", "tensorrt-graph")
 NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def _variants():
-    """(variant, model kind) pairs; the interpreter is slow, so preemption under the kernel
-    runs on llama alone."""
+    """(variant, model kind) pairs."""
     params = []
     for v, options in ENGINE_VARIANTS.items():
-        kinds = ["llama"] if v in LLAMA_ONLY else ["llama", "qwen2"] if v in NO_GPT2 else ["llama", "qwen2", "gpt2"]
-        for kind in kinds:
+        for kind in (["llama"] if v in LLAMA_ONLY else ["llama", "qwen2", "gpt2"]):
             marks = [NEEDS_CUDA] if options.get("device") == "cuda" else []
             params.append(pytest.param(v, kind, marks=marks, id=f"{v}-{kind}"))
     return params

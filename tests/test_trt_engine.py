@@ -148,3 +148,54 @@ def test_engine_cache_builds_once_per_key(tmp_path, tiny_models):
     assert cached_engine(tmp_path, key, build) == b"plan"
     assert cached_engine(tmp_path, key, build) == b"plan"
     assert len(builds) == 1 and sorted(p.name for p in tmp_path.iterdir()) == [f"{key}.engine"]
+
+
+def test_bf16_graph_is_as_close_to_fp32_as_the_pytorch_runner(tiny_models):
+    """The casts a GPU engine runs (bf16 weights, float32 RMSNorm and rotary angles, float32
+    logits) are skipped at fp32. Here the graph and the PyTorch runner both run bf16 on the
+    CPU, fed the same messages (a prompt and a prompt chunk, then a decode beside the chunk's
+    rest): against the fp32 PyTorch runner, the graph's logits err no more than 1.25x the
+    PyTorch runner's, and the greedy tokens agree."""
+    from orca_backend.messages import NewRequest, ScheduledRequest, SchedulerOutput
+    from orca_backend.model_runner import ModelRunner
+    from orca_backend.models import load_model
+    from orca_backend.trt_runner import GraphEngine, TensorRTRunner
+    from trt_plugins.builder import define_llama
+
+    cpu, block_size = torch.device("cpu"), 4
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    messages = [
+        SchedulerOutput(1, [NewRequest("a", list(range(10, 17)), greedy, None, False),
+                            NewRequest("b", list(range(40, 53)), greedy, None, False)],
+                        [ScheduledRequest("a", 0, 7, [], [0, 1], True), ScheduledRequest("b", 0, 8, [], [2, 3], False)]),
+        SchedulerOutput(2, [], [ScheduledRequest("a", 7, 1, [100], [], True),
+                                ScheduledRequest("b", 8, 5, [], [4, 5], True)]),
+    ]
+
+    def run(runner):
+        logits, tokens = [], []
+        for message in messages:
+            out = runner.execute(message)
+            for rid in sorted(out.logits):
+                logits.append(torch.frombuffer(bytearray(out.logits[rid]), dtype=torch.float32))
+                tokens.append(out.sampled[rid].token_id)
+        return torch.stack(logits), tokens
+
+    def runner(dtype, graph: bool):
+        model = load_model(tiny_models["llama"], dtype, cpu)
+        if not graph:
+            return ModelRunner(model, 16, block_size, cpu, dtype, 0, keep_logits=True)
+        shapes = EngineShapes.from_limits(model.config.num_layers, 64, 4, 64, block_size)
+        net = TorchGraph()
+        define_llama(net, model, shapes, block_size)
+        assert net.count("cast") > 0
+        return TensorRTRunner(model.config, GraphEngine(net, shapes), 16, block_size, cpu, dtype, 0,
+                              keep_logits=True)
+
+    reference, _ = run(runner(torch.float32, graph=False))
+    torch_logits, torch_tokens = run(runner(torch.bfloat16, graph=False))
+    graph_logits, graph_tokens = run(runner(torch.bfloat16, graph=True))
+    torch_error = (torch_logits - reference).abs().max().item()
+    graph_error = (graph_logits - reference).abs().max().item()
+    assert 0 < graph_error <= 1.25 * torch_error, (graph_error, torch_error)
+    assert graph_tokens == torch_tokens

@@ -114,6 +114,12 @@ class _Graph:
         y = y if self.dtype == "float32" else net.cast(y, self.dtype)
         return net.elementwise("prod", self.row(weight), y)
 
+    def rope_factor(self, fn: str, angles, head_dim: int):
+        """cos or sin of the [T, D] angles in the model's dtype, as [T, 1, D] (one per head)."""
+        y = self.net.unary(fn, angles)
+        y = y if self.dtype == "float32" else self.net.cast(y, self.dtype)
+        return self.net.reshape(y, (0, 1, head_dim))
+
     def rotate(self, x, num_heads: int, head_dim: int, rope):
         """Rotary embedding of [T, H*D] rows: x*cos + rotate_half(x)*sin, where rotate_half
         (x -> [-x2, x1]) is a matmul by a constant signed permutation (exact, and needs no
@@ -153,9 +159,8 @@ def define_llama(net: Network, model, shapes: EngineShapes, block_size: int) -> 
     inv_freq = torch.cat((model.inv_freq, model.inv_freq)).float().cpu()  # [D], as cat(freqs, freqs)
     angles = net.elementwise("prod", positions, g.row(inv_freq))  # [T, D]
     head_dim = cfg.head_dim
-    cos, sin = (net.reshape(net.cast(net.unary(f, angles), g.dtype) if g.dtype != "float32"
-                            else net.unary(f, angles), (0, 1, head_dim)) for f in ("cos", "sin"))
-    rope = (cos, sin, g.const(_half_turn(head_dim, torch_dtype)))
+    rope = (*(g.rope_factor(f, angles, head_dim) for f in ("cos", "sin")),
+            g.const(_half_turn(head_dim, torch_dtype)))
     metadata = [inputs[n] for n in ("kv_cache_ptrs", "cu_seqlens_q", "seq_lens", "block_tables")]
     q_size, kv_size = cfg.num_heads * head_dim, cfg.num_kv_heads * head_dim
     for i in model.layer_range:

@@ -129,7 +129,8 @@ _TORCH_UNARY = {"sqrt": torch.sqrt, "recip": torch.reciprocal, "cos": torch.cos,
 
 class TorchGraph:
     """`Network` that records the ops (a value is the index of the node that makes it) and
-    evaluates them with torch. Inputs are checked against their declared dtype and rank."""
+    evaluates them with torch. It refuses what TensorRT would: inputs of another dtype or rank
+    than declared, and matmul or elementwise inputs of different ranks or types."""
 
     def __init__(self) -> None:
         self.nodes: list[Node] = []
@@ -207,9 +208,13 @@ class TorchGraph:
             return x
         if node.op == "constant":
             return a["value"]
-        if node.op in ("matmul", "elementwise") and args[0].dim() != args[1].dim():
-            # TensorRT broadcasts only between inputs of the same rank.
-            raise ValueError(f"{node.op} of ranks {args[0].dim()} and {args[1].dim()}")
+        if node.op in ("matmul", "elementwise"):
+            # TensorRT broadcasts only between inputs of the same rank, and a strongly typed
+            # network has no implicit casts: both inputs must have one type.
+            if args[0].dim() != args[1].dim():
+                raise ValueError(f"{node.op} of ranks {args[0].dim()} and {args[1].dim()}")
+            if args[0].dtype != args[1].dtype:
+                raise ValueError(f"{node.op} of {args[0].dtype} and {args[1].dtype} (no implicit casts)")
         if node.op == "matmul":
             x, y = args
             return torch.matmul(x, y.transpose(-1, -2) if a["transpose_b"] else y)

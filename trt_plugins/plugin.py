@@ -76,7 +76,7 @@ def _dtype_name(trt, dtype) -> str:
     return names[dtype]
 
 
-def _gpu_arch() -> int:
+def gpu_arch() -> int:
     """The compute capability to compile for: the current GPU's, else Hopper (90)."""
     try:
         import torch
@@ -127,7 +127,7 @@ def _define(trt, trtp) -> None:
             block_size: int, layer: int, scale: float, outputs: Tuple[desc], tactic: int
             ) -> Tuple[str, str, trtp.KernelLaunchParams, trtp.SymIntExprs]:
         build = compile_plugin_ptx(_dtype_name(trt, q.dtype), num_kv_heads, num_queries_per_kv,
-                                   head_dim, block_size, layer, scale, arch=_gpu_arch())
+                                   head_dim, block_size, layer, scale, arch=gpu_arch())
         num_tokens, num_seqs = q.shape_expr[0], seq_lens.shape_expr[0]
         launch = trtp.KernelLaunchParams()
         launch.grid_x = build.grid_x(num_tokens, num_seqs)
