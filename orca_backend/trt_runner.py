@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from trt_plugins.paged_attention import kv_cache_table
+
 from .errors import ConfigError
 from .model_runner import ModelRunner
 from .models.attention import BatchLayout, TorchPagedAttention
@@ -65,9 +67,13 @@ class TensorRTEngine:
         self.shapes.check(feeds)
         context = self.context
         for name, tensor in feeds.items():
-            context.set_input_shape(name, tuple(tensor.shape))
+            if not context.set_input_shape(name, tuple(tensor.shape)):
+                raise RuntimeError(f"TensorRT refused shape {tuple(tensor.shape)} for input {name!r}")
             context.set_tensor_address(name, tensor.data_ptr())
-        logits = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=self.device)
+        shape = tuple(context.get_tensor_shape("logits"))
+        if shape != (num_rows, vocab_size):
+            raise RuntimeError(f"the engine's logits are {shape}, expected {(num_rows, vocab_size)}")
+        logits = torch.empty(shape, dtype=torch.float32, device=self.device)
         context.set_tensor_address("logits", logits.data_ptr())
         stream = torch.cuda.current_stream(self.device)
         if not context.execute_async_v3(stream.cuda_stream):
@@ -83,9 +89,8 @@ class TensorRTRunner(ModelRunner):
         super().__init__(EngineModel(config), num_blocks, block_size, device, dtype, seed, keep_logits,
                          TorchPagedAttention(block_size, device))  # the kernel's cache layout
         self.engine = engine
-        caches = [self.kv_caches[i] for i in range(config.num_layers)]
-        self.kv_cache_ptrs = torch.tensor([[k.data_ptr(), v.data_ptr()] for k, v in caches],
-                                          dtype=torch.int64, device=device)  # [L, 2]
+        # The plugin's address table [1 + L, 2]: the guard row, then each layer's caches.
+        self.kv_cache_ptrs = kv_cache_table([self.kv_caches[i] for i in range(config.num_layers)], device)
 
     def _compute(self, layout: BatchLayout, token_ids: list[int], hidden, last_rows: list[int]):
         if hidden is not None:

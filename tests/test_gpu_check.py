@@ -40,7 +40,7 @@ def test_smoke_run_passes_every_section(tmp_path):
     plugin = sections["plugin_ptx"]
     assert len(plugin["checks"]) == 2 and all(r["ptx_params_match"] and r["interpreted_wrong_cache_slots"] == 0
                                               for r in plugin["tables"]["plugin PTX against the JIT entry and float64"])
-    assert len(sections["engine_parity"]["checks"]) == 6  # two models x three engine variants
+    assert len(sections["engine_parity"]["checks"]) == 8  # two models x four engine variants
     # Four runs complete (the reference, the executor with one and two in flight, the stage
     # workers), and the stage workers' hidden states have the right shape; tokens are goals.
     pipeline = sections["pipeline"]

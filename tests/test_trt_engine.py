@@ -70,7 +70,7 @@ def test_profile_bounds_follow_the_engine_options():
     small = EngineShapes.from_limits(4, max_num_batched_tokens=8, max_batch_size=32,
                                      max_model_len=100, block_size=16)
     assert small.profile()["seq_lens"][2] == (8,) and small.max_blocks == math.ceil(100 / 16)
-    assert shapes.input_shapes()["kv_cache_ptrs"] == ("int64", (4, 2))
+    assert shapes.input_shapes()["kv_cache_ptrs"] == ("int64", (5, 2))  # the guard row, then 4 layers
 
 
 def test_every_iteration_fits_the_profile_and_fills_it(tiny_models, monkeypatch):

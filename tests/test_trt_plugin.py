@@ -3,20 +3,24 @@ its aot_impl hands TensorRT, its kernel entry (interpreted) against the referenc
 TensorRT name the builder and the runtime wrapper use, checked against the bindings."""
 from __future__ import annotations
 
+import gc
 import importlib
 import importlib.util
 import re
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
 
-from trt_plugins.aot import PLUGIN_PTX_PARAMS, drop_unused_params
+from trt_plugins.aot import PLUGIN_PTX_PARAMS, compile_plugin_ptx, drop_unused_params
 from trt_plugins.builder import EngineShapes, build_engine
-from trt_plugins.paged_attention import paged_attention_plugin
+from trt_plugins.network import TensorRTNetwork
+from trt_plugins.kernel import KV_TABLE_GUARD
+from trt_plugins.paged_attention import kv_cache_table, paged_attention_plugin
 from trt_plugins.plugin import (FIELDS, INPUTS, PLUGIN_ID, SCALARS, import_tensorrt, plugin_fields,
                                 register_plugin)
-from trt_plugins.reference import TOLERANCES, make_paged_batch, reference_paged_attention
+from trt_plugins.reference import SENTINEL, TOLERANCES, make_paged_batch, reference_paged_attention
 
 pytest.importorskip("tensorrt_lean_bindings")
 
@@ -80,6 +84,70 @@ def test_aot_impl_hands_tensorrt_ptx_whose_parameters_are_the_plugins(qdp):
     assert ".target sm_90a" in ptx
 
 
+class _Dim:
+    """A concrete stand-in for TensorRT's IDimensionExpr (an int), for evaluating shape
+    expressions without a builder. tensorrt.plugin checks isinstance(x, IDimensionExpr),
+    which a pybind11 class cannot be subclassed to pass without its C++ object; `__class__`
+    answers it instead."""
+
+    def __init__(self, value: int):
+        self.value = value
+
+    @property
+    def __class__(self):
+        import tensorrt
+
+        return tensorrt.IDimensionExpr
+
+    def is_constant(self) -> bool:
+        return True
+
+    def get_constant_value(self) -> int:
+        return self.value
+
+
+class _DimBuilder:
+    """Evaluates the dimension operations tensorrt.plugin's expressions use."""
+
+    def __init__(self, trt):
+        ops = trt.DimensionOperation
+        self.ops = {ops.SUM: int.__add__, ops.SUB: int.__sub__, ops.PROD: int.__mul__,
+                    ops.FLOOR_DIV: int.__floordiv__, ops.MAX: max, ops.MIN: min}
+
+    def constant(self, value):
+        return _Dim(value)
+
+    def operation(self, op, a, b):
+        return _Dim(self.ops[op](a.value, b.value))
+
+
+def test_aot_launch_and_scalars_evaluate_to_the_kernels_arguments(qdp):
+    """The launch and the scalars aot_impl returns, evaluated for concrete shapes (T = 37
+    tokens, B = 4 requests, W = 9 block-table columns, layer 2): the grid the kernel's tile
+    mapping needs, and num_seqs, the block-table width and the layer, in that order."""
+    from tensorrt.plugin._tensor import SymIntExpr
+
+    trt, trtp, definition = qdp
+    SymIntExpr._exprBuilder = _DimBuilder(trt)  # what TensorRT sets while it builds
+    try:
+        q = _desc(trtp, (37, 576), trt.float16)
+        kv = _desc(trtp, (37, 192), trt.float16)
+        index = [_desc(trtp, (5,), trt.int32), _desc(trtp, (4,), trt.int32), _desc(trtp, (4, 9), trt.int32)]
+        fields = plugin_fields(3, 3, 64, 16, 2, 0.125)
+        _, _, launch, scalars = definition.aot_impl_func(q, kv, kv, _desc(trtp, (4, 2), trt.int64), *index,
+                                                         **fields, outputs=(q.like(),), tactic=0)
+
+        def value(expr):
+            return expr if isinstance(expr, int) else expr._expr.get_constant_value()
+
+        build = compile_plugin_ptx("float16", 3, 3, 64, 16, 0.125)
+        assert [value(launch.grid_x), value(launch.grid_y)] == [37 // build.block_q + 4, 3]
+        assert value(launch.block_x) == 32 * build.num_warps and value(launch.shared_mem) == build.shared_bytes
+        assert [value(x) for x in scalars] == [4, 9, 2]
+    finally:
+        SymIntExpr._exprBuilder = None
+
+
 def test_dropping_a_parameter_the_kernel_reads_is_refused():
     ptx = (".visible .entry k(\n\t.param .u64 k_param_0,\n\t.param .u64 k_param_1\n)\n{\n"
            "\tld.param.u64 %rd1, [k_param_1];\n}\n")
@@ -96,8 +164,8 @@ def test_plugin_entry_matches_the_reference_through_cache_addresses(dtype):
     b = make_paged_batch(query_lens=[1, 7, 1, 12, 40], context_lens=[9, 13, 0, 70, 5], dtype=dtype, seed=1)
     expected = reference_paged_attention(**b.inputs(), scale=b.scale)
     other = torch.zeros_like(b.k_cache)  # layer 0's caches: must stay untouched
-    table = torch.tensor([[other.data_ptr(), other.data_ptr()],
-                          [b.k_cache.data_ptr(), b.v_cache.data_ptr()]], dtype=torch.int64)
+    table = kv_cache_table([(other, other), (b.k_cache, b.v_cache)], "cpu")
+    assert table.tolist()[0] == [KV_TABLE_GUARD, KV_TABLE_GUARD] and table.shape == (3, 2)
     out = paged_attention_plugin(b.q, b.k, b.v, table, b.cu_seqlens_q, b.seq_lens, b.block_tables,
                                  **plugin_fields(2, 2, 16, 16, 1, b.scale))
     tol = TOLERANCES[dtype]
@@ -108,27 +176,46 @@ def test_plugin_entry_matches_the_reference_through_cache_addresses(dtype):
 
 def test_plugin_entry_names_a_bad_address_table():
     b = make_paged_batch(query_lens=[1], context_lens=[3])
-    with pytest.raises(ValueError, match="kv_cache_ptrs: must be int64 \\[num_layers, 2\\] with a row for layer 2"):
-        paged_attention_plugin(b.q, b.k, b.v, torch.zeros(2, 2, dtype=torch.int64), b.cu_seqlens_q,
+    with pytest.raises(ValueError, match="kv_cache_ptrs: must be int64 \\[1 \\+ num_layers, 2\\] with a row for layer 2"):
+        paged_attention_plugin(b.q, b.k, b.v, torch.zeros(3, 2, dtype=torch.int64), b.cu_seqlens_q,
                                b.seq_lens, b.block_tables, **plugin_fields(2, 2, 16, 16, 2, b.scale))
+
+
+def test_without_the_guard_row_the_entry_touches_nothing():
+    """TensorRT may time a plugin while it builds, on buffers it fills itself. A table
+    whose row 0 is not the guard (zeros here; one off too) makes every program return
+    before it follows an address: output and caches as they were."""
+    b = make_paged_batch(query_lens=[1, 7], context_lens=[9, 0])
+    caches = b.k_cache.clone(), b.v_cache.clone()
+    for guard in (0, KV_TABLE_GUARD - 1):
+        table = kv_cache_table([(b.k_cache, b.v_cache)], "cpu")
+        table[0] = guard
+        out = torch.full_like(b.q, SENTINEL)
+        paged_attention_plugin(b.q, b.k, b.v, table, b.cu_seqlens_q, b.seq_lens, b.block_tables, out=out,
+                               **plugin_fields(2, 2, 16, 16, 0, b.scale))
+        assert torch.all(out == SENTINEL)
+        assert torch.equal(b.k_cache, caches[0]) and torch.equal(b.v_cache, caches[1])
 
 
 class _Recorder:
     """Stands in for a TensorRT module: every attribute read or set on it, or on anything it
-    returns, is recorded by name."""
+    returns, is recorded by name. `answers` gives what calls of some names return."""
 
-    def __init__(self, names: set):
+    def __init__(self, names: set, answers: dict | None = None):
         object.__setattr__(self, "_names", names)
+        object.__setattr__(self, "_answers", answers or {})
 
     def __getattr__(self, name):
         self._names.add(name)
-        return _Recorder(self._names)
+        if name in self._answers:
+            return self._answers[name]
+        return _Recorder(self._names, self._answers)
 
     def __setattr__(self, name, value):
         self._names.add(name)
 
     def __call__(self, *args, **kwargs):
-        return _Recorder(self._names)
+        return _Recorder(self._names, self._answers)
 
     def __int__(self):
         return 0
@@ -154,12 +241,43 @@ def test_every_tensorrt_name_the_builder_and_runtime_use_exists(tiny_models, mon
     builder_names, plugin_names, runtime_names = set(), set(), set()
     model = load_model(tiny_models["qwen2"], torch.float32, torch.device("cpu"))
     shapes = EngineShapes.from_limits(2, 64, 4, 256, 16)
-    assert build_engine(model, shapes, 16, trt=_Recorder(builder_names), trtp=_Recorder(plugin_names)) == b"plan"
+    # TensorRT reads constants' host memory when it builds, not when they are added: every
+    # Weights pointer must still be held (by a live adapter) when the build starts.
+    adapters, pointers, checked = weakref.WeakSet(), [], []
+    original_init = TensorRTNetwork.__init__
+
+    def init(self, *args):
+        original_init(self, *args)
+        adapters.add(self)
+
+    def weights(dtype, ptr, count):
+        pointers.append(ptr)
+        return _Recorder(builder_names)
+
+    def build(network, config):
+        gc.collect()
+        held = {t.data_ptr() for net in adapters for t in net.kept}
+        checked.append(bool(pointers) and set(pointers) <= held)
+        return b"plan"
+
+    monkeypatch.setattr(TensorRTNetwork, "__init__", init)
+    builder = _Recorder(builder_names, {"build_serialized_network": build})
+    trt_answers = {"Weights": weights, "Builder": lambda logger: builder}
+    trt = _Recorder(builder_names, trt_answers)
+    assert build_engine(model, shapes, 16, trt=trt, trtp=_Recorder(plugin_names)) == b"plan"
+    assert checked == [True], "constants' host memory was freed before the build"
+    builder_names |= {"Weights", "Builder", "build_serialized_network"}
+
     stream = type("Stream", (), {"cuda_stream": 0})()
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
-    engine = TensorRTEngine(_Recorder(runtime_names), b"plan", shapes, torch.device("cpu"))
-    engine.run({name: torch.ones(*lo, dtype=torch.int32) for name, (lo, _, _) in shapes.profile().items()},
-               1, 512)
+    context = _Recorder(runtime_names, {"get_tensor_shape": lambda name: (1, 512)})
+    trt_engine = _Recorder(runtime_names, {"create_execution_context": lambda: context})
+    runtime = _Recorder(runtime_names, {"deserialize_cuda_engine": lambda plan: trt_engine})
+    engine = TensorRTEngine(_Recorder(runtime_names, {"Runtime": lambda logger: runtime}), b"plan", shapes,
+                            torch.device("cpu"))
+    feeds = {name: torch.ones(*lo, dtype=torch.int32) for name, (lo, _, _) in shapes.profile().items()}
+    assert engine.run(feeds, 1, 512).shape == (1, 512)
+    runtime_names |= {"Runtime", "deserialize_cuda_engine", "create_execution_context", "get_tensor_shape"}
     assert {"add_plugin", "add_matrix_multiply", "build_serialized_network", "set_shape"} <= builder_names
     assert {"deserialize_cuda_engine", "execute_async_v3"} <= runtime_names
 
@@ -181,3 +299,26 @@ def test_every_tensorrt_name_the_builder_and_runtime_use_exists(tiny_models, mon
     register_plugin()
     assert plugin_names == {"op", "orca", "paged_attention"} and hasattr(trtp, "op")
     assert hasattr(trtp.op.orca, "paged_attention")
+
+
+def test_the_builders_plugin_call_passes_tensorrts_schema_check(qdp):
+    """`TensorRTNetwork.plugin` as the builder calls it, with the real `tensorrt.plugin`: the
+    op accepts the inputs and the fields in their registered order and types (it checks
+    both), and what it returns goes to add_plugin with aot=True."""
+    trt, trtp, _ = qdp
+    calls = []
+
+    class Network:
+        def add_plugin(self, created, aot):
+            calls.append((created, aot))
+            return _Recorder(set())
+
+    tensors = [trt.ITensor() for _ in INPUTS]  # what the lean stand-in has of ITensor
+    TensorRTNetwork(trt, trtp, Network()).plugin(PLUGIN_ID, tensors, plugin_fields(8, 4, 128, 16, 31, 128 ** -0.5))
+    ((created, aot),) = calls
+    assert aot is True and callable(created)
+    with pytest.raises(ValueError, match="Unexpected schema"):
+        trtp.op.orca.paged_attention(*tensors, scale=0.1, layer=1, num_kv_heads=8, num_queries_per_kv=4,
+                                     head_dim=128, block_size=16)
+    with pytest.raises(ValueError, match="Unexpected type"):
+        trtp.op.orca.paged_attention(*tensors, **{**plugin_fields(8, 4, 128, 16, 31, 0.1), "scale": 1})

@@ -21,6 +21,7 @@ those of `trt_plugins.paged_attention.paged_attention`. Launch with grid
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import shutil
@@ -50,7 +51,7 @@ PTX_PARAMS = (
 PLUGIN_PTX_PARAMS = (
     ("q", "u64"), ("k", "u64"), ("v", "u64"), ("kv_cache_ptrs", "u64"), ("cu_seqlens_q", "u64"),
     ("seq_lens", "u64"), ("block_tables", "u64"), ("num_seqs", "u32"),
-    ("stride_block_table", "u32"), ("out", "u64"),
+    ("stride_block_table", "u32"), ("layer", "u32"), ("out", "u64"),
 )
 _DTYPES = {"float32": ("fp32", torch.float32), "float16": ("fp16", torch.float16),
            "bfloat16": ("bf16", torch.bfloat16)}
@@ -166,11 +167,11 @@ class PluginPtx:
 
 
 def drop_unused_params(ptx: str, name: str, count: int) -> str:
-    """The PTX with the entry's last `count` parameters removed; raises if its body reads them.
+    """The PTX with the entry's last `count` parameters removed; raises if its body names them.
 
-    Triton 3.6 appends global_scratch and profile_scratch to every kernel. TensorRT launches
-    an AOT plugin with exactly its inputs, scalars and outputs, so the entry must end there;
-    this kernel needs no scratch (the build checks its sizes are 0) and never loads them.
+    Triton 3.6 appends global_scratch and profile_scratch (.u64) to every kernel. TensorRT
+    launches an AOT plugin with exactly its inputs, scalars and outputs, so the entry must end
+    there; this kernel needs no scratch (the build checks its sizes are 0) and never loads them.
     """
     header = re.search(rf"(\.entry\s+{re.escape(name)}\s*\()(.*?)(\))", ptx, re.S)
     if header is None:
@@ -179,22 +180,25 @@ def drop_unused_params(ptx: str, name: str, count: int) -> str:
     kept, dropped = params[:-count], params[-count:]
     for param in dropped:
         param_name = param.split()[-1]
-        if re.search(rf"\[{re.escape(param_name)}(\+\d+)?\]", ptx[header.end():]):
+        if not param.startswith(".param .u64"):
+            raise RuntimeError(f"the entry's parameter {param_name} is not a .u64 pointer: {param!r}")
+        if re.search(rf"\b{re.escape(param_name)}\b", ptx[header.end():]):
             raise RuntimeError(f"the kernel reads {param_name}; it cannot be dropped")
     joined = ",\n\t".join(kept)
     return ptx[:header.start(2)] + "\n\t" + joined + "\n" + ptx[header.end(2):]
 
 
+@functools.lru_cache(maxsize=None)
 def compile_plugin_ptx(dtype: str, num_kv_heads: int, num_queries_per_kv: int, head_dim: int,
-                       block_size: int, layer: int, scale: float, arch: int = 90,
+                       block_size: int, scale: float, arch: int = 90,
                        decode_tiles: bool = True) -> PluginPtx:
-    """The TensorRT plugin's entry (`PLUGIN_PTX_PARAMS`) for one layer's attributes, with the
-    tiles `plugin_constexprs` picks."""
+    """The TensorRT plugin's entry (`PLUGIN_PTX_PARAMS`) with the tiles `plugin_constexprs`
+    picks; one build serves every layer of a model (the layer is a launch argument)."""
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     type_name, torch_dtype = _DTYPES[dtype]
     constexprs, tiles = plugin_constexprs(torch_dtype, num_kv_heads, num_queries_per_kv, head_dim,
-                                          block_size, layer, scale, decode_tiles)
+                                          block_size, scale, decode_tiles)
     kernel = build_kernel(interpret=False, entry=PLUGIN_KERNEL)
     signature, attrs = _signature(kernel.arg_names, type_name, constexprs)
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),

@@ -9,7 +9,7 @@ or a torch-evaluated graph; `tensorrt` is imported only by `build_engine`.
 Engine inputs (T tokens of B requests, S sampled rows, L layers, W block-table columns):
   input_ids int32 [T], positions int32 [T]
   cu_seqlens_q int32 [B+1], seq_lens int32 [B], block_tables int32 [B, W]  (the kernel's metadata)
-  kv_cache_ptrs int64 [L, 2]  device addresses of each layer's K and V caches
+  kv_cache_ptrs int64 [1+L, 2]  the guard row, then each layer's K and V cache addresses
   logit_rows int32 [S]        rows whose logits are wanted (each sampling request's last row)
 Output: logits float32 [S, vocab].
 """
@@ -71,7 +71,7 @@ class EngineShapes:
     def input_shapes(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         """Each input's dtype and shape (-1 where the profile sizes it)."""
         shapes = {name: ("int32", tuple(-1 for _ in lo)) for name, (lo, _, _) in self.profile().items()}
-        shapes["kv_cache_ptrs"] = ("int64", (self.num_layers, 2))
+        shapes["kv_cache_ptrs"] = ("int64", (1 + self.num_layers, 2))  # the guard row first
         return {name: shapes[name] for name in ENGINE_INPUTS}
 
     def check(self, feeds: dict[str, torch.Tensor]) -> None:
@@ -86,8 +86,8 @@ class EngineShapes:
 class _Graph:
     """Helpers over a `Network` for one model dtype; constants made once per tensor."""
 
-    def __init__(self, net: Network, dtype: str) -> None:
-        self.net, self.dtype = net, dtype
+    def __init__(self, net: Network, dtype: str, device: torch.device) -> None:
+        self.net, self.dtype, self.device = net, dtype, device  # device: the weights'
         self._constants: dict[tuple[int, tuple], object] = {}
 
     def const(self, value: torch.Tensor):
@@ -108,7 +108,7 @@ class _Graph:
         net = self.net
         x32 = x if self.dtype == "float32" else net.cast(x, "float32")
         mean_sq = net.mean(net.elementwise("prod", x32, x32), axis=1)  # [rows, 1]
-        eps_c = self.const(torch.full((1, 1), eps, dtype=torch.float32))
+        eps_c = self.const(torch.full((1, 1), eps, dtype=torch.float32, device=self.device))
         inv = net.unary("recip", net.unary("sqrt", net.elementwise("sum", mean_sq, eps_c)))
         y = net.elementwise("prod", x32, inv)
         y = y if self.dtype == "float32" else net.cast(y, self.dtype)
@@ -132,11 +132,11 @@ class _Graph:
         return net.reshape(y, (0, num_heads * head_dim))
 
 
-def _half_turn(head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+def _half_turn(head_dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """R [1, D, D] with x @ R = cat(-x[D/2:], x[:D/2])."""
     half = head_dim // 2
-    turn = torch.zeros(head_dim, head_dim, dtype=dtype)
-    idx = torch.arange(half)
+    turn = torch.zeros(head_dim, head_dim, dtype=dtype, device=device)
+    idx = torch.arange(half, device=device)
     turn[idx + half, idx] = -1
     turn[idx, idx + half] = 1
     return turn.reshape(1, head_dim, head_dim)
@@ -150,17 +150,17 @@ def define_llama(net: Network, model, shapes: EngineShapes, block_size: int) -> 
                                f"{cfg.architecture}")
     if len(model.layer_range) != cfg.num_layers or shapes.num_layers != cfg.num_layers:
         raise EngineBuildError("engine 'tensorrt' builds whole models, not pipeline stages")
-    torch_dtype = model.embed.dtype
-    g = _Graph(net, str(torch_dtype).removeprefix("torch."))
+    torch_dtype, device = model.embed.dtype, model.embed.device
+    g = _Graph(net, str(torch_dtype).removeprefix("torch."), device)
     inputs = {name: net.input(name, dtype, shape) for name, (dtype, shape) in shapes.input_shapes().items()}
 
     h = net.gather(g.const(model.embed), inputs["input_ids"], axis=0)  # [T, hidden]
     positions = net.reshape(net.cast(inputs["positions"], "float32"), (-1, 1))  # [T, 1]
-    inv_freq = torch.cat((model.inv_freq, model.inv_freq)).float().cpu()  # [D], as cat(freqs, freqs)
+    inv_freq = torch.cat((model.inv_freq, model.inv_freq)).float()  # [D], as cat(freqs, freqs)
     angles = net.elementwise("prod", positions, g.row(inv_freq))  # [T, D]
     head_dim = cfg.head_dim
     rope = (*(g.rope_factor(f, angles, head_dim) for f in ("cos", "sin")),
-            g.const(_half_turn(head_dim, torch_dtype)))
+            g.const(_half_turn(head_dim, torch_dtype, device)))
     metadata = [inputs[n] for n in ("kv_cache_ptrs", "cu_seqlens_q", "seq_lens", "block_tables")]
     q_size, kv_size = cfg.num_heads * head_dim, cfg.num_kv_heads * head_dim
     for i in model.layer_range:
@@ -201,13 +201,17 @@ def build_engine(model, shapes: EngineShapes, block_size: int, trt=None, trtp=No
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
-    define_llama(TensorRTNetwork(trt, trtp, network), model, shapes, block_size)
+    # The adapter keeps the host copies its constants point into (TensorRT does not copy
+    # weights before the build), so it lives until the build returns.
+    net = TensorRTNetwork(trt, trtp, network)
+    define_llama(net, model, shapes, block_size)
     config = builder.create_builder_config()
     profile = builder.create_optimization_profile()
     for name, (lo, opt, hi) in shapes.profile().items():
         profile.set_shape(name, lo, opt, hi)
     config.add_optimization_profile(profile)
     plan = builder.build_serialized_network(network, config)
+    del net  # only now may the weights' host copies go
     if plan is None:
         raise EngineBuildError("TensorRT could not build the engine (its log says why)")
     return bytes(plan)
@@ -216,7 +220,10 @@ def build_engine(model, shapes: EngineShapes, block_size: int, trt=None, trtp=No
 def engine_key(model_folder: Path, dtype: str, shapes: EngineShapes, block_size: int,
                tensorrt_version: str, arch: int) -> str:
     """What an engine depends on, hashed: the checkpoint (config, and each weight file's name,
-    size and modification time), the options that shape it, TensorRT, the GPU and our sources."""
+    size and modification time), the options that shape it, TensorRT, Triton (which writes
+    the plugin's PTX), the GPU and our sources."""
+    import triton
+
     digest = hashlib.sha256()
     folder = Path(model_folder)
     digest.update((folder / "config.json").read_bytes())
@@ -227,7 +234,7 @@ def engine_key(model_folder: Path, dtype: str, shapes: EngineShapes, block_size:
     for name in _SOURCES:
         digest.update((here / name).read_bytes())
     digest.update(json.dumps([dtype, list(shapes.profile().items()), shapes.num_layers, block_size,
-                              tensorrt_version, arch]).encode())
+                              tensorrt_version, triton.__version__, arch]).encode())
     return digest.hexdigest()[:24]
 
 

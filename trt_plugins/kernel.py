@@ -203,25 +203,34 @@ def _paged_attention_kernel(
 
 def _paged_attention_plugin_kernel(
         q_ptr, k_ptr, v_ptr, kv_cache_ptrs_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
-        num_seqs, stride_block_table, out_ptr,
-        SCALE: tl.constexpr, LAYER: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+        num_seqs, stride_block_table, layer, out_ptr,
+        SCALE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
         HEAD_DIM: tl.constexpr, NUM_QUERIES_PER_KV: tl.constexpr, G_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
         UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # The entry TensorRT launches (see trt_plugins/plugin.py): tensor inputs, then the scalars
-    # TensorRT computes from shapes, then the output. Rows are contiguous, so strides follow
-    # from the head counts; the K/V pool arrives as device addresses in an int64 tensor
-    # [num_layers, 2] (this layer's K and V caches at row LAYER), never as tensors TensorRT
-    # might copy.
+    # TensorRT passes (two from shapes, the layer), then the output. Rows are contiguous, so
+    # strides follow from the head counts. The K/V pool arrives as device addresses in an
+    # int64 table [1 + num_layers, 2], never as tensors TensorRT might copy: row 0 holds
+    # KV_TABLE_GUARD, row 1 + layer this layer's K and V caches. A table without the guard
+    # (the buffers TensorRT fills itself to time a plugin while it builds) makes every
+    # program return before it reads or writes anything else.
+    if tl.load(kv_cache_ptrs_ptr) != 0x4F52434150414745:  # KV_TABLE_GUARD
+        return
     cache_ty = tl.pointer_type(q_ptr.dtype.element_ty)
-    k_cache_ptr = tl.load(kv_cache_ptrs_ptr + 2 * LAYER).to(cache_ty)
-    v_cache_ptr = tl.load(kv_cache_ptrs_ptr + 2 * LAYER + 1).to(cache_ty)
+    row = kv_cache_ptrs_ptr + 2 * (layer.to(tl.int64) + 1)
+    k_cache_ptr = tl.load(row).to(cache_ty)
+    v_cache_ptr = tl.load(row + 1).to(cache_ty)
     q_width = NUM_KV_HEADS * NUM_QUERIES_PER_KV * HEAD_DIM
     kv_width = NUM_KV_HEADS * HEAD_DIM
     _attend_tile(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_seqlens_q_ptr,
                  seq_lens_ptr, block_tables_ptr, SCALE, num_seqs, q_width, kv_width, kv_width,
                  q_width, BLOCK_SIZE * kv_width, kv_width, stride_block_table, HEAD_DIM,
                  NUM_QUERIES_PER_KV, G_PAD, BLOCK_SIZE, BLOCK_Q, BLOCK_N, UPCAST, DOT_PRECISION)
+
+
+# Row 0 of the plugin's address table: "ORCAPAGE" in ASCII. The kernel spells it as a literal.
+KV_TABLE_GUARD = 0x4F52434150414745
 
 
 _KERNEL = _paged_attention_kernel.__name__
@@ -300,13 +309,15 @@ def tile_config(max_query_len: int, num_queries_per_kv: int, head_dim: int,
 
 
 def plugin_constexprs(dtype: torch.dtype, num_kv_heads: int, num_queries_per_kv: int,
-                      head_dim: int, block_size: int, layer: int, scale: float,
-                      decode_tiles: bool = True, interpret: bool = False) -> tuple[dict, TileConfig]:
-    """The plugin entry's constexprs and tiles for one layer. An engine launches one build for
-    every iteration, so tiles are chosen once: decode's by default (decodes dominate a serving
-    engine's iterations); any tiles give the same result."""
+                      head_dim: int, block_size: int, scale: float, decode_tiles: bool = True,
+                      interpret: bool = False) -> tuple[dict, TileConfig]:
+    """The plugin entry's constexprs and tiles, the same for every layer of a model (the
+    layer is a launch argument, so one build serves them all). An engine launches one build
+    for every iteration, so tiles are chosen once: decode's by default (decodes dominate a
+    serving engine's iterations). Any tiles give the same result; long prompts run slower on
+    decode's than on prefill's."""
     tiles = tile_config(1 if decode_tiles else 1 << 16, num_queries_per_kv, head_dim, dtype.itemsize)
-    constexprs = dict(SCALE=float(scale), LAYER=layer, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+    constexprs = dict(SCALE=float(scale), NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
                       NUM_QUERIES_PER_KV=num_queries_per_kv, G_PAD=tiles.g_pad,
                       BLOCK_SIZE=block_size, BLOCK_Q=tiles.block_q, BLOCK_N=tiles.block_n,
                       UPCAST=interpret, DOT_PRECISION=dot_precision(dtype))

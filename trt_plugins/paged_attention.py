@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from trt_plugins.kernel import PLUGIN_KERNEL, build_kernel, dot_precision, plugin_constexprs, tile_config
+from trt_plugins.kernel import (KV_TABLE_GUARD, PLUGIN_KERNEL, build_kernel, dot_precision,
+                                plugin_constexprs, tile_config)
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -146,7 +147,8 @@ def paged_attention_plugin(q, k, v, kv_cache_ptrs, cu_seqlens_q, seq_lens, block
                            block_size: int, layer: int, scale: float, out=None):
     """The TensorRT plugin's entry launched from Python, as the engine launches its PTX: the
     plugin's inputs and attributes (see `trt_plugins.plugin`), contiguous [T, H*D] rows, and
-    the K/V caches reached through the device addresses in kv_cache_ptrs (int64 [L, 2]).
+    the K/V caches reached through the device addresses in kv_cache_ptrs (int64 [1 + L, 2],
+    row 0 the guard, see `kv_cache_table`).
 
     On the CPU it runs interpreted, on caches whose addresses are host memory; that is how
     the engine's graph is evaluated without TensorRT.
@@ -154,8 +156,8 @@ def paged_attention_plugin(q, k, v, kv_cache_ptrs, cu_seqlens_q, seq_lens, block
     for name, x in (("q", q), ("k", k), ("v", v)):
         _require(x.dim() == 2 and x.is_contiguous(), name, f"must be contiguous [T, H*D], got {tuple(x.shape)}")
     _require(kv_cache_ptrs.dtype == torch.int64 and kv_cache_ptrs.dim() == 2 and
-             kv_cache_ptrs.shape[1] == 2 and 0 <= layer < kv_cache_ptrs.shape[0], "kv_cache_ptrs",
-             f"must be int64 [num_layers, 2] with a row for layer {layer}, got "
+             kv_cache_ptrs.shape[1] == 2 and 0 <= layer < kv_cache_ptrs.shape[0] - 1, "kv_cache_ptrs",
+             f"must be int64 [1 + num_layers, 2] with a row for layer {layer}, got "
              f"{kv_cache_ptrs.dtype} {tuple(kv_cache_ptrs.shape)}")
     for name, x, dim in (("cu_seqlens_q", cu_seqlens_q, 1), ("seq_lens", seq_lens, 1),
                          ("block_tables", block_tables, 2)):
@@ -166,10 +168,17 @@ def paged_attention_plugin(q, k, v, kv_cache_ptrs, cu_seqlens_q, seq_lens, block
         return out
     interpret = q.device.type == "cpu"
     constexprs, tiles = plugin_constexprs(q.dtype, num_kv_heads, num_queries_per_kv, head_dim,
-                                          block_size, layer, scale, interpret=interpret)
+                                          block_size, scale, interpret=interpret)
     options = {} if interpret else {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
     grid = (num_tokens // tiles.block_q + num_seqs, num_kv_heads)
     build_kernel(interpret, PLUGIN_KERNEL)[grid](
         q, k, v, kv_cache_ptrs, cu_seqlens_q, seq_lens, block_tables, num_seqs,
-        block_tables.stride(0), out, **constexprs, **options)
+        block_tables.stride(0), layer, out, **constexprs, **options)
     return out
+
+
+def kv_cache_table(caches, device) -> torch.Tensor:
+    """The plugin's address table for [(k_cache, v_cache), ...] in layer order: int64
+    [1 + L, 2], row 0 the guard, row 1 + i layer i's caches. The caches must outlive it."""
+    rows = [[KV_TABLE_GUARD, KV_TABLE_GUARD]] + [[k.data_ptr(), v.data_ptr()] for k, v in caches]
+    return torch.tensor(rows, dtype=torch.int64, device=device)

@@ -6,14 +6,18 @@ launch it). The PTX goes into the engine, so running one needs no Python and no 
 
 Inputs (rows contiguous; T tokens of B requests, L layers):
   q [T, Hq*D], k and v [T, Hkv*D]     this layer's rotated projections, the model's dtype
-  kv_cache_ptrs int64 [L, 2]           device addresses of every layer's K and V caches
+  kv_cache_ptrs int64 [1 + L, 2]       row 0: KV_TABLE_GUARD twice; row 1 + i: the device
+                                       addresses of layer i's K and V caches
                                        ([num_blocks, block_size, Hkv, D] each, written in place)
   cu_seqlens_q int32 [B+1], seq_lens int32 [B], block_tables int32 [B, W]
-Attributes: num_kv_heads, num_queries_per_kv, head_dim, block_size, layer (its row of
-kv_cache_ptrs), scale. Output: out, like q.
+Attributes: num_kv_heads, num_queries_per_kv, head_dim, block_size, layer, scale. Output:
+out, like q. TensorRT passes three scalars: num_seqs (B) and the block-table width from the
+shapes, and the layer.
 
 The caches travel as addresses, not as tensors: TensorRT may copy a plugin's aliased inputs,
-and a copy of the K/V pool would lose this step's writes.
+and a copy of the K/V pool would lose this step's writes. The guard row is there because
+TensorRT may time a plugin while it builds, on buffers it fills itself: without the guard the
+kernel returns at once instead of following addresses that point nowhere.
 """
 # No `from __future__ import annotations`: tensorrt.plugin reads the describe and aot_impl
 # functions' annotations as objects.
@@ -29,7 +33,7 @@ from trt_plugins.aot import PLUGIN_PTX_PARAMS, compile_plugin_ptx
 PLUGIN_NAMESPACE, PLUGIN_NAME, PLUGIN_VERSION = "orca", "paged_attention", "1"
 PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{PLUGIN_NAME}"
 INPUTS = ("q", "k", "v", "kv_cache_ptrs", "cu_seqlens_q", "seq_lens", "block_tables")
-SCALARS = ("num_seqs", "stride_block_table")  # computed by TensorRT from the input shapes
+SCALARS = ("num_seqs", "stride_block_table", "layer")  # the first two from the input shapes
 OUTPUTS = ("out",)
 FIELDS = {"num_kv_heads": int, "num_queries_per_kv": int, "head_dim": int, "block_size": int,
           "layer": int, "scale": float}
@@ -127,7 +131,7 @@ def _define(trt, trtp) -> None:
             block_size: int, layer: int, scale: float, outputs: Tuple[desc], tactic: int
             ) -> Tuple[str, str, trtp.KernelLaunchParams, trtp.SymIntExprs]:
         build = compile_plugin_ptx(_dtype_name(trt, q.dtype), num_kv_heads, num_queries_per_kv,
-                                   head_dim, block_size, layer, scale, arch=gpu_arch())
+                                   head_dim, block_size, scale, arch=gpu_arch())
         num_tokens, num_seqs = q.shape_expr[0], seq_lens.shape_expr[0]
         launch = trtp.KernelLaunchParams()
         launch.grid_x = build.grid_x(num_tokens, num_seqs)
@@ -137,6 +141,7 @@ def _define(trt, trtp) -> None:
         scalars = trtp.SymIntExprs(len(SCALARS))  # in SCALARS' order
         scalars[0] = trtp.SymInt32(num_seqs)
         scalars[1] = trtp.SymInt32(block_tables.shape_expr[1])
+        scalars[2] = trtp.SymInt32(layer)
         return build.name, build.ptx, launch, scalars
 
 

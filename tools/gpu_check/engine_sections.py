@@ -58,7 +58,10 @@ def engine_parity(ctx: Context, rec: dict) -> None:
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n, _ in shapes]
     max_tokens = [m for _, m in shapes]
     variants = {"cuda_graphs": dict(cuda_graphs=True), "no_cuda_graphs": dict(cuda_graphs=False),
-                "chunked_prefill": dict(cuda_graphs=True, max_num_batched_tokens=16)}
+                "chunked_prefill": dict(cuda_graphs=True, max_num_batched_tokens=16),
+                # engine: tensorrt's graph evaluated with torch, our plugin's entry JIT-compiled
+                # (TensorRT itself is not on the GPU machine).
+                "tensorrt_graph": dict(engine="tensorrt", tensorrt_runtime="torch", max_num_batched_tokens=64)}
     cpu_skip(ctx, rec, "capturing CUDA graphs (cuda_graphs=True runs the padded decode path eagerly) "
              "and the bf16 agreement")
     rows = rec["tables"]["float32 greedy tokens vs transformers"] = []

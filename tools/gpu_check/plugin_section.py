@@ -11,7 +11,7 @@ import ctypes
 from tools.gpu_check.kernel_sections import case_lengths
 from tools.gpu_check.report import Context, attempt, cpu_skip, say, sync
 
-LAYER = 1  # the batch's caches sit at row 1 of the address table; row 0 must stay untouched
+LAYER = 1  # the batch's caches are layer 1's; layer 0's must stay untouched
 
 
 def plugin_ptx(ctx: Context, rec: dict) -> None:
@@ -59,7 +59,7 @@ def plugin_case(ctx: Context, rec: dict, name: str, dtype_name: str, heads) -> N
     import torch
 
     from trt_plugins.aot import PLUGIN_PTX_PARAMS, compile_plugin_ptx
-    from trt_plugins.paged_attention import paged_attention_plugin
+    from trt_plugins.paged_attention import kv_cache_table, paged_attention_plugin
     from trt_plugins.plugin import plugin_fields
     from trt_plugins.reference import TOLERANCES, make_paged_batch, reference_paged_attention
 
@@ -74,7 +74,8 @@ def plugin_case(ctx: Context, rec: dict, name: str, dtype_name: str, heads) -> N
     if ctx.cuda:
         major, minor = torch.cuda.get_device_capability()
         arch = 10 * major + minor
-    build = compile_plugin_ptx(dtype_name, **fields, arch=arch)
+    build = compile_plugin_ptx(dtype_name, *(fields[n] for n in ("num_kv_heads", "num_queries_per_kv",
+                                                                 "head_dim", "block_size", "scale")), arch=arch)
     params_ok = build.param_types == tuple(t for _, t in PLUGIN_PTX_PARAMS)
     tol = TOLERANCES[dtype]
     row = {"dtype": dtype_name, "Hq/Hkv/D": "/".join(map(str, heads)), "tokens": sum(queries),
@@ -86,16 +87,18 @@ def plugin_case(ctx: Context, rec: dict, name: str, dtype_name: str, heads) -> N
     for how in runs:
         b = make_paged_batch(queries, contexts, *heads, dtype=dtype, device=ctx.device, seed=7)
         other = torch.zeros_like(b.k_cache)
-        table = torch.tensor([[other.data_ptr(), other.data_ptr()], [b.k_cache.data_ptr(), b.v_cache.data_ptr()]],
-                             dtype=torch.int64, device=ctx.device)
+        table = kv_cache_table([(other, other), (b.k_cache, b.v_cache)], ctx.device)
         index = (b.cu_seqlens_q, b.seq_lens, b.block_tables)
         if how == "ptx":
             out = torch.empty_like(b.q)
             driver = _Driver()
             function = driver.load(build.ptx, build.name, build.shared_bytes)
-            tensors = [b.q, b.k, b.v, table, *index]
-            params = [("u64", t.data_ptr()) for t in tensors] + [
-                ("u32", b.seq_lens.shape[0]), ("u32", b.block_tables.stride(0)), ("u64", out.data_ptr())]
+            # By name, in the order the plugin declares (the CPU tests tie it to the PTX).
+            values = dict(q=b.q.data_ptr(), k=b.k.data_ptr(), v=b.v.data_ptr(), kv_cache_ptrs=table.data_ptr(),
+                          cu_seqlens_q=b.cu_seqlens_q.data_ptr(), seq_lens=b.seq_lens.data_ptr(),
+                          block_tables=b.block_tables.data_ptr(), num_seqs=b.seq_lens.shape[0],
+                          stride_block_table=b.block_tables.stride(0), layer=LAYER, out=out.data_ptr())
+            params = [(kind, values[name]) for name, kind in PLUGIN_PTX_PARAMS]
             grid = (build.grid_x(b.q.shape[0], b.seq_lens.shape[0]), num_kv_heads)
             driver.launch(function, grid, 32 * build.num_warps, build.shared_bytes,
                           torch.cuda.current_stream().cuda_stream, params)
@@ -111,8 +114,27 @@ def plugin_case(ctx: Context, rec: dict, name: str, dtype_name: str, heads) -> N
         ok = ok and good
     if ctx.cuda:
         row["ptx_vs_jit_max_abs_diff"] = (runs["ptx"].double() - runs["jit"].double()).abs().max().item()
+    row["no_guard_touches_nothing"] = _without_guard_touches_nothing(queries, contexts, heads, dtype, ctx, fields)
+    ok = ok and row["no_guard_touches_nothing"]
     row["pass"] = ok
     rec["checks"][name] = ok
     rec["tables"]["plugin PTX against the JIT entry and float64"].append(row)
     say(f"plugin_ptx: {name}: " + ", ".join(f"{k} {v:.3g}" for k, v in row.items()
                                             if k.endswith(("error", "diff"))))
+
+
+def _without_guard_touches_nothing(queries, contexts, heads, dtype, ctx: Context, fields: dict) -> bool:
+    """What TensorRT's timing runs look like to the kernel: an address table without the
+    guard row (here zeros). The entry must return at once: output and caches unchanged."""
+    import torch
+
+    from trt_plugins.paged_attention import paged_attention_plugin
+    from trt_plugins.reference import SENTINEL, make_paged_batch
+
+    b = make_paged_batch(queries, contexts, *heads, dtype=dtype, device=ctx.device, seed=7)
+    caches = b.k_cache.clone(), b.v_cache.clone()
+    out = torch.full_like(b.q, SENTINEL)
+    table = torch.zeros(3, 2, dtype=torch.int64, device=ctx.device)
+    paged_attention_plugin(b.q, b.k, b.v, table, b.cu_seqlens_q, b.seq_lens, b.block_tables, out=out, **fields)
+    sync(ctx)
+    return bool((out == SENTINEL).all()) and torch.equal(b.k_cache, caches[0]) and torch.equal(b.v_cache, caches[1])
