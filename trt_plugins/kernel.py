@@ -136,7 +136,7 @@ def _attend(q, k_t, v, mask, m_i, l_i, acc, qk_scale, UPCAST: tl.constexpr,
     return m_new, l_i, acc
 
 
-def _attend_tile(
+def _paged_attention_kernel(
         q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
         cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr, scale, num_seqs,
         stride_q, stride_k, stride_v, stride_out,
@@ -144,7 +144,6 @@ def _attend_tile(
         HEAD_DIM: tl.constexpr, NUM_QUERIES_PER_KV: tl.constexpr, G_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
         UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    # One program's work, for either entry below.
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = _find_request(cu_seqlens_q_ptr, num_seqs, tile, BLOCK_Q)
@@ -187,20 +186,6 @@ def _attend_tile(
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
 
 
-def _paged_attention_kernel(
-        q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-        cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr, scale, num_seqs,
-        stride_q, stride_k, stride_v, stride_out,
-        stride_cache_block, stride_cache_slot, stride_block_table,
-        HEAD_DIM: tl.constexpr, NUM_QUERIES_PER_KV: tl.constexpr, G_PAD: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-        UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    _attend_tile(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_seqlens_q_ptr,
-                 seq_lens_ptr, block_tables_ptr, scale, num_seqs, stride_q, stride_k, stride_v,
-                 stride_out, stride_cache_block, stride_cache_slot, stride_block_table, HEAD_DIM,
-                 NUM_QUERIES_PER_KV, G_PAD, BLOCK_SIZE, BLOCK_Q, BLOCK_N, UPCAST, DOT_PRECISION)
-
-
 def _paged_attention_plugin_kernel(
         q_ptr, k_ptr, v_ptr, kv_cache_ptrs_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
         num_seqs, stride_block_table, layer, out_ptr,
@@ -223,10 +208,12 @@ def _paged_attention_plugin_kernel(
     v_cache_ptr = tl.load(row + 1).to(cache_ty)
     q_width = NUM_KV_HEADS * NUM_QUERIES_PER_KV * HEAD_DIM
     kv_width = NUM_KV_HEADS * HEAD_DIM
-    _attend_tile(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_seqlens_q_ptr,
-                 seq_lens_ptr, block_tables_ptr, SCALE, num_seqs, q_width, kv_width, kv_width,
-                 q_width, BLOCK_SIZE * kv_width, kv_width, stride_block_table, HEAD_DIM,
-                 NUM_QUERIES_PER_KV, G_PAD, BLOCK_SIZE, BLOCK_Q, BLOCK_N, UPCAST, DOT_PRECISION)
+    # The other entry's whole program, inlined.
+    _paged_attention_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_seqlens_q_ptr,
+                            seq_lens_ptr, block_tables_ptr, SCALE, num_seqs, q_width, kv_width, kv_width,
+                            q_width, BLOCK_SIZE * kv_width, kv_width, stride_block_table, HEAD_DIM,
+                            NUM_QUERIES_PER_KV, G_PAD, BLOCK_SIZE, BLOCK_Q, BLOCK_N, UPCAST,
+                            DOT_PRECISION)
 
 
 # Row 0 of the plugin's address table: "ORCAPAGE" in ASCII. The kernel spells it as a literal.
@@ -236,8 +223,8 @@ KV_TABLE_GUARD = 0x4F52434150414745
 _KERNEL = _paged_attention_kernel.__name__
 PLUGIN_KERNEL = _paged_attention_plugin_kernel.__name__
 _DEVICE_FUNCTIONS = (_max_combine, _sum_combine, _find_request, _write_new_kv, _load_cached_kv,
-                     _load_new_kv, _row_offsets, _load_queries, _attend, _attend_tile,
-                     _paged_attention_kernel, _paged_attention_plugin_kernel)
+                     _load_new_kv, _row_offsets, _load_queries, _attend, _paged_attention_kernel,
+                     _paged_attention_plugin_kernel)
 
 
 # One compiled kernel whatever the batch: JIT would otherwise specialise integers equal to 1
