@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install model serve test bench bench-full bench-engine bench-executors bench-pipeline perf clean
+.PHONY: install model serve test test-fast bench bench-full bench-engine bench-executors bench-pipeline perf clean
 
 install: $(STAMP)
 
@@ -20,14 +20,18 @@ $(STAMP): requirements.txt pyproject.toml
 	touch $(STAMP)
 
 model: install
-	$(PY) -m orca_backend.prepare
+	$(PY) -m orca_backend.checkpoint.prepare
 
 # HTTP_PORT, GRPC_PORT and METRICS_PORT choose the ports (8000, 8001, 8002).
 serve: model
-	$(PY) -m orca_backend.launch --model-repository model_repository
+	$(PY) -m orca_backend.serving.launch --model-repository model_repository
 
 test: model
 	$(PY) -m pytest -q
+
+# Everything but the slow groups (pytest markers server, numerics, subprocess): under 2 minutes.
+test-fast: model
+	$(PY) -m pytest -q -m "not server and not numerics and not subprocess"
 
 # orca vs hf_dynamic_batching (Triton's dynamic batcher + transformers generate) vs
 # orca_request_level under Poisson load, lengths scaled by 0.25; writes docs/benchmarks/serving.*

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.report import cpu_name, log, table  # noqa: E402
 from client.trace import LengthDist, load_tokenizer, make_trace  # noqa: E402
 from orca_backend import LLM, SamplingParams  # noqa: E402
-from orca_backend.model_store import prepare_default_model  # noqa: E402
+from orca_backend.checkpoint.store import prepare_default_model  # noqa: E402
 
 # Real English text, so prompts look like ordinary input rather than random token ids.
 TEXT = (
@@ -249,7 +249,7 @@ def bench_executors(args, tokenizer) -> list:
 
 def message_bytes(llm: LLM, prompts: list, max_tokens: int) -> tuple[float, float]:
     """Mean encoded size of the SchedulerOutput and RunnerOutput per iteration, one more run."""
-    from orca_backend.messages import encode
+    from orca_backend.core.messages import encode
 
     executor, sizes = llm.engine.executor, []
     submit = executor.submit

@@ -35,8 +35,8 @@ from benchmarks.report import log, machine_lines, table  # noqa: E402
 from client.bench import run_trace, summarize, write_json  # noqa: E402
 from client.perf_inputs import input_data  # noqa: E402
 from client.trace import LengthDist, load_tokenizer, make_trace  # noqa: E402
-from orca_backend.launch import REPO_ROOT, Server  # noqa: E402
-from orca_backend.model_store import prepare_default_model  # noqa: E402
+from orca_backend.checkpoint.store import prepare_default_model  # noqa: E402
+from orca_backend.serving.launch import REPO_ROOT, Server  # noqa: E402
 
 MODEL = "orca"
 # perf_analyzer's CSV splits the average latency into these parts (microseconds).

@@ -6,7 +6,7 @@ of request rates against three configurations of `orca`, all with the same engin
 - `1 stage`: the single-process model of `model_repository/` (inline executor), its server
   started with OMP_NUM_THREADS=2 (the model has no thread parameter; torch reads that);
 - `2 stages, 1 in flight` and `2 stages, 2 in flight`: the repository that
-  `python -m orca_backend.pipeline --stages 2 --threads-per-stage 1` writes, with
+  `python -m orca_backend.serving.stages.repository --stages 2 --threads-per-stage 1` writes, with
   max_inflight 1 or 2: the layers in two stage processes (`orca_stage_0`, `orca_stage_1`),
   one torch thread each.
 
@@ -47,9 +47,9 @@ from benchmarks.plots import plot_curves  # noqa: E402
 from benchmarks.report import log, machine_lines, table  # noqa: E402
 from client.bench import CSV_FIELDS, Summary, run_trace, summarize  # noqa: E402
 from client.trace import LengthDist, load_tokenizer, make_trace  # noqa: E402
-from orca_backend.launch import REPO_ROOT, Server  # noqa: E402
-from orca_backend.pipeline import (PipelineLayout, parse_layers, set_parameters,  # noqa: E402
-                                   write_repository)
+from orca_backend.serving.launch import REPO_ROOT, Server  # noqa: E402
+from orca_backend.serving.stages.repository import (PipelineLayout, parse_layers,  # noqa: E402
+                                                    set_parameters, write_repository)
 
 # Configuration -> max_inflight of the two-stage pipeline; None: the single-process model.
 CONFIGS: dict[str, int | None] = {"1 stage": None, "2 stages, 1 in flight": 1,
@@ -448,7 +448,7 @@ def report(args, runs: list[Run], heads: dict, notes: list[str], started: dateti
         f"its server runs with OMP_NUM_THREADS={SINGLE_STAGE_THREADS} (the single-process model "
         "has no parameter for torch threads; torch reads that variable, and 2 is also its "
         "default on this machine)",
-        "- `2 stages, ...`: the repository of `python -m orca_backend.pipeline --stages 2 "
+        "- `2 stages, ...`: the repository of `python -m orca_backend.serving.stages.repository --stages 2 "
         f"--threads-per-stage 1 --set max_batch_size={args.max_batch_size} --set max_inflight=N` "
         "(BLS transport), layers " + (f"`{args.layers}`" if args.layers else "split evenly"),
         "- one tritonserver at a time: each configuration gets its own server, a warm-up of "

@@ -46,7 +46,7 @@ from benchmarks.plots import load_iterations, plot_curves, plot_scheduler  # noq
 from benchmarks.report import log, machine_lines, table  # noqa: E402
 from client.bench import CSV_FIELDS, RequestRecord, Summary, run_trace, summarize  # noqa: E402
 from client.trace import LengthDist, TraceRequest, load_tokenizer, make_trace  # noqa: E402
-from orca_backend.launch import REPO_ROOT, Server  # noqa: E402
+from orca_backend.serving.launch import REPO_ROOT, Server  # noqa: E402
 
 MODELS = {"orca": "iteration-level", "hf_dynamic_batching": "Triton's dynamic batcher + generate",
           "orca_request_level": "request-level, same engine"}

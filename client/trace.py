@@ -103,7 +103,7 @@ class TraceRequest:
 def load_tokenizer(folder: str | Path | None = None) -> Tokenizer:
     """The tokenizer.json of `folder`, or of the default model when None."""
     if folder is None:
-        from orca_backend.model_store import prepare_default_model
+        from orca_backend.checkpoint.store import prepare_default_model
         folder = prepare_default_model()
     return Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
 

@@ -22,7 +22,6 @@ class Result:
     responses: list[dict] = field(default_factory=list)
     times: list[float] = field(default_factory=list)  # monotonic arrival time of each response
     error: str | None = None
-    sent_at: float = 0.0
 
     @property
     def text(self) -> str:
@@ -123,7 +122,7 @@ class StreamingClient:
     def send(self, prompt, **options) -> str:
         request_id = f"r{self._next}"
         self._next += 1
-        self._results[request_id] = Result(sent_at=time.monotonic())
+        self._results[request_id] = Result()
         self._done[request_id] = threading.Event()
         inputs = build_inputs(prompt, batched=self.batched, **options)
         self.client.async_stream_infer(self.model, inputs, request_id=request_id,

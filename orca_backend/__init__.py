@@ -1,17 +1,19 @@
-"""ORCA-style LLM serving core: iteration-level scheduling and selective batching over a
+"""ORCA-style LLM serving for Triton: iteration-level scheduling and selective batching over a
 paged K/V cache.
 
-The names below load on first use, so that the bookkeeping modules (`orca_backend.scheduler`,
-`request`, `kv_manager`, `messages`) import without torch.
+Subpackages by role, imports in one direction (each may use only those after it):
+`baselines` -> `serving` -> `engine` -> `executors` -> `runner` -> `checkpoint` -> `core`.
+The names below load on first use, so that `import orca_backend` and the torch-free
+bookkeeping (`orca_backend.core`) do not import torch.
 """
 from __future__ import annotations
 
 import importlib
 
 _EXPORTS = {
-    "LLM": "llm", "RequestOutput": "llm", "LLMEngine": "engine", "RequestDelta": "outputs",
-    "EngineConfig": "config", "SamplingParams": "sampling_params",
-    "OrcaError": "errors", "InvalidRequestError": "errors", "ConfigError": "errors",
+    "LLM": "engine.llm", "RequestOutput": "engine.llm", "LLMEngine": "engine.llm_engine",
+    "RequestDelta": "engine.outputs", "EngineConfig": "core.config", "SamplingParams": "core.sampling_params",
+    "OrcaError": "core.errors", "InvalidRequestError": "core.errors", "ConfigError": "core.errors",
 }
 __all__ = list(_EXPORTS)
 

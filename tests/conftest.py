@@ -6,9 +6,16 @@ from pathlib import Path
 
 import pytest
 
-from orca_backend.model_store import prepare_default_model
+from orca_backend.checkpoint.store import prepare_default_model
 
 TINY_VOCAB = 512  # token ids below this decode with the default model's tokenizer
+SERVER_FIXTURES = {"server", "hostile"}  # a test that takes one is in the slow group `server`
+
+
+def pytest_collection_modifyitems(items) -> None:
+    for item in items:
+        if SERVER_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.server)
 
 
 @pytest.fixture(scope="session")
@@ -45,7 +52,7 @@ def _save_tiny(kind: str, folder: Path, tokenizer_json: Path) -> Path:
 @pytest.fixture(scope="session")
 def server(tmp_path_factory, default_model):
     """A real tritonserver on free ports with model_repository/ (every model)."""
-    from orca_backend.launch import Server
+    from orca_backend.serving.launch import Server
 
     s = Server(tmp_path_factory.mktemp("triton"))
     try:
@@ -73,7 +80,7 @@ def engine(default_model):
 @pytest.fixture
 def loop(engine):
     """A running serving loop over `engine`; it must leave no K/V block behind."""
-    from orca_backend.engine_loop import EngineLoop
+    from orca_backend.serving.loop import EngineLoop
 
     loop = EngineLoop(engine)
     loop.start()

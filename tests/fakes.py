@@ -6,13 +6,13 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from orca_backend.executor import Executor
-from orca_backend.kv_manager import BlockManager
-from orca_backend.messages import (RunnerOutput, SampledToken, SchedulerOutput, decode_runner_output,
-                                   decode_scheduler_output, encode)
-from orca_backend.request import Request, RequestStatus
-from orca_backend.sampling_params import SamplingParams
-from orca_backend.scheduler import Scheduler, SchedulerConfig
+from orca_backend.core.kv_manager import BlockManager
+from orca_backend.core.messages import (RunnerOutput, SampledToken, SchedulerOutput, decode_runner_output,
+                                        decode_scheduler_output, encode)
+from orca_backend.core.request import Request, RequestStatus
+from orca_backend.core.sampling_params import SamplingParams
+from orca_backend.core.scheduler import Scheduler, SchedulerConfig
+from orca_backend.executors.base import Executor
 
 
 @dataclass

@@ -245,12 +245,13 @@ def test_perf_comparison_rows_show_the_spread_and_missing_metrics():
                        "b": {"request_throughput": 1.1, "latency_p50": math.nan}})
     assert rows[0] == ["requests/s", "1.00", "1.10", "10%"]
     assert rows[3][1:] == ["100", "-", "-"]
-    from orca_backend.launch import REPO_ROOT
+    from orca_backend.serving.launch import REPO_ROOT
     assert portable(f"{REPO_ROOT}/build/x") == "./build/x"
 
 
 def test_perf_analyzer_input_data_pins_the_output_length(tokenizer, tmp_path):
-    from client.perf_inputs import input_data, main as write_inputs
+    from client.perf_inputs import input_data
+    from client.perf_inputs import main as write_inputs
 
     trace = make_trace(LengthDist(kind="fixed", input_tokens=12, output_tokens=5), 3, None, 0, tokenizer)
     data = input_data(trace)["data"]

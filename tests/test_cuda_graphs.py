@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from orca_backend.cuda_graphs import capture_sizes
-from orca_backend.models.attention import BatchLayout
-from orca_backend.models.kernel_attention import kernel_metadata
+from orca_backend.runner.cuda_graphs import capture_sizes
+from orca_backend.runner.models.attention import BatchLayout
+from orca_backend.runner.models.kernel_attention import kernel_metadata
 
 
 def test_capture_sizes_cover_every_batch_up_to_the_limit():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer
 
-from orca_backend.detokenizer import IncrementalDetokenizer
-from orca_backend.sampling_params import SamplingParams
+from orca_backend.core.sampling_params import SamplingParams
+from orca_backend.engine.detokenizer import IncrementalDetokenizer
 
 PROMPT = "Answer:"
 STOP_TEXT = "Hello world STOP and more"  # Hello | ' world' | ' ST' | 'OP' | ' and' | ' more'

@@ -4,11 +4,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_numerics import ENGINE_VARIANTS
 
 from orca_backend import LLM, ConfigError, EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
-from orca_backend.request import RequestStatus
-
-from test_numerics import ENGINE_VARIANTS
+from orca_backend.core.request import RequestStatus
 
 GREEDY = dict(temperature=0)
 
@@ -166,7 +165,7 @@ def test_multibyte_text_is_never_split(llm):
     out = _gen(llm, "Translate to Chinese: good morning. 中文:", max_tokens=16, temperature=0.9, seed=3)
     assert "\ufffd" not in out.text
     # A character still incomplete when max_tokens ends the request is dropped, not broken.
-    whole = llm.engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    whole = llm.engine.rules.tokenizer.decode(out.token_ids, skip_special_tokens=True)
     assert out.text == whole.rstrip("\ufffd") and len(out.text) > 4
 
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.subprocess  # slow group: the GPU check's dry run
+
 REPO = Path(__file__).resolve().parents[1]
 SMOKE_TIMEOUT_SECONDS = 600  # the run takes ~80 s on two cores; a hang fails, not blocks
 

@@ -8,9 +8,11 @@ import json
 import pytest
 
 from orca_backend import LLM, EngineConfig, SamplingParams
-from orca_backend.errors import InvalidRequestError
-from orca_backend.hf_baseline import HFBatchGenerator
-from orca_backend.serving import GenerateRequest
+from orca_backend.baselines.hf_generate import HFBatchGenerator
+from orca_backend.core.errors import InvalidRequestError
+from orca_backend.serving.inputs import GenerateRequest
+
+pytestmark = pytest.mark.numerics  # slow group: transformers generate against the engine
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a land far away, there lived", "def fib(n):",
            "Hello"]

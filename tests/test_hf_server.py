@@ -8,6 +8,8 @@ import pytest
 
 from client.triton_client import StreamingClient
 
+pytestmark = pytest.mark.server  # slow group: a real tritonserver
+
 MODEL = "hf_dynamic_batching"
 PROMPTS = ["The capital of France is", "Once upon a time, in a land far away, there lived a",
            "def fibonacci(n):", "Hello"]

@@ -13,12 +13,14 @@ import threading
 import pytest
 
 from client.triton_client import StreamingClient
-from orca_backend.launch import REPO_ROOT, Server
+from orca_backend.serving.launch import REPO_ROOT, Server
 
 from helpers import assert_no_leak, wait_until
 
+pytestmark = pytest.mark.server  # slow group: a real tritonserver
+
 FAULTY_MODEL_PY = '''
-from orca_backend.triton_model import TritonPythonModel as _Served
+from orca_backend.serving.triton_model import TritonPythonModel as _Served
 
 
 class TritonPythonModel(_Served):
@@ -103,7 +105,7 @@ def _runner_pids(server: Server) -> list[int]:
                 argv = f.read().split(b"\0")
         except OSError:
             continue
-        if b"orca_backend.runner_process" in argv:
+        if b"orca_backend.executors.process_child" in argv:
             found.append(pid)
     return found
 

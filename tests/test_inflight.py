@@ -10,13 +10,13 @@ import time
 import pytest
 
 from orca_backend import EngineConfig, LLMEngine, SamplingParams
-from orca_backend.engine_loop import EngineLoop
-from orca_backend.executor import RunnerDiedError
-from orca_backend.kv_manager import BlockManager
-from orca_backend.messages import RunnerOutput, SampledToken
-from orca_backend.request import Request, RequestStatus
-from orca_backend.scheduler import Scheduler, SchedulerConfig
-from orca_backend.serving import GenerateRequest
+from orca_backend.core.kv_manager import BlockManager
+from orca_backend.core.messages import RunnerOutput, SampledToken
+from orca_backend.core.request import Request, RequestStatus
+from orca_backend.core.scheduler import Scheduler, SchedulerConfig
+from orca_backend.executors.base import RunnerDiedError
+from orca_backend.serving.inputs import GenerateRequest
+from orca_backend.serving.loop import EngineLoop
 
 from fakes import FakeSink, HeldExecutor
 from helpers import wait_until
@@ -25,7 +25,7 @@ from helpers import wait_until
 def _engine(default_model, executor: HeldExecutor, **options) -> LLMEngine:
     config = {"model": str(default_model), "kv_cache_tokens": 256, "block_size": 4, "max_inflight": 3,
               **options}
-    engine = LLMEngine(EngineConfig(**config), executor=executor)  # no weights: the runner is fake
+    engine = LLMEngine(EngineConfig(**config), lambda spec: executor)  # no weights: the runner is fake
     executor.kv = engine.kv
     return engine
 

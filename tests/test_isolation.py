@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from orca_backend import EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
-from orca_backend import sampler as sampler_module
-from orca_backend.detokenizer import IncrementalDetokenizer
-from orca_backend.request import RequestStatus
+from orca_backend.core.request import RequestStatus
+from orca_backend.engine.detokenizer import IncrementalDetokenizer
+from orca_backend.runner import sampler as sampler_module
 
 PROMPT = "Once upon a time"
 
@@ -127,7 +127,7 @@ def test_seeds_beyond_the_generator_are_refused(values, field):
 
 
 def test_stop_token_ids_beyond_the_vocabulary_are_refused(engine):
-    vocab = engine.model_config.vocab_size
+    vocab = engine.rules.model_config.vocab_size
     with pytest.raises(InvalidRequestError, match=f"'stop_token_ids'.*{vocab}"):
         engine.add_request("x", PROMPT, SamplingParams(stop_token_ids=[vocab], min_tokens=2))
     assert not engine.has_unfinished_requests()

@@ -145,8 +145,8 @@ def test_tile_config(max_query_len, group, block_q, block_m):
 def test_reference_matches_the_engines_sdpa_path():
     """The float64 reference against orca_backend's own SDPA attention, on a batch with a
     decode, a prompt and a prompt chunk over a cached prefix, GQA, shuffled blocks."""
-    from orca_backend.models.attention import AttentionMetadata, BatchLayout
-    from orca_backend.models.attention import paged_attention as sdpa_paged_attention
+    from orca_backend.runner.models.attention import AttentionMetadata, BatchLayout
+    from orca_backend.runner.models.attention import paged_attention as sdpa_paged_attention
 
     queries, contexts = [1, 9, 5], [21, 0, 13]
     b = make_paged_batch(queries, contexts, num_heads=6, num_kv_heads=2, head_dim=16, seed=5)

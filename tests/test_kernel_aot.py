@@ -16,8 +16,9 @@ import triton
 
 from trt_plugins.aot import PTX_PARAMS, compile_ptx, find_ptxas
 
-pytestmark = pytest.mark.skipif(find_ptxas() is None, reason="ptxas not found: cannot build or "
-                                "check PTX (triton's bundled one is missing and none is on PATH)")
+pytestmark = [pytest.mark.subprocess,  # slow group: ptxas and the aot CLI
+              pytest.mark.skipif(find_ptxas() is None, reason="ptxas not found: cannot build or "
+                                 "check PTX (triton's bundled one is missing and none is on PATH)")]
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from orca_backend.engine_loop import EngineLoop
-from orca_backend.serving import GenerateRequest
+from orca_backend.serving.inputs import GenerateRequest
+from orca_backend.serving.loop import EngineLoop
 
 from fakes import FakeSink
 from helpers import wait_until
@@ -88,16 +88,19 @@ def test_a_crash_of_the_sender_ends_every_open_request_and_frees_their_blocks(lo
     assert after[0].error is None
 
 
-def test_a_failing_trace_is_switched_off_and_serving_goes_on(engine, tmp_path):
+def test_a_failing_trace_is_switched_off_and_serving_goes_on(engine, tmp_path, caplog):
     loop = EngineLoop(engine, trace_path=str(tmp_path / "trace.jsonl"))
     loop._trace._file.close()  # writing to it now raises
     loop.start()
     try:
         sinks = _submit(loop, 2, max_tokens=4)
         _finished(sinks)
-        assert [s.error for s in sinks] == [None, None] and not loop._trace.enabled
+        assert [s.error for s in sinks] == [None, None]
     finally:
         loop.shutdown()
+    # Every iteration wrote to the trace; only the first write failed, then it was off.
+    assert engine.stats.num_iterations >= 4
+    assert [r.message for r in caplog.records].count("writing the trace failed; the trace is switched off") == 1
 
 
 def test_a_full_queue_refuses_new_requests_at_once(engine, monkeypatch):
@@ -195,8 +198,8 @@ class _RecordingMetrics:
         self.blocks_used, self.num_finished = None, 0
         self.at_response: list[tuple] = []
 
-    def on_iteration(self, snapshot):
-        self.blocks_used = snapshot.num_used_blocks
+    def on_iteration(self, stats):
+        self.blocks_used = stats.engine.num_used_blocks
 
     def on_tokens(self, num_tokens, first, seconds_since_last):
         pass

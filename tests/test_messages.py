@@ -4,9 +4,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from orca_backend.messages import (NewRequest, RunnerOutput, SampledToken, ScheduledRequest,
-                                   SchedulerOutput, decode_runner_output, decode_scheduler_output, encode)
-from orca_backend.sampling_params import SEED_RANGE, SamplingParams
+from orca_backend.core.messages import (NewRequest, RunnerOutput, SampledToken, ScheduledRequest,
+                                        SchedulerOutput, decode_runner_output, decode_scheduler_output,
+                                        encode)
+from orca_backend.core.sampling_params import SEED_RANGE, SamplingParams
 
 from fakes import FakeEngine
 
@@ -15,7 +16,7 @@ def test_both_messages_survive_the_wire_unchanged():
     params = SamplingParams(max_tokens=7, temperature=0.5, top_k=3, seed=SEED_RANGE[1], stop=["é", "\n"],
                             stop_token_ids=[2, 9], logprobs=2)
     message = SchedulerOutput(
-        5, [NewRequest("req-1", [1, 2, 3], params, params.seed, True)],
+        5, [NewRequest("req-1", [1, 2, 3], params, True)],
         [ScheduledRequest("req-1", 0, 3, [], [4, 7], False),
          ScheduledRequest("req-0", 9, 1, [1234], [], True)],
         ["req-old"], ["req-preempted"])
@@ -73,7 +74,7 @@ def test_a_preempted_request_resumes_with_a_new_table_and_its_history():
 
 
 def test_bookkeeping_modules_import_without_torch():
-    code = ("import sys, orca_backend.scheduler, orca_backend.request, orca_backend.kv_manager, "
-            "orca_backend.messages, orca_backend.config, orca_backend.executor; "
+    code = ("import sys, orca_backend.core.scheduler, orca_backend.core.request, orca_backend.core.kv_manager, "
+            "orca_backend.core.messages, orca_backend.core.config, orca_backend.executors.base; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

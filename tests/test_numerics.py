@@ -7,6 +7,8 @@ import torch
 
 from orca_backend import EngineConfig, LLMEngine, SamplingParams
 
+pytestmark = pytest.mark.numerics  # slow group: against transformers
+
 # (prompt length, max_tokens): different lengths, some longer than the token budget.
 SHAPES = [(5, 12), (40, 6), (17, 20), (1, 9), (64, 4), (23, 15), (9, 1), (33, 11)]
 

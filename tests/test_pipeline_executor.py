@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from orca_backend import ConfigError, EngineConfig, LLMEngine, SamplingParams
-from orca_backend.pipeline_executor import PipelineExecutor, split_layers
+from orca_backend.executors.pipeline import PipelineExecutor, split_layers
 
 
 def test_layers_split_evenly_the_first_stages_taking_the_remainder():

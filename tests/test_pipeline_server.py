@@ -1,5 +1,5 @@
 """Pipeline stages as Triton models, end to end: repositories written by
-`orca_backend.pipeline`, served by a real tritonserver, driven by tritonclient.
+`orca_backend.serving.stages.repository`, served by a real tritonserver, driven by tritonclient.
 
 One server hosts a single-stage model (`single`, the reference) and four 2-stage pipelines
 on the CPU, one torch thread per stage: `p1` (1 iteration in flight), `p2` (2 in flight,
@@ -15,12 +15,15 @@ import subprocess
 import time
 
 import pytest
+from stage_faults import faulty_stage_model_py
 
 from client.triton_client import StreamingClient
-from orca_backend.launch import Server
-from orca_backend.pipeline import TEMPLATE, PipelineLayout, set_parameters, write_repository
+from orca_backend.serving.launch import Server
+from orca_backend.serving.stages.repository import TEMPLATE, PipelineLayout, set_parameters, write_repository
 
 from helpers import assert_no_leak, wait_until
+
+pytestmark = pytest.mark.server  # slow group: a real tritonserver
 
 # `pf`: stage 1 sleeps through iteration 1 once, past the deadline (which restarts the
 # engine's iteration count); then stage 0 fails iteration 2, which only tells the stages that
@@ -47,7 +50,7 @@ def server(tmp_path_factory, default_model):
     single = set_parameters(TEMPLATE.read_text(), {"kv_cache_tokens": "8192"})
     (repo / "single" / "1").mkdir(parents=True)
     (repo / "single" / "config.pbtxt").write_text(single.replace('name: "orca"', 'name: "single"', 1))
-    (repo / "single" / "1" / "model.py").write_text("from orca_backend.triton_model import TritonPythonModel  # noqa\n")
+    (repo / "single" / "1" / "model.py").write_text("from orca_backend.serving.triton_model import TritonPythonModel  # noqa\n")
     pipelines = {
         "p1": {"max_inflight": "1"},
         "p2": {"max_inflight": "2", "max_batch_size": "4"},
@@ -56,11 +59,10 @@ def server(tmp_path_factory, default_model):
         "pf": {"iteration_timeout_seconds": str(DEADLINE_SECONDS), "kv_cache_tokens": "4096"},
     }
     for name, parameters in pipelines.items():
-        faults = {i: {"fail_at_iteration": str(k)} for i, k in FAIL_AT.items()} if name == "pf" else {}
-        if name == "pf":
-            faults[1].update(stall_at_iteration="1", stall_seconds=str(STALL_SECONDS))
-        write_repository(PipelineLayout(2, name, threads_per_stage=1, orca_parameters=parameters,
-                                        stage_parameters=faults), repo)
+        write_repository(PipelineLayout(2, name, threads_per_stage=1, orca_parameters=parameters), repo)
+    for stage, fail_at in FAIL_AT.items():  # the stage models of `pf`, wrapped in test faults
+        stall = (1, STALL_SECONDS) if stage == 1 else None
+        (repo / f"pf_stage_{stage}" / "1" / "model.py").write_text(faulty_stage_model_py(fail_at, stall))
     s = Server(tmp_path_factory.mktemp("pipeline_triton"), repo, ["--exit-timeout-secs=20"])
     try:
         s.wait_ready(600)

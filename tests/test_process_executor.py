@@ -11,11 +11,15 @@ import threading
 import pytest
 
 from orca_backend import LLM, EngineConfig, LLMEngine, SamplingParams
-from orca_backend import executor as executor_module
-from orca_backend.executor import ProcessExecutor, RunnerDiedError, RunnerSpec
-from orca_backend.messages import NewRequest, ScheduledRequest, SchedulerOutput
+from orca_backend.core.messages import NewRequest, ScheduledRequest, SchedulerOutput
+from orca_backend.executors import process as process_module
+from orca_backend.executors.base import IterationFailedError, RunnerDiedError
+from orca_backend.executors.process import ProcessExecutor
+from orca_backend.runner.spec import RunnerSpec
 
 from helpers import wait_until
+
+pytestmark = pytest.mark.subprocess  # slow group: runners in child processes
 
 PROMPTS = ["The capital of France is", "Write a haiku about rain", "1, 2, 3,"]
 
@@ -87,7 +91,7 @@ def test_a_runner_killed_mid_iteration_fails_that_iteration_and_every_later_one(
     pid = executor.process.pid
     try:
         os.kill(pid, signal.SIGSTOP)  # it cannot answer before it dies
-        message = SchedulerOutput(0, [NewRequest("a", [1, 2, 3], SamplingParams(), None, False)],
+        message = SchedulerOutput(0, [NewRequest("a", [1, 2, 3], SamplingParams(), False)],
                                   [ScheduledRequest("a", 0, 3, [], [0], True)])
         future = executor.submit(message)
         os.kill(pid, signal.SIGKILL)
@@ -103,7 +107,7 @@ def test_a_runner_killed_mid_iteration_fails_that_iteration_and_every_later_one(
 
 
 def test_shutting_down_a_hung_runner_is_bounded(default_model, monkeypatch):
-    monkeypatch.setattr(executor_module, "STOP_TIMEOUT_SECONDS", 1)
+    monkeypatch.setattr(process_module, "STOP_TIMEOUT_SECONDS", 1)
     executor = ProcessExecutor(_spec(default_model))
     os.kill(executor.process.pid, signal.SIGSTOP)  # alive, but it will never read STOP
     _bounded(executor.shutdown, 10)
@@ -112,7 +116,8 @@ def test_shutting_down_a_hung_runner_is_bounded(default_model, monkeypatch):
 
 CHILD_OF_A_DOOMED_PARENT = """
 import os, signal, sys
-from orca_backend.executor import ProcessExecutor, RunnerSpec
+from orca_backend.executors.process import ProcessExecutor
+from orca_backend.runner.spec import RunnerSpec
 executor = ProcessExecutor(RunnerSpec(sys.argv[1], "float32", "cpu", 16, 16, 0))
 print(executor.process.pid, flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
@@ -147,7 +152,7 @@ def test_a_runner_that_died_while_idle_costs_the_next_request_nothing(default_mo
 
 
 def test_a_hung_runner_is_given_up_after_the_iteration_timeout(default_model, monkeypatch):
-    monkeypatch.setattr(executor_module, "STOP_TIMEOUT_SECONDS", 1)
+    monkeypatch.setattr(process_module, "STOP_TIMEOUT_SECONDS", 1)
     config = EngineConfig(model=str(default_model), executor="process", kv_cache_tokens=2048,
                           iteration_timeout_seconds=2)
     engine = LLMEngine(config)
@@ -171,7 +176,7 @@ def test_a_hung_runner_is_given_up_after_the_iteration_timeout(default_model, mo
 
 def _message(iteration_id: int, request_id: str, num_prompt_tokens: int, **params) -> SchedulerOutput:
     prompt = [7] * num_prompt_tokens
-    return SchedulerOutput(iteration_id, [NewRequest(request_id, prompt, SamplingParams(**params), None, False)],
+    return SchedulerOutput(iteration_id, [NewRequest(request_id, prompt, SamplingParams(**params), False)],
                            [ScheduledRequest(request_id, 0, 3, [], [0], True)])
 
 
@@ -180,7 +185,7 @@ def test_a_message_that_cannot_be_encoded_fails_alone(default_model):
     try:
         bad = _message(0, "bad", 3)
         bad.new_requests[0].params.stop = ["\ud800"]  # past validation, which refuses it
-        with pytest.raises(executor_module.IterationFailedError, match="could not be encoded"):
+        with pytest.raises(IterationFailedError, match="could not be encoded"):
             executor.submit(bad).result(timeout=30)
         out = executor.submit(_message(1, "good", 3)).result(timeout=30)
         assert out.iteration_id == 1 and "good" in out.sampled  # answers still match their iterations
@@ -189,7 +194,7 @@ def test_a_message_that_cannot_be_encoded_fails_alone(default_model):
 
 
 def test_a_runner_that_stops_reading_never_blocks_submit(default_model, monkeypatch):
-    monkeypatch.setattr(executor_module, "STOP_TIMEOUT_SECONDS", 1)
+    monkeypatch.setattr(process_module, "STOP_TIMEOUT_SECONDS", 1)
     executor = ProcessExecutor(_spec(default_model))
     os.kill(executor.process.pid, signal.SIGSTOP)
     # Each message is about 100 kB, more than a pipe holds: a blocking write would hang here.

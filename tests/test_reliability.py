@@ -13,7 +13,7 @@ import time
 import pytest
 
 from client.triton_client import StreamingClient
-from orca_backend.launch import REPO_ROOT
+from orca_backend.serving.launch import REPO_ROOT
 
 from helpers import assert_no_leak, wait_until
 

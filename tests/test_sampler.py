@@ -5,9 +5,10 @@ import math
 
 import torch
 
-from orca_backend.model_runner import RunnerRequest
-from orca_backend.sampler import Sampler
-from orca_backend.sampling_params import SamplingParams
+from orca_backend.core.messages import NewRequest
+from orca_backend.core.sampling_params import SamplingParams
+from orca_backend.runner.sampler import Sampler
+from orca_backend.runner.state import RunnerRequest
 
 EOS = 0
 
@@ -15,7 +16,9 @@ EOS = 0
 def _req(prompt=(1,), output=(), **params) -> RunnerRequest:
     """The runner's state of a request that has been fed `output` after its prompt."""
     p = SamplingParams(**params)
-    return RunnerRequest("r", len(prompt), [*prompt, *output], p, p.seed, p.logprobs is not None)
+    state = RunnerRequest.new(NewRequest("r", list(prompt), p, p.logprobs is not None), torch.device("cpu"))
+    state.token_ids += output
+    return state
 
 
 def _sample(logits, *requests, seed=0):

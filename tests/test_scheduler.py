@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from orca_backend.kv_manager import BlockManager
-from orca_backend.request import RequestStatus
-from orca_backend.scheduler import SchedulerConfig
+from orca_backend.core.kv_manager import BlockManager
+from orca_backend.core.request import RequestStatus
+from orca_backend.core.scheduler import SchedulerConfig
 
 from fakes import FakeEngine
 

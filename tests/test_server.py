@@ -9,9 +9,11 @@ import pytest
 
 from client.triton_client import StreamingClient
 from orca_backend import LLM, SamplingParams
-from orca_backend.launch import Server
+from orca_backend.serving.launch import Server
 
 from helpers import assert_no_leak, wait_until
+
+pytestmark = pytest.mark.server  # slow group: a real tritonserver
 
 PROMPT = "Once upon a time"
 

@@ -7,8 +7,10 @@ import time
 import pytest
 
 from orca_backend import ConfigError, InvalidRequestError
-from orca_backend.engine_loop import EngineLoop
-from orca_backend.serving import GenerateRequest, engine_config_from_parameters
+from orca_backend.core.config import auto_device
+from orca_backend.serving.inputs import GenerateRequest
+from orca_backend.serving.loop import EngineLoop
+from orca_backend.serving.parameters import engine_config_from_parameters
 
 from fakes import FakeSink
 
@@ -49,7 +51,7 @@ def test_config_parameters_become_engine_options():
     c = engine_config_from_parameters({"executor": "process", "max_inflight": "2",
                                        "iteration_timeout_seconds": "30"})
     assert (c.executor, c.max_inflight, c.iteration_timeout_seconds) == ("process", 2, 30)
-    gpu = engine_config_from_parameters({}, instance_kind="GPU", device_id=2)
+    gpu = engine_config_from_parameters({}, auto_device("GPU", 2))
     assert (gpu.device, gpu.dtype, gpu.attention_backend, gpu.cuda_graphs) == ("cuda:2", "bfloat16", "triton", True)
     c = engine_config_from_parameters({"attention": "triton", "cuda_graphs": "False"})
     assert (c.attention_backend, c.cuda_graphs) == ("triton", False)
@@ -68,6 +70,7 @@ def test_config_parameters_become_engine_options():
     ({"pipeline_stages": "0"}, "engine option 'pipeline_stages' must be an integer >= 1, got 0"),
     ({"attention": "flash"}, "engine option 'attention' must be one of auto, torch, triton, got 'flash'"),
     ({"cuda_graphs": "yes"}, "model parameter 'cuda_graphs' must be true or false, got 'yes'"),
+    ({"keep_logits": "true"}, "unknown model parameter 'keep_logits'"),  # a field for tests only
 ])
 def test_bad_config_parameters_fail_the_load_with_a_named_error(parameters, message):
     with pytest.raises(ConfigError, match=message):

@@ -6,12 +6,13 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from stage_faults import inject
 
 from orca_backend import ConfigError, EngineConfig, LLMEngine, SamplingParams
-from orca_backend.pipeline import PipelineLayout, parse_layers, write_repository
-from orca_backend.pipeline_executor import StageTimes
-from orca_backend.stage_worker import StageWorker
-from tools.gpu_check.pipeline_section import stage_worker_engine
+from orca_backend.executors.stages import StageTimes
+from orca_backend.serving.stages.repository import PipelineLayout, parse_layers, write_repository
+from orca_backend.serving.stages.worker import StageWorker
+from tools.gpu_check.pipeline_section import hand_driven_stages, stage_worker_engine
 
 PROMPTS = [list(range(3, 3 + n)) for n in (5, 17, 9, 30, 2, 12)]
 
@@ -55,13 +56,13 @@ def test_a_stage_failure_comes_back_in_band_and_the_next_stage_keeps_in_step(tin
     folder = tiny_models["llama"]
     options = dict(dtype="float32", device="cpu", kv_cache_tokens=4096)
     expected, _ = _drain(LLMEngine(EngineConfig(model=str(folder), **options)), _requests())
-    engine, stages = stage_worker_engine(folder, options)
-    stages.workers[0].fail_at_iteration = 1
+    stages = hand_driven_stages(folder, options)
+    inject(stages.workers[0], fail_at=1)
+    engine, _ = stage_worker_engine(folder, options, stages)
     engine.add_request("victim", PROMPTS[1], SamplingParams(temperature=0, max_tokens=8))
     tokens, errors = _drain(engine)
     assert errors == {"victim": "internal error in the engine's iteration: pipeline stage 0 (layers [0, 1)) "
-                                "failed: RuntimeError: failure injected at iteration 1 (parameter "
-                                "fail_at_iteration)"}
+                                "failed: RuntimeError: failure injected at iteration 1"}
     assert len(tokens["victim"]) == 1
     assert all(w.runner.requests == {} for w in stages.workers)  # stage 1 took note of the end too
     tokens, errors = _drain(engine, _requests())
@@ -74,10 +75,10 @@ def test_a_stage_refuses_a_spec_that_is_not_its_own(tiny_models):
     worker = stages.workers[1]
     with pytest.raises(ConfigError, match=r"pipeline stage 1 \(layers \[1, 2\)\) runs in float32, "
                                           r"the serving model expects bfloat16"):
-        worker.configure(list(dataclasses.astuple(dataclasses.replace(engine.runner_spec, dtype="bfloat16"))))
+        worker.configure(dataclasses.asdict(dataclasses.replace(engine.runner_spec, dtype="bfloat16")))
     other = dataclasses.replace(engine.runner_spec, model_path=str(tiny_models["qwen2"]))
     with pytest.raises(ConfigError, match="serves .*llama, the serving model .*qwen2"):
-        worker.configure(list(dataclasses.astuple(other)))
+        worker.configure(dataclasses.asdict(other))
     with pytest.raises(ConfigError, match=r"layers \[1, 3\) are not a non-empty range within the model's 2"):
         StageWorker(1, (1, 3), str(folder), "float32", "cpu")
 
@@ -85,8 +86,7 @@ def test_a_stage_refuses_a_spec_that_is_not_its_own(tiny_models):
 def test_the_generator_writes_a_repository_of_chained_stages(tiny_models, tmp_path):
     folder = tiny_models["llama"]
     write_repository(PipelineLayout(2, "big", model=str(folder), threads_per_stage=1,
-                                    orca_parameters={"max_inflight": "1"},
-                                    stage_parameters={1: {"fail_at_iteration": "3"}}), tmp_path)
+                                    orca_parameters={"max_inflight": "1"}), tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big", "big_pipeline", "big_stage_0", "big_stage_1"]
     serving = (tmp_path / "big" / "config.pbtxt").read_text()
     for key, value in [("executor", "stages"), ("pipeline_stages", "2"), ("max_inflight", "1"),
@@ -97,7 +97,9 @@ def test_the_generator_writes_a_repository_of_chained_stages(tiny_models, tmp_pa
     assert 'name: "big_stage_1"' in last and "count: 1 kind: KIND_CPU" in last
     assert '{ name: "output" data_type: TYPE_UINT8' in last
     assert 'key: "layer_start" value: { string_value: "1" }' in last
-    assert 'key: "fail_at_iteration" value: { string_value: "3" }' in last
+    assert 'key: "num_threads" value: { string_value: "1" }' in last
+    assert (tmp_path / "big_stage_1" / "1" / "model.py").read_text().endswith(
+        "from orca_backend.serving.stages.model import TritonPythonModel  # noqa: F401\n")
     first = (tmp_path / "big_stage_0" / "config.pbtxt").read_text()
     assert '{ name: "hidden" data_type: TYPE_FP32 dims: [ -1, 64 ] }' in first
     ensemble = (tmp_path / "big_pipeline" / "config.pbtxt").read_text()
@@ -110,8 +112,8 @@ def test_the_generator_writes_a_repository_of_chained_stages(tiny_models, tmp_pa
 
 @pytest.mark.parametrize("layers, message", [
     ("0:1", "gives 1 ranges for 2 stages"),
-    ("0:1,2:2", r"one starting at 1 was due"),
-    ("0:1,1:3", "ends at layer 3, the model has 2 layers"),
+    ("0:1,2:2", r"stage 1 has layers \[2, 2\), but a non-empty range starting at layer 1 was due"),
+    ("0:1,1:3", "the stages end at layer 3, the model has 2 layers"),
     ("a:b", "must look like 0:15,15:30"),
 ])
 def test_the_generator_refuses_layers_that_do_not_chain(tiny_models, tmp_path, layers, message):
@@ -127,7 +129,7 @@ def test_the_generator_refuses_bad_layouts():
 
 
 def test_bubble_time_is_pipeline_time_less_each_stages_busy_time(monkeypatch):
-    import orca_backend.pipeline_executor as pe
+    import orca_backend.executors.stages as pe
 
     now = [0.0]
     monkeypatch.setattr(pe.time, "monotonic", lambda: now[0])
@@ -159,17 +161,18 @@ def test_bubble_time_is_pipeline_time_less_each_stages_busy_time(monkeypatch):
 
 
 def test_stage_counters_go_on_across_a_restart_of_the_stages(tiny_models):
-    """A runner restart replaces the executor; the engine's per-stage counters must not fall
-    back (they are Prometheus counters), and nothing stays in flight."""
+    """A runner restart replaces the executor; the per-stage counters, which its factory
+    keeps, must not fall back (they are Prometheus counters), and nothing stays in flight."""
     engine = LLMEngine(EngineConfig(model=str(tiny_models["llama"]), executor="pipeline"))
     engine.add_request("a", PROMPTS[0], SamplingParams(temperature=0, max_tokens=3))
     _drain(engine)
-    before = engine.executor.stage_stats()
+    stage_stats = engine.executor_factory.stage_stats
+    before = stage_stats()
     assert before[0].iterations > 0
     engine._restart_runner()
-    after = engine.executor.stage_stats()
+    after = stage_stats()
     assert [s.iterations for s in after] == [s.iterations for s in before]
     assert [s.iterations_in_flight for s in after] == [0, 0]
     engine.add_request("b", PROMPTS[1], SamplingParams(temperature=0, max_tokens=3))
     _drain(engine)
-    assert engine.executor.stage_stats()[1].iterations > before[1].iterations
+    assert stage_stats()[1].iterations > before[1].iterations

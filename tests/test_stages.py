@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from orca_backend.errors import ConfigError
-from orca_backend.models import load_model
-from orca_backend.models.attention import BatchLayout, TorchPagedAttention
+from orca_backend.core.errors import ConfigError
+from orca_backend.runner.models import load_model
+from orca_backend.runner.models.attention import BatchLayout, TorchPagedAttention
 
 BLOCK_SIZE = 4
 CPU = torch.device("cpu")

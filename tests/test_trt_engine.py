@@ -7,14 +7,15 @@ import math
 
 import pytest
 import torch
+from test_numerics import _prompts, _run_staggered
 
 from orca_backend import EngineConfig, LLMEngine, SamplingParams
-from orca_backend.errors import ConfigError
-from trt_plugins.builder import (ENGINE_INPUTS, EngineBuildError, EngineShapes, build_engine,
-                                 cached_engine, engine_key)
+from orca_backend.core.errors import ConfigError
+from trt_plugins.builder import (ENGINE_INPUTS, EngineBuildError, EngineShapes, build_engine, cached_engine,
+                                 engine_key)
 from trt_plugins.network import TorchGraph
 
-from test_numerics import _prompts, _run_staggered
+pytestmark = pytest.mark.numerics  # slow group: the engine's graph against the PyTorch engine
 
 GRAPH = dict(engine="tensorrt", tensorrt_runtime="torch")
 
@@ -49,7 +50,7 @@ def test_graph_has_one_plugin_per_layer_and_every_engine_input(tiny_models):
     finally:
         engine.shutdown()
     assert isinstance(graph, TorchGraph)
-    assert graph.count("plugin") == engine.model_config.num_layers
+    assert graph.count("plugin") == engine.rules.model_config.num_layers
     assert tuple(graph.inputs) == ENGINE_INPUTS and list(graph.outputs) == ["logits"]
     # Tied embeddings: one constant serves the lookup and the LM head.
     embeds = [n for n in graph.nodes if n.op == "constant" and n.attrs["value"].shape[0] == 512
@@ -124,7 +125,7 @@ def test_gpt2_is_refused_by_name(tiny_models):
 
 def test_building_without_tensorrts_builder_says_so(tiny_models):
     """Here only the lean runtime bindings install: the build names what is missing."""
-    from orca_backend.models import load_model
+    from orca_backend.runner.models import load_model
 
     model = load_model(tiny_models["llama"], torch.float32, torch.device("cpu"))
     shapes = EngineShapes.from_limits(2, 64, 4, 256, 16)
@@ -156,17 +157,17 @@ def test_bf16_graph_is_as_close_to_fp32_as_the_pytorch_runner(tiny_models):
     CPU, fed the same messages (a prompt and a prompt chunk, then a decode beside the chunk's
     rest): against the fp32 PyTorch runner, the graph's logits err no more than 1.25x the
     PyTorch runner's, and the greedy tokens agree."""
-    from orca_backend.messages import NewRequest, ScheduledRequest, SchedulerOutput
-    from orca_backend.model_runner import ModelRunner
-    from orca_backend.models import load_model
-    from orca_backend.trt_runner import GraphEngine, TensorRTRunner
+    from orca_backend.core.messages import NewRequest, ScheduledRequest, SchedulerOutput
+    from orca_backend.runner.model_runner import ModelRunner
+    from orca_backend.runner.models import load_model
+    from orca_backend.runner.tensorrt_runner import GraphEngine, TensorRTRunner
     from trt_plugins.builder import define_llama
 
     cpu, block_size = torch.device("cpu"), 4
     greedy = SamplingParams(temperature=0, max_tokens=4)
     messages = [
-        SchedulerOutput(1, [NewRequest("a", list(range(10, 17)), greedy, None, False),
-                            NewRequest("b", list(range(40, 53)), greedy, None, False)],
+        SchedulerOutput(1, [NewRequest("a", list(range(10, 17)), greedy, False),
+                            NewRequest("b", list(range(40, 53)), greedy, False)],
                         [ScheduledRequest("a", 0, 7, [], [0, 1], True), ScheduledRequest("b", 0, 8, [], [2, 3], False)]),
         SchedulerOutput(2, [], [ScheduledRequest("a", 7, 1, [100], [], True),
                                 ScheduledRequest("b", 8, 5, [], [4, 5], True)]),

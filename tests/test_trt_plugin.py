@@ -15,8 +15,8 @@ import torch
 
 from trt_plugins.aot import PLUGIN_PTX_PARAMS, compile_plugin_ptx, drop_unused_params
 from trt_plugins.builder import EngineShapes, build_engine
-from trt_plugins.network import TensorRTNetwork
 from trt_plugins.kernel import KV_TABLE_GUARD
+from trt_plugins.network import TensorRTNetwork
 from trt_plugins.paged_attention import kv_cache_table, paged_attention_plugin
 from trt_plugins.plugin import (FIELDS, INPUTS, PLUGIN_ID, SCALARS, import_tensorrt, plugin_fields,
                                 register_plugin)
@@ -235,8 +235,8 @@ def _binding_strings() -> list[str]:
 
 
 def test_every_tensorrt_name_the_builder_and_runtime_use_exists(qdp, tiny_models, monkeypatch):
-    from orca_backend.models import load_model
-    from orca_backend.trt_runner import TensorRTEngine
+    from orca_backend.runner.models import load_model
+    from orca_backend.runner.tensorrt_runner import TensorRTEngine
 
     builder_names, plugin_names, runtime_names = set(), set(), set()
     model = load_model(tiny_models["qwen2"], torch.float32, torch.device("cpu"))

@@ -1,6 +1,6 @@
 """The TensorRT engine of a Llama-family model: its graph, optimisation profile and build.
 
-The graph is one iteration of selective batching, as `orca_backend.models.llama` runs it:
+The graph is one iteration of selective batching, as `orca_backend.runner.models.llama` runs it:
 every op on the flattened [num_tokens, hidden] rows, except attention, which is our plugin
 (`orca::paged_attention`) reading and writing the paged K/V pool. It is written against the
 narrow `Network` interface (`trt_plugins.network`), so the same code builds a TensorRT network

@@ -67,8 +67,8 @@ def big_model(ctx: Context, folder: Path, dtype_name: str):
 
 def engine_on_live_model(folder: Path, state: dict, **options):
     """Our engine over `state`'s tensors (the folder holds config.json and tokenizer.json)."""
-    import orca_backend.models as models
-    from orca_backend.models.weights import Weights
+    import orca_backend.runner.models as models
+    from orca_backend.runner.models.weights import Weights
 
     def weights(_folder, dtype, device, strip_prefix=""):
         # The model's own tensors, so that the 8B-shaped checkpoint never goes through the disk.

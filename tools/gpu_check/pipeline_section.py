@@ -24,10 +24,10 @@ import random
 import statistics
 import tempfile
 from concurrent.futures import Future
-from dataclasses import astuple, dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from orca_backend.executor import Executor, IterationFailedError
+from orca_backend.executors.base import Executor, IterationFailedError
 from tools.gpu_check.checkpoints import new_engine, save_tiny
 from tools.gpu_check.engine_sections import first_difference, run_staggered
 from tools.gpu_check.kernel_sections import median_microseconds
@@ -48,7 +48,7 @@ GOALS = {"pipeline executor, 1 in flight": "pipeline_tokens_equal_single_stage",
 
 
 def pipeline(ctx: Context, rec: dict) -> None:
-    from orca_backend.models import ModelConfig
+    from orca_backend.runner.models import ModelConfig
 
     dtype = "bfloat16" if ctx.cuda else "float32"
     if not ctx.cuda:
@@ -184,17 +184,19 @@ class HandDrivenStages(Executor):
         self.iterations: list[Iteration] = []
         self.hidden_problems: list[str] = []
 
-    def configure(self, spec) -> None:
-        replies = [w.configure(list(astuple(spec))) for w in self.workers]
-        layers, num_layers = [tuple(r["layers"]) for r in replies], replies[-1]["num_layers"]
-        if [a for a, _ in layers] != [0] + [b for _, b in layers[:-1]] or layers[-1][1] != num_layers:
-            raise RuntimeError(f"the stages' layers {layers} do not chain over the model's {num_layers}")
+    def configured(self, spec) -> HandDrivenStages:
+        """Every stage builds its runner from the engine's spec (the engine's executor factory)."""
+        from orca_backend.executors.stages import check_layer_split
+
+        replies = [w.configure(asdict(spec)) for w in self.workers]
+        check_layer_split([tuple(r["layers"]) for r in replies], replies[-1]["num_layers"])
+        return self
 
     def submit(self, message) -> Future:
         import msgpack
         import torch
 
-        from orca_backend.messages import decode_runner_output
+        from orca_backend.core.messages import decode_runner_output
 
         future: Future = Future()
         data = msgpack.packb(message.to_wire())
@@ -221,21 +223,24 @@ class HandDrivenStages(Executor):
         pass
 
 
-def stage_worker_engine(folder: Path, options: dict):
-    """An engine (scheduler, K/V bookkeeping) whose iterations go to StageWorkers of evenly
-    split layers, each configured with the engine's RunnerSpec."""
-    from orca_backend import EngineConfig, LLMEngine
-    from orca_backend.models import ModelConfig
-    from orca_backend.pipeline_executor import split_layers
-    from orca_backend.stage_worker import StageWorker
+def hand_driven_stages(folder: Path, options: dict) -> HandDrivenStages:
+    """StageWorkers of evenly split layers, not configured yet."""
+    from orca_backend.checkpoint.config import ModelConfig
+    from orca_backend.executors.stages import split_layers
+    from orca_backend.serving.stages.worker import StageWorker
 
     ranges = split_layers(ModelConfig.from_folder(folder).num_layers, NUM_STAGES)
-    workers = [StageWorker(i, r, str(folder), options["dtype"], options["device"])
-               for i, r in enumerate(ranges)]
-    stages = HandDrivenStages(workers)
-    engine = LLMEngine(EngineConfig(model=str(folder), **options), executor=stages)
-    stages.configure(engine.runner_spec)
-    return engine, stages
+    return HandDrivenStages([StageWorker(i, r, str(folder), options["dtype"], options["device"])
+                             for i, r in enumerate(ranges)])
+
+
+def stage_worker_engine(folder: Path, options: dict, stages: HandDrivenStages | None = None):
+    """An engine (scheduler, K/V bookkeeping) whose iterations go to StageWorkers (by default
+    `hand_driven_stages`), each configured with the engine's RunnerSpec."""
+    from orca_backend import EngineConfig, LLMEngine
+
+    stages = stages or hand_driven_stages(folder, options)
+    return LLMEngine(EngineConfig(model=str(folder), **options), stages.configured), stages
 
 
 def stage_workers(ctx: Context, rec: dict, folder: Path, options: dict, prompts, max_tokens,
@@ -261,7 +266,7 @@ def stage_workers(ctx: Context, rec: dict, folder: Path, options: dict, prompts,
 def time_stage_forwards(ctx: Context, engine, stages: HandDrivenStages) -> dict[int, list[float]]:
     from orca_backend import SamplingParams
 
-    rng, vocab = random.Random(3), engine.model_config.vocab_size
+    rng, vocab = random.Random(3), engine.rules.model_config.vocab_size
     warmup, reps = (2, max(1, ctx.sizes.reps // 3)) if ctx.cuda else (1, 1)
     medians = {}
     for n in ctx.sizes.transfer_tokens:

@@ -1,2 +1,2 @@
-# The model lives in the orca_backend package; see orca_backend/triton_hf.py.
-from orca_backend.triton_hf import TritonPythonModel  # noqa: F401
+# The model lives in the orca_backend package; see orca_backend/baselines/triton_model.py.
+from orca_backend.baselines.triton_model import TritonPythonModel  # noqa: F401

@@ -1,0 +1,133 @@
+"""Engine options, with defaults, validated on construction; and the choices each option has.
+
+The config names the modules it configures only by these strings: it imports none of them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import ConfigError
+
+POLICIES = ("paged", "reserve")  # K/V: blocks as tokens arrive, or ORCA's reservation of max_tokens
+BATCHING_MODES = ("iteration", "request")
+# Where the model runner lives: this process, a child process, stages in this process, or
+# stages as Triton models (only inside tritonserver).
+EXECUTORS = ("inline", "process", "pipeline", "stages")
+STAGE_TRANSPORTS = ("bls", "ensemble")
+DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}  # bytes per element; torch's names
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+DEFAULT_MAX_PROMPT_BYTES = 1 << 20
+# "auto": our kernel (trt_plugins) on a GPU, PyTorch SDPA on the CPU (where the kernel runs
+# only under the Triton interpreter, for tests).
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ENGINES = ("torch", "tensorrt")
+TENSORRT_RUNTIMES = ("tensorrt", "torch")
+# Fields of EngineConfig that a served model's config.pbtxt does not set.
+_NOT_A_PARAMETER = {"parameter": False}
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything an engine is built from. `model=None` means the default model."""
+
+    model: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_batch_size: int = 32
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    kv_cache_tokens: int | None = None  # pool size in tokens; else from kv_cache_bytes
+    kv_cache_bytes: int | None = None  # default DEFAULT_KV_CACHE_BYTES
+    policy: str = "paged"
+    batching: str = "iteration"
+    max_model_len: int | None = None  # cap on the model's context
+    seed: int = 0
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES  # longer prompts are refused untokenized
+    keep_logits: bool = field(default=False, metadata=_NOT_A_PARAMETER)  # each iteration's logits (tests)
+    executor: str = "inline"  # where the model runner lives: "inline", "process" or "pipeline"
+    pipeline_stages: int = 2  # with the "pipeline" or "stages" executor: stages, layers split evenly
+    stage_transport: str = "bls"  # "stages": BLS calls per stage from this model, or one "ensemble" call
+    max_inflight: int | None = None  # iterations out at once; None: pipeline_stages for a pipeline, else 1
+    # (the ensemble transport runs one iteration at a time: Triton does not order concurrent calls)
+    iteration_timeout_seconds: int = 600  # a runner silent this long is treated as dead
+    attention: str = "auto"  # "torch" (SDPA), "triton" (our kernel) or "auto"
+    cuda_graphs: bool = True  # decode iterations replayed from CUDA graphs (kernel backend)
+    engine: str = "torch"  # "torch": PyTorch layers; "tensorrt": a TensorRT engine with our attention plugin
+    # "torch": evaluate the TensorRT engine's graph with torch instead of TensorRT (checks on the CPU)
+    tensorrt_runtime: str = "tensorrt"
+    engine_cache_dir: str | None = None  # built TensorRT engines; None: <cache>/engines
+
+    def __post_init__(self) -> None:
+        _need(self.dtype in DTYPE_SIZES, "dtype", self.dtype, f"one of {', '.join(DTYPE_SIZES)}")
+        _need(self.device == "cpu" or self.device.startswith("cuda"), "device", self.device,
+              "'cpu' or 'cuda[:N]'")
+        if self.device == "cpu" and self.dtype != "float32":
+            raise ConfigError(f"dtype {self.dtype!r} is for GPUs; use 'float32' on cpu")
+        if self.max_inflight is None:
+            pipelined = self.executor == "pipeline" or (self.executor == "stages" and self.stage_transport == "bls")
+            self.max_inflight = self.pipeline_stages if pipelined else 1
+        for name in ("max_batch_size", "max_num_batched_tokens", "block_size", "max_prompt_bytes",
+                     "max_inflight", "iteration_timeout_seconds", "pipeline_stages"):
+            value = getattr(self, name)
+            _need(isinstance(value, int) and value >= 1, name, value, "an integer >= 1")
+        for name in ("kv_cache_tokens", "kv_cache_bytes", "max_model_len"):
+            value = getattr(self, name)
+            _need(value is None or (isinstance(value, int) and value >= 1), name, value,
+                  "unset or an integer >= 1")
+        _need(self.policy in POLICIES, "policy", self.policy, f"one of {', '.join(POLICIES)}")
+        _need(self.batching in BATCHING_MODES, "batching", self.batching,
+              f"one of {', '.join(BATCHING_MODES)}")
+        _need(self.attention in ATTENTION_BACKENDS, "attention", self.attention,
+              f"one of {', '.join(ATTENTION_BACKENDS)}")
+        _need(isinstance(self.cuda_graphs, bool), "cuda_graphs", self.cuda_graphs, "true or false")
+        _need(self.executor in EXECUTORS, "executor", self.executor, f"one of {', '.join(EXECUTORS)}")
+        _need(self.engine in ENGINES, "engine", self.engine, f"one of {', '.join(ENGINES)}")
+        _need(self.tensorrt_runtime in TENSORRT_RUNTIMES, "tensorrt_runtime", self.tensorrt_runtime,
+              f"one of {', '.join(TENSORRT_RUNTIMES)}")
+        if self.engine == "tensorrt":
+            _need(self.executor in ("inline", "process"), "executor", self.executor,
+                  "'inline' or 'process' with engine 'tensorrt' (it builds whole models, not stages)")
+            _need(self.tensorrt_runtime == "torch" or self.device != "cpu", "device", self.device,
+                  "a GPU ('cuda[:N]') with engine 'tensorrt' (tensorrt_runtime 'torch' evaluates "
+                  "its graph on the CPU, for checks)")
+        _need(self.stage_transport in STAGE_TRANSPORTS, "stage_transport", self.stage_transport,
+              f"one of {', '.join(STAGE_TRANSPORTS)}")
+
+    @property
+    def attention_backend(self) -> str:
+        """The backend "auto" stands for on this device."""
+        if self.attention != "auto":
+            return self.attention
+        return "torch" if self.device == "cpu" else "triton"
+
+    def num_kv_blocks(self, kv_elements_per_token: int) -> int:
+        """Pool size in blocks from kv_cache_tokens, else from the byte budget."""
+        tokens = self.kv_cache_tokens
+        if tokens is None:
+            bytes_per_token = kv_elements_per_token * DTYPE_SIZES[self.dtype]
+            tokens = (self.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // bytes_per_token
+        num_blocks = tokens // self.block_size
+        if num_blocks < 1:
+            raise ConfigError(f"the K/V pool holds {tokens} tokens, less than one block "
+                              f"of block_size {self.block_size}")
+        return num_blocks
+
+
+def is_model_parameter(f) -> bool:
+    """Whether an EngineConfig field is also a parameter of a served model's config.pbtxt."""
+    return f.metadata.get("parameter", True)
+
+
+def auto_device(instance_kind: str, device_id: int = 0) -> str:
+    """The device "auto" means for a Triton model instance: its GPU (KIND_GPU), else the CPU."""
+    return f"cuda:{device_id}" if instance_kind.upper() == "GPU" else "cpu"
+
+
+def auto_dtype(device: str) -> str:
+    """The dtype "auto" means on a device: bfloat16 on a GPU, float32 on the CPU."""
+    return "float32" if device == "cpu" else "bfloat16"
+
+
+def _need(ok: bool, name: str, value, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"engine option {name!r} must be {allowed}, got {value!r}")

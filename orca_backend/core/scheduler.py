@@ -1,0 +1,224 @@
+"""Iteration-level FCFS scheduler over a paged K/V pool (ORCA's Algorithm 1, plus paging).
+
+Each call to `schedule()` hands out tokens, not phases: a request gets
+`min(remaining tokens, budget)` tokens, so a whole prompt, a prompt chunk and a decode step
+are the same code path and share an iteration.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass
+
+from .config import BATCHING_MODES, POLICIES
+from .kv_manager import BlockManager
+from .messages import NewRequest, RunnerOutput, ScheduledRequest, SchedulerOutput
+from .request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_batch_size: int = 32  # requests per iteration
+    max_num_batched_tokens: int = 512
+    policy: str = "paged"
+    batching: str = "iteration"
+    max_inflight: int = 1  # iterations submitted and not yet returned
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "max_num_batched_tokens", "max_inflight"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.batching not in BATCHING_MODES:
+            raise ValueError(f"batching must be one of {BATCHING_MODES}, got {self.batching!r}")
+
+
+class Scheduler:
+    """Bookkeeping only: which requests run, how many tokens each, which K/V blocks they own.
+
+    Several iterations may be in flight. A request in an unreturned iteration is not
+    scheduled again, is never preempted, and keeps its K/V blocks until that iteration
+    returns: finishing it then (an abort) takes effect on return, and its output is dropped.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv: BlockManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last is preempted first
+        self.num_preemptions = 0
+        self.num_iterations = 0
+        self._iteration_ids = itertools.count()
+        self._in_flight: dict[int, list[tuple[Request, int]]] = {}
+        # For the runner, since the last message: requests to forget, tables to drop.
+        self._finished_ids: list[str] = []
+        self._preempted_ids: list[str] = []
+
+    # -- requests in and out ------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Retire a request (stopped, length, aborted, error) and free its blocks; a request
+        in flight is retired when its iteration returns."""
+        if req.in_flight:
+            req.finish_on_return = status
+            return
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif not req.status.finished:
+            self.waiting.remove(req)
+        req.status = status
+        self.kv.free(req.request_id)
+        if req.num_sent_tokens:
+            self._finished_ids.append(req.request_id)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    @property
+    def has_news_for_runner(self) -> bool:
+        """Ended requests the runner has not been told of yet."""
+        return bool(self._finished_ids or self._preempted_ids)
+
+    def runner_request_ids(self) -> list[str]:
+        """Every request the runner may hold state for (to drop them all after a reset)."""
+        return [r.request_id for r in (*self.running, *self.waiting) if r.num_sent_tokens] + self._finished_ids
+
+    def forget_on_runner(self, request_ids: list[str]) -> None:
+        """Tell the runner, with the next message, to drop these requests' state."""
+        self._finished_ids += request_ids
+
+    # -- one iteration ----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput | None:
+        """Pick this iteration's requests and token counts and reserve their K/V slots;
+        None when no request can run now (or a message with no rows that only carries the
+        ids of ended requests, when nothing is in flight)."""
+        scheduled: list[tuple[Request, int]] = []
+        num_preemptions = self.num_preemptions
+        budget = self._schedule_running(scheduled, self.config.max_num_batched_tokens)
+        if self.num_preemptions == num_preemptions:  # no room was short: admit newcomers
+            self._schedule_waiting(scheduled, budget)
+        if not scheduled:
+            if self.has_news_for_runner and not self._in_flight:
+                # Nothing to run, but the runner (every pipeline stage) still holds state of
+                # requests that have ended: a message without rows tells it to drop them.
+                return self._describe([])
+            return None
+        self.num_iterations += 1
+        return self._describe(scheduled)
+
+    def _schedule_running(self, scheduled: list, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0 and len(scheduled) < self.config.max_batch_size:
+            req = self.running[i]
+            i += 1
+            if req.in_flight:
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._make_room(req, req.num_computed_tokens + n):
+                break  # req itself was the newest and got preempted
+            self.kv.allocate(req.request_id, req.num_computed_tokens + n)
+            scheduled.append((req, n))
+            budget -= n
+        return budget
+
+    def _make_room(self, req: Request, num_tokens: int) -> bool:
+        """Preempt the newest running requests not in flight until `req` fits; False if
+        `req` went too."""
+        while not self.kv.can_allocate(req.request_id, num_tokens):
+            victim = next(r for r in reversed(self.running) if not r.in_flight)  # req qualifies
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        # Recompute later: K/V is dropped, generated tokens are kept and re-prefilled.
+        self.running.remove(req)
+        self.kv.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+        if req.num_sent_blocks:
+            self._preempted_ids.append(req.request_id)
+            req.num_sent_blocks = 0
+
+    def _schedule_waiting(self, scheduled: list, budget: int) -> None:
+        c = self.config
+        request_mode = c.batching == "request"
+        if request_mode and self.running:
+            return  # request-level batching: nobody joins a batch that is running
+        while (self.waiting and len(scheduled) < c.max_batch_size
+               and len(self.running) < c.max_batch_size * c.max_inflight):
+            if budget <= 0 and not request_mode:
+                break
+            req = self.waiting[0]
+            if not self._admit(req):
+                break  # FCFS: the head of the queue waits for room, nobody overtakes it
+            n = min(req.num_tokens, budget)
+            if n > 0:
+                scheduled.append((req, n))
+                budget -= n
+
+    def _admit(self, req: Request) -> bool:
+        need = req.max_num_tokens if self.config.policy == "reserve" else req.num_tokens
+        if not self.kv.can_allocate(req.request_id, need):
+            return False
+        self.kv.allocate(req.request_id, need)
+        self.waiting.popleft()
+        self.running.append(req)
+        req.status = RequestStatus.RUNNING
+        return True
+
+    def _describe(self, scheduled: list[tuple[Request, int]]) -> SchedulerOutput:
+        out = SchedulerOutput(next(self._iteration_ids), finished_request_ids=self._finished_ids,
+                              preempted_request_ids=self._preempted_ids)
+        self._finished_ids, self._preempted_ids = [], []
+        for req, n in scheduled:
+            if not req.num_sent_tokens:
+                out.new_requests.append(NewRequest(req.request_id, req.prompt_token_ids, req.params,
+                                                   req.wants_logprob))
+                req.num_sent_tokens = req.num_prompt_tokens
+            end = req.num_computed_tokens + n
+            new_token_ids = req.token_slice(req.num_sent_tokens, end) if end > req.num_sent_tokens else []
+            req.num_sent_tokens = max(req.num_sent_tokens, end)
+            table = self.kv.block_tables[req.request_id]
+            new_block_ids, req.num_sent_blocks = table[req.num_sent_blocks:], len(table)
+            out.scheduled.append(ScheduledRequest(req.request_id, req.num_computed_tokens, n,
+                                                  new_token_ids, new_block_ids, end == req.num_tokens))
+            req.in_flight = True
+        self._in_flight[out.iteration_id] = scheduled
+        return out
+
+    # -- an iteration returns ---------------------------------------------------------------
+    def update(self, output: RunnerOutput) -> list[Request]:
+        """Record a returned iteration: computed tokens advance, sampled tokens append.
+        Returns its requests that are still live (those finished meanwhile retire now)."""
+        live = self._returned(output.iteration_id)
+        for req, n in live:
+            req.num_computed_tokens += n
+            token = output.sampled.get(req.request_id)
+            if token is not None:
+                req.output_token_ids.append(token.token_id)
+        return [req for req, _ in live]
+
+    def fail_iteration(self, iteration_id: int) -> list[Request]:
+        """The iteration failed as a whole: returns its live requests, for the caller to end."""
+        return [req for req, _ in self._returned(iteration_id)]
+
+    def _returned(self, iteration_id: int) -> list[tuple[Request, int]]:
+        scheduled = self._in_flight.pop(iteration_id)
+        live = []
+        for req, n in scheduled:
+            req.in_flight = False
+            if req.finish_on_return is not None:
+                self.finish(req, req.finish_on_return)
+            else:
+                live.append((req, n))
+        return live

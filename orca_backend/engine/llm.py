@@ -1,0 +1,75 @@
+"""Offline API in the style of vLLM: `LLM(model).generate(prompts, params)`."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..core.config import EngineConfig
+from ..core.sampling_params import SamplingParams
+from .llm_engine import LLMEngine
+from .outputs import RequestDelta
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, tuple[float, int]]] | None = None
+    error: str | None = None  # set when the request failed inside the engine
+
+    def add(self, delta: RequestDelta) -> None:
+        self.token_ids += delta.token_ids
+        self.text += delta.text
+        self.finish_reason = delta.finish_reason
+        self.cumulative_logprob = delta.cumulative_logprob
+        self.error = delta.error
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.logprobs
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_options) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+
+    def shutdown(self) -> None:
+        """Stop the model runner (a child process with executor="process")."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    @property
+    def model_path(self) -> Path:
+        """The Hugging Face-format folder the engine loaded."""
+        return self.engine.rules.model_path
+
+    def generate(self, prompts: str | list[str] | list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Run every prompt to completion (batched by the scheduler); outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(sampling_params, list):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling_params")
+        outputs: dict[str, RequestOutput] = {}
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+                req = self.engine.add_request(f"offline-{id(outputs)}-{i}", prompt, params)
+                outputs[req.request_id] = RequestOutput(req.request_id, req.prompt_token_ids)
+            while self.engine.has_unfinished_requests():
+                for delta in self.engine.step():
+                    outputs[delta.request_id].add(delta)
+        except BaseException:
+            for request_id in outputs:
+                self.engine.abort_request(request_id)
+            raise
+        return list(outputs.values())

@@ -1,0 +1,295 @@
+"""The engine a server drives: add and abort requests, and `step()` one iteration at a time."""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass
+
+import torch
+
+from ..checkpoint.store import cache_root
+from ..core.config import EngineConfig
+from ..core.errors import ConfigError, InvalidRequestError
+from ..core.kv_manager import BlockManager
+from ..core.messages import RunnerOutput, SampledToken, SchedulerOutput
+from ..core.request import Request, RequestStatus
+from ..core.sampling_params import SamplingParams
+from ..core.scheduler import Scheduler, SchedulerConfig
+from ..executors.base import Executor, ExecutorFactory, RunnerDiedError, RunnerUnavailableError
+from ..executors.factory import executor_factory_for
+from ..runner.spec import RunnerSpec
+from .detokenizer import IncrementalDetokenizer
+from .outputs import EngineSnapshot, EngineStats, IterationRecord, RequestDelta
+from .request_rules import RequestRules
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Tracked:
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    cumulative_logprob: float | None = None
+
+
+class LLMEngine:
+    """Requests in, deltas out. The scheduler decides each iteration; the executor runs it.
+
+    `executor_factory` makes the executor from the runner's spec, at the start and again
+    after the runner died; by default the one `config.executor` names (the serving layer
+    hands in the Triton stages' one, tests hand in fakes)."""
+
+    def __init__(self, config: EngineConfig | None = None,
+                 executor_factory: ExecutorFactory | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.rules = RequestRules(config)
+        self.runner_spec = RunnerSpec.from_config(
+            config, model_path=self.rules.model_path, max_model_len=self.rules.max_model_len,
+            num_blocks=config.num_kv_blocks(self.rules.model_config.kv_elements_per_token),
+            engine_cache_dir=self._engine_cache_dir())
+        self.executor_factory = executor_factory or executor_factory_for(config)
+        self.executor: Executor = self.executor_factory(self.runner_spec)
+        self.stats = EngineStats()
+        self.reset()
+
+    def _engine_cache_dir(self) -> str:
+        if self.config.engine != "tensorrt":
+            return ""
+        from trt_plugins.builder import SUPPORTED
+
+        architecture = self.rules.model_config.architecture
+        if architecture not in SUPPORTED:
+            raise ConfigError(f"engine 'tensorrt' builds {', '.join(SUPPORTED)}; this model is "
+                              f"{architecture} (use engine 'torch')")
+        return self.config.engine_cache_dir or str(cache_root() / "engines")
+
+    def reset(self) -> None:
+        """Forget every request: a fresh scheduler and K/V pool. The weights stay loaded; a
+        runner that died is started again."""
+        old = getattr(self, "scheduler", None)
+        given_up = getattr(self, "_runner_died", False)  # e.g. as hung, though still alive
+        self._fresh_scheduler()
+        if old is None:
+            return
+        if given_up or not self._runner_healthy():
+            self._restart_runner()
+        else:
+            self.scheduler.forget_on_runner(old.runner_request_ids())
+
+    def _runner_healthy(self) -> bool:
+        try:
+            self.executor.check_health()
+        except RunnerDiedError:
+            return False
+        return True
+
+    def _fresh_scheduler(self) -> None:
+        c = self.config
+        num_preemptions = self.scheduler.num_preemptions if hasattr(self, "scheduler") else 0
+        self.kv = BlockManager(self.runner_spec.num_blocks, c.block_size)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_batch_size=c.max_batch_size, max_num_batched_tokens=c.max_num_batched_tokens,
+            policy=c.policy, batching=c.batching, max_inflight=c.max_inflight), self.kv)
+        self.scheduler.num_preemptions = num_preemptions  # a counter runs on across a reset
+        self._tracked: dict[str, _Tracked] = {}
+        self._in_flight: dict[int, tuple[SchedulerOutput, Future[RunnerOutput]]] = {}
+        self._runner_died = False  # its requests have been ended; a new runner is due
+
+    def _restart_runner(self) -> None:
+        log.warning("starting a new model runner")
+        self.executor.shutdown()
+        self.executor = self.executor_factory(self.runner_spec)
+        self.stats.num_runner_restarts += 1
+        self._runner_died = False
+
+    def shutdown(self) -> None:
+        """Stop the runner (a child process, with the `process` executor)."""
+        self.executor.shutdown()
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | None = None, track_logprob: bool = False) -> Request:
+        """Validate and queue a request; raises InvalidRequestError naming what is wrong.
+
+        `track_logprob` keeps a cumulative log-probability even when `params.logprobs` is unset.
+        """
+        params = params or SamplingParams()
+        if request_id in self._tracked:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        token_ids = self.prepare(prompt, params)
+        req = Request(request_id, token_ids, params, track_logprob=track_logprob)
+        self._tracked[request_id] = _Tracked(req, self.rules.detokenizer(token_ids, params))
+        self.scheduler.add(req)
+        return req
+
+    def prepare(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """Tokenize and check a request against the model and the K/V pool; raises
+        InvalidRequestError. Safe to call from any thread (it reads the tokenizer and limits
+        only), so a server can tokenize long prompts without holding up iterations."""
+        token_ids = self.rules.prepare(prompt, params)
+        need = self.kv.blocks_for(len(token_ids) + params.max_tokens - 1)
+        if need > self.kv.num_blocks:
+            raise InvalidRequestError(
+                f"prompt plus max_tokens needs {need} K/V blocks, the pool has {self.kv.num_blocks}")
+        return token_ids
+
+    def abort_request(self, request_id: str) -> bool:
+        """Drop a request and free its K/V blocks (when its iteration returns, if one is in
+        flight; nothing more of it is reported); False if it is unknown or finished."""
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return False
+        self.scheduler.finish(tracked.request, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        """Requests to run, iterations still to collect, a runner to start again, or ended
+        requests the runner still holds state for."""
+        return (bool(self._tracked) or bool(self._in_flight) or self._runner_died
+                or self.scheduler.has_news_for_runner)
+
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self._tracked)
+
+    def snapshot(self) -> EngineSnapshot:
+        """The gauges and counters a server reports, as of now (engine thread only)."""
+        return EngineSnapshot(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_used_blocks=self.kv.num_used_blocks, num_blocks=self.kv.num_blocks,
+            num_preemptions=self.scheduler.num_preemptions, num_iterations=self.stats.num_iterations,
+            num_runner_restarts=self.stats.num_runner_restarts)
+
+    # -- iterations -------------------------------------------------------------------------
+    def step(self) -> list[RequestDelta]:
+        """Submit iterations until `max_inflight` are out, wait for one to return, and
+        return a delta per request that got a token or failed.
+
+        A failure that belongs to one request (its sampling, its detokenization) ends that
+        request alone, with a delta whose `error` says why. A failed iteration ends its own
+        requests. A dead runner ends the requests it held, and is restarted."""
+        start = time.perf_counter()
+        self.stats.last_step_iterations = []
+        deltas: list[RequestDelta] = []
+        try:
+            if self._runner_died:  # its requests' errors went out with the previous step
+                self._restart_runner()
+            self.executor.check_health()
+            self._submit()
+            if not self._in_flight:
+                return []
+            for message, future in self._returned():
+                deltas += self._complete(message, future)
+        except RunnerDiedError as e:
+            deltas += self._recover(e)  # keeping what iterations returned before it died
+        self.stats.step_seconds += time.perf_counter() - start
+        return deltas
+
+    def _submit(self) -> None:
+        while len(self._in_flight) < self.config.max_inflight:
+            message = self.scheduler.schedule()
+            if message is None:
+                return
+            self._in_flight[message.iteration_id] = (message, self.executor.submit(message))
+
+    def _returned(self) -> list[tuple[SchedulerOutput, Future[RunnerOutput]]]:
+        """Wait for at least one iteration; every one that has returned, oldest first. A
+        runner that returns nothing for `iteration_timeout_seconds` is treated as dead."""
+        timeout = self.config.iteration_timeout_seconds
+        wait([future for _, future in self._in_flight.values()], timeout, FIRST_COMPLETED)
+        done = sorted(i for i, (_, future) in self._in_flight.items() if future.done())
+        if not done:
+            raise RunnerDiedError(f"{self.executor.name} returned no iteration in {timeout} s "
+                                  f"(iteration {min(self._in_flight)} was due"
+                                  f"{self.executor.describe_wait()})")
+        return [self._in_flight.pop(i) for i in done]
+
+    def _complete(self, message: SchedulerOutput, future: Future[RunnerOutput]) -> list[RequestDelta]:
+        try:
+            out = future.result()
+        except RunnerDiedError:
+            raise
+        except Exception as e:
+            log.error("an iteration of %d requests failed", message.num_requests, exc_info=e)
+            return [self._fail(req, f"internal error in the engine's iteration: {e}")
+                    for req in self.scheduler.fail_iteration(message.iteration_id)]
+        if out.iteration_id != message.iteration_id:
+            raise RunnerDiedError(f"{self.executor.name} answered iteration {message.iteration_id} "
+                                  f"with iteration {out.iteration_id}'s output")
+        live = self.scheduler.update(out)
+        sampling = {s.request_id for s in message.scheduled if s.sample}
+        deltas = []
+        for req in live:
+            token = out.sampled.get(req.request_id)
+            if req.request_id in out.errors:
+                deltas.append(self._fail(req, out.errors[req.request_id]))
+            elif token is not None:
+                deltas.append(self._process_safely(req, token, out))
+            elif req.request_id in sampling:
+                deltas.append(self._fail(req, "internal error: the runner returned no token"))
+        if not message.num_requests:
+            return deltas  # it only told the runner which requests have ended
+        self.stats.num_iterations += 1
+        self.stats.forward_seconds += out.forward_seconds
+        self.stats.last_iteration = IterationRecord(
+            message.num_requests, message.num_tokens, message.num_prefill_requests,
+            message.num_decode_requests, self.kv.num_used_blocks, len(self.scheduler.waiting))
+        self.stats.last_step_iterations.append(self.stats.last_iteration)
+        return deltas
+
+    def _recover(self, error: RunnerDiedError) -> list[RequestDelta]:
+        """The runner died: end every request it held state for now, keep the requests it
+        never saw, and start a new runner with the next step (so the errors go out first)."""
+        log.error("%s; restarting it", error)
+        # Unseen: waiting, or admitted with no tokens yet (request-level batching does that).
+        # When no runner can start, they would wait for nothing: they end too.
+        unavailable = isinstance(error, RunnerUnavailableError)
+        unseen = [] if unavailable else [t for t in self._tracked.values() if not t.request.num_sent_tokens]
+        message = (f"internal error: {error}" if unavailable
+                   else f"internal error: {error}; the runner was restarted")
+        deltas = [_error_delta(t.request, message) for t in self._tracked.values()
+                  if unavailable or t.request.num_sent_tokens]
+        self._fresh_scheduler()
+        self._runner_died = True
+        for tracked in unseen:
+            self._tracked[tracked.request.request_id] = tracked
+            self.scheduler.add(tracked.request)
+        return deltas
+
+    def _process_safely(self, req: Request, token: SampledToken, out: RunnerOutput) -> RequestDelta:
+        try:
+            logits = out.logits.get(req.request_id) if out.logits is not None else None
+            return self._process(req, token, logits)
+        except Exception as e:
+            log.exception("request %s failed after its token was sampled", req.request_id)
+            return self._fail(req, f"internal error while processing this request's output: {e}")
+
+    def _fail(self, req: Request, message: str) -> RequestDelta:
+        """End one request with an error; its K/V blocks are freed at once."""
+        self._tracked.pop(req.request_id, None)
+        if not req.status.finished:
+            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+        return _error_delta(req, message)
+
+    def _process(self, req: Request, token: SampledToken, logits: bytes | None) -> RequestDelta:
+        tracked = self._tracked[req.request_id]
+        if token.logprob is not None:
+            tracked.cumulative_logprob = (tracked.cumulative_logprob or 0.0) + token.logprob
+        status = self._finish_status(req, tracked, token.token_id)
+        if status is not None:
+            self.scheduler.finish(req, status)
+            del self._tracked[req.request_id]
+        return RequestDelta(
+            req.request_id, [token.token_id], tracked.detokenizer.take_delta(final=status is not None),
+            req.finish_reason, req.num_prompt_tokens, req.num_output_tokens, tracked.cumulative_logprob,
+            [token.top_logprobs] if token.top_logprobs is not None else None,
+            torch.frombuffer(bytearray(logits), dtype=torch.float32) if logits is not None else None)
+
+    def _finish_status(self, req: Request, tracked: _Tracked, token_id: int) -> RequestStatus | None:
+        return self.rules.finish_status(req.params, tracked.detokenizer, token_id, req.num_output_tokens,
+                                        req.num_tokens)
+
+
+def _error_delta(req: Request, message: str) -> RequestDelta:
+    return RequestDelta(req.request_id, [], "", None, req.num_prompt_tokens, req.num_output_tokens,
+                        None, error=message)

@@ -1,0 +1,62 @@
+"""What the engine reports: a delta per request per iteration, and its own statistics."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(slots=True)
+class RequestDelta:
+    """What one iteration produced for one request."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int  # all generated so far
+    cumulative_logprob: float | None  # None unless the request tracks log-probabilities
+    logprobs: list[dict[int, tuple[float, int]]] | None = None  # one entry per new token
+    logits: torch.Tensor | None = None  # only with EngineConfig.keep_logits
+    error: str | None = None  # the request failed inside the engine and has ended
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+@dataclass(slots=True)
+class IterationRecord:
+    """One iteration's shape, for traces and tests."""
+
+    num_requests: int
+    num_tokens: int
+    num_prefill_requests: int
+    num_decode_requests: int
+    num_used_blocks: int
+    num_waiting: int
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_iterations: int = 0
+    step_seconds: float = 0.0  # whole step() time
+    forward_seconds: float = 0.0  # the runner's model forward, as it reports it
+    num_runner_restarts: int = 0
+    last_iteration: IterationRecord | None = None
+    # Every iteration the last step() collected (several when several were in flight).
+    last_step_iterations: list[IterationRecord] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class EngineSnapshot:
+    """The engine's gauges and counters at one moment (`LLMEngine.snapshot()`)."""
+
+    num_running: int
+    num_waiting: int
+    num_used_blocks: int
+    num_blocks: int
+    num_preemptions: int
+    num_iterations: int
+    num_runner_restarts: int  # the model runner died and was started again

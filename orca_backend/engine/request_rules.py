@@ -1,0 +1,96 @@
+"""What a request to one model may be and when it ends, apart from how it is batched.
+
+Tokenizing and checking prompts, and the finish rule (stop strings, EOS, stop token ids,
+lengths), shared by the engine and the request-level `hf_dynamic_batching` baseline, so that
+both accept, refuse and end a request alike.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from ..checkpoint.config import ModelConfig
+from ..checkpoint.store import prepare_default_model
+from ..core.config import EngineConfig
+from ..core.errors import ConfigError, InvalidRequestError
+from ..core.request import RequestStatus
+from ..core.sampling_params import SamplingParams
+from .detokenizer import IncrementalDetokenizer
+
+
+class RequestRules:
+    def __init__(self, config: EngineConfig) -> None:
+        self.model_path = Path(config.model) if config.model else prepare_default_model()
+        self.model_config = ModelConfig.from_folder(self.model_path)
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.max_model_len = min(config.max_model_len or math.inf, self.model_config.max_model_len)
+        self.config = config
+
+    def prepare(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """Tokenize and check a request against the model; raises InvalidRequestError.
+
+        Safe to call from any thread (it reads the tokenizer and limits only)."""
+        token_ids = self.encode(prompt)
+        self._check_lengths(len(token_ids), params)
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise InvalidRequestError(f"sampling parameter 'stop_token_ids' must be token ids "
+                                      f"below the vocabulary size {vocab}")
+        return token_ids
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            num_bytes = len(prompt.encode("utf-8"))
+            limit = self.config.max_prompt_bytes
+            if num_bytes > limit:
+                raise InvalidRequestError(f"prompt is {num_bytes} bytes, more than max_prompt_bytes ({limit})")
+            # encode_batch lets go of the GIL while it works; encode holds it throughout.
+            token_ids = self.tokenizer.encode_batch([prompt])[0].ids if prompt else []
+        else:
+            token_ids = list(prompt)
+        if not token_ids:
+            raise InvalidRequestError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        # Also for text: a tokenizer may know more tokens than the model has embeddings for.
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
+        return token_ids
+
+    def _check_lengths(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        limit = self.max_model_len
+        if num_prompt_tokens >= limit:
+            raise InvalidRequestError(f"prompt has {num_prompt_tokens} tokens, the model's context "
+                                      f"is {limit} tokens (room is needed for one output token)")
+        if num_prompt_tokens + params.max_tokens > limit:
+            raise InvalidRequestError(
+                f"max_tokens {params.max_tokens} plus the prompt's {num_prompt_tokens} tokens "
+                f"exceed the model's context of {limit} tokens")
+
+    def detokenizer(self, prompt_token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+
+    def finish_status(self, params: SamplingParams, detokenizer: IncrementalDetokenizer, token_id: int,
+                      num_output_tokens: int, num_tokens: int) -> RequestStatus | None:
+        """Whether a request ends with `token_id`, its `num_output_tokens`-th output token
+        (`num_tokens` with the prompt); the detokenizer takes the token in either case."""
+        may_stop = num_output_tokens >= params.min_tokens
+        if detokenizer.append(token_id, check_stop=may_stop):
+            return RequestStatus.FINISHED_STOPPED
+        is_eos = token_id in self.model_config.eos_token_ids and not params.ignore_eos
+        if may_stop and (is_eos or token_id in params.stop_token_ids):
+            return RequestStatus.FINISHED_STOPPED
+        if num_output_tokens >= params.max_tokens or num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+
+def load_tokenizer(folder: Path) -> Tokenizer:
+    path = folder / "tokenizer.json"
+    if not path.exists():
+        raise ConfigError(f"model folder {folder} has no tokenizer.json")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # the tokenizers library raises a bare Exception
+        raise ConfigError(f"cannot load {path}: {e}") from e

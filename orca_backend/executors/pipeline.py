@@ -1,0 +1,107 @@
+"""The `pipeline` executor: the model's layers split into stages, each stage a runner with
+its own layers and its own K/V cache, driven by its own thread (ORCA's inter-layer
+parallelism, in one process).
+
+An iteration enters stage 0 and its hidden states pass from stage to stage; the last stage
+samples. Every stage runs iterations in submission order, so with `max_inflight` iterations
+out, stage 1 runs iteration k while stage 0 runs iteration k + 1. Every stage sees every
+message (each keeps the block tables its attention needs). A stage that raises fails that
+iteration with an error naming it; the stages after it only bring their per-request state up
+to date, so the next iterations run normally.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from ..core.messages import RunnerOutput, SchedulerOutput
+from ..runner.build import build_runner
+from ..runner.spec import RunnerSpec
+from .base import Executor, IterationFailedError, RunnerDiedError
+from .stages import StagedFactory, StageTimes, split_layers, stage_name
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Work:
+    """An iteration on its way through the stages."""
+
+    message: SchedulerOutput
+    future: Future
+    hidden: object = None  # the previous stage's [num_tokens, hidden]
+    error: str = ""  # why the first stage that failed it did; it fails once it has left the pipeline
+
+
+class PipelineExecutor(Executor):
+    def __init__(self, spec: RunnerSpec, num_stages: int, times: StageTimes | None = None) -> None:
+        from ..runner.models import ModelConfig
+
+        num_layers = ModelConfig.from_folder(spec.model_path).num_layers
+        self.layer_ranges = split_layers(num_layers, num_stages)
+        self.runners = [build_runner(dataclasses.replace(spec, layer_range=r)) for r in self.layer_ranges]
+        self._inboxes: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in self.runners]
+        self._threads = [threading.Thread(target=self._serve, args=(i,), name=f"orca-stage-{i}",
+                                          daemon=True) for i in range(num_stages)]
+        self.times = times or StageTimes(num_stages)
+        for t in self._threads:
+            t.start()
+
+    @property
+    def name(self) -> str:
+        return f"the {len(self.runners)}-stage pipeline"
+
+    def stage_name(self, i: int) -> str:
+        return stage_name(i, self.layer_ranges[i])
+
+    def submit(self, message: SchedulerOutput) -> Future[RunnerOutput]:
+        future: Future[RunnerOutput] = Future()
+        future.add_done_callback(lambda _: self.times.returned())
+        self.times.submitted()
+        self._inboxes[0].put(_Work(message, future))
+        return future
+
+    def check_health(self) -> None:
+        for i, t in enumerate(self._threads):
+            if not t.is_alive():
+                raise RunnerDiedError(f"the thread of {self.stage_name(i)} has stopped")
+
+    def shutdown(self) -> None:
+        for inbox in self._inboxes:
+            inbox.put(None)
+        for t in self._threads:
+            t.join(timeout=10)
+
+    def _serve(self, i: int) -> None:
+        runner, inbox = self.runners[i], self._inboxes[i]
+        last = i == len(self.runners) - 1
+        while (work := inbox.get()) is not None:
+            start = time.monotonic()
+            try:
+                if work.error:
+                    runner.apply_only(work.message)
+                else:
+                    work.hidden = runner.execute(work.message, work.hidden)
+            except Exception as e:
+                log.exception("%s failed iteration %d", self.stage_name(i), work.message.iteration_id)
+                if not work.error:
+                    work.error = f"{self.stage_name(i)} failed: {type(e).__name__}: {e}"
+                work.hidden = None
+            busy = time.monotonic() - start
+            self.times.passed(i, busy, busy, runner.num_held_blocks)
+            if not last:
+                self._inboxes[i + 1].put(work)
+            elif work.error:
+                work.future.set_exception(IterationFailedError(work.error))
+            else:
+                work.future.set_result(work.hidden)
+
+
+class PipelineFactory(StagedFactory):
+    def make(self, spec: RunnerSpec) -> PipelineExecutor:
+        return PipelineExecutor(spec, self.num_stages, self.times)

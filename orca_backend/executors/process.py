@@ -1,0 +1,200 @@
+"""The `process` executor: the runner in a child process (spawned, so it shares nothing but the
+messages), which proves the message is self-sufficient and is what pipeline stages and
+tensor-parallel ranks build on.
+
+The child exits when its parent does (its inbox closes, or its parent pid changes). If the
+child dies first, every iteration it owed fails with `RunnerDiedError` naming it, and so does
+every later submit; the engine then restarts the runner (see `LLMEngine.step`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import msgpack
+
+from ..core.messages import RunnerOutput, SchedulerOutput
+from ..runner.spec import RunnerSpec
+from .base import Executor, IterationFailedError, RunnerDiedError
+
+log = logging.getLogger(__name__)
+START_TIMEOUT_SECONDS = 600  # loading weights in the child
+STOP_TIMEOUT_SECONDS = 10
+PACKAGE_PARENT = Path(__file__).resolve().parents[2]  # the folder that holds orca_backend/
+
+
+class Frame(enum.IntEnum):
+    """Kinds of what crosses the pipes; each frame is msgpack of [kind, body]."""
+
+    SPEC = 0  # parent -> child, first: the RunnerSpec
+    ITERATION = 1  # parent -> child: a SchedulerOutput
+    STOP = 2  # parent -> child
+    READY = 3  # child -> parent: the runner is built
+    OUTPUT = 4  # child -> parent: a RunnerOutput
+    FAILED = 5  # child -> parent: [iteration_id, message]
+    FATAL = 6  # child -> parent: the runner could not be built
+
+
+def frame(kind: Frame, body=None) -> bytes:
+    return msgpack.packb([int(kind), body])
+
+
+class ProcessExecutor(Executor):
+    """The runner in a fresh interpreter (spawned, never forked: `python -m
+    orca_backend.executors.process_child`); messages go over two pipes. A writer thread sends, so that
+    a child that stops reading never blocks the engine thread; a reader thread answers the
+    futures in submission order (the child runs iterations in that order)."""
+
+    def __init__(self, spec: RunnerSpec, start_timeout: float = START_TIMEOUT_SECONDS) -> None:
+        child_in, to_child = os.pipe()
+        from_child, child_out = os.pipe()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            filter(None, [str(PACKAGE_PARENT), os.environ.get("PYTHONPATH")])))
+        self.process = subprocess.Popen(
+            [_python_executable(), "-m", "orca_backend.executors.process_child", str(child_in), str(child_out),
+             str(os.getpid())], pass_fds=(child_in, child_out), env=env, stdin=subprocess.DEVNULL)
+        os.close(child_in)
+        os.close(child_out)  # so that the child's death reads as EOF here
+        self._to_child = Connection(to_child, readable=False)
+        self._from_child = Connection(from_child, writable=False)
+        self._lock = threading.Lock()
+        self._pending: deque[tuple[int, Future]] = deque()
+        self._dead: str | None = None
+        self._closing = False
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()  # None: stop writing
+        try:
+            self._to_child.send_bytes(frame(Frame.SPEC, dataclasses.asdict(spec)))
+            self._wait_ready(start_timeout)
+        except BaseException:
+            self._stop_process()
+            self._to_child.close()
+            self._from_child.close()
+            raise
+        self._reader = threading.Thread(target=self._read, name="orca-runner-reader", daemon=True)
+        self._writer = threading.Thread(target=self._write, name="orca-runner-writer", daemon=True)
+        self._reader.start()
+        self._writer.start()
+
+    @property
+    def name(self) -> str:
+        return f"the model runner process (pid {self.process.pid})"
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not self._from_child.poll(1.0):
+            if self.process.poll() is not None:
+                raise RunnerDiedError(f"{self.name} {_ending(self.process.returncode)} while loading the model")
+            if time.monotonic() > deadline:
+                raise RunnerDiedError(f"{self.name} was not ready after {timeout:.0f} s")
+        try:
+            kind, body = msgpack.unpackb(self._from_child.recv_bytes())
+        except EOFError:
+            raise RunnerDiedError(f"{self.name} exited while loading the model") from None
+        if kind != Frame.READY:
+            raise RunnerDiedError(f"{self.name} could not build the runner: {body}")
+
+    def submit(self, message: SchedulerOutput) -> Future[RunnerOutput]:
+        future: Future[RunnerOutput] = Future()
+        try:  # before it is queued: a message that cannot be encoded fails alone
+            data = frame(Frame.ITERATION, message.to_wire())
+        except Exception as e:
+            future.set_exception(IterationFailedError(f"iteration {message.iteration_id} could not "
+                                                      f"be encoded for {self.name}: {e}"))
+            return future
+        with self._lock:
+            if self._dead:
+                future.set_exception(RunnerDiedError(self._dead))
+                return future
+            self._pending.append((message.iteration_id, future))
+            self._outbox.put(data)
+        return future
+
+    def _write(self) -> None:
+        while (data := self._outbox.get()) is not None:
+            try:
+                self._to_child.send_bytes(data)
+            except OSError:
+                return  # the reader sees the pipe close and fails every pending future
+
+    def _read(self) -> None:
+        while True:
+            try:
+                kind, body = msgpack.unpackb(self._from_child.recv_bytes(), strict_map_key=False)
+            except (EOFError, OSError):
+                break
+            with self._lock:
+                iteration_id, future = self._pending.popleft()
+            if kind == Frame.OUTPUT:
+                future.set_result(RunnerOutput.from_wire(body))
+            else:
+                future.set_exception(IterationFailedError(
+                    f"{self.name} failed iteration {iteration_id}: {body[1]}"))
+        self._on_death()
+
+    def _on_death(self) -> None:
+        try:
+            self.process.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            pass
+        with self._lock:
+            self._dead = (f"{self.name} was shut down" if self._closing
+                          else f"{self.name} {_ending(self.process.returncode)}")
+            pending, self._pending = self._pending, deque()
+        if not self._closing:
+            log.error("%s", self._dead)
+        for _, future in pending:
+            future.set_exception(RunnerDiedError(self._dead))
+
+    def check_health(self) -> None:
+        if self._dead:
+            raise RunnerDiedError(self._dead)
+        if self.process.poll() is not None:
+            raise RunnerDiedError(f"{self.name} {_ending(self.process.returncode)}")
+
+    def shutdown(self) -> None:
+        """STOP after the iterations already queued; a child that does not exit within
+        STOP_TIMEOUT_SECONDS (hung, or not reading) is killed."""
+        self._closing = True
+        self._outbox.put(frame(Frame.STOP))
+        self._outbox.put(None)
+        self._stop_process()
+        self._writer.join(STOP_TIMEOUT_SECONDS)
+        self._reader.join(STOP_TIMEOUT_SECONDS)
+        self._to_child.close()
+        self._from_child.close()
+
+    def _stop_process(self) -> None:
+        try:
+            self.process.wait(STOP_TIMEOUT_SECONDS)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(STOP_TIMEOUT_SECONDS)
+
+
+def _ending(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "stopped answering"
+    if exitcode < 0:
+        return f"was killed by {signal.Signals(-exitcode).name}"
+    return f"exited with code {exitcode}"
+
+
+def _python_executable() -> str:
+    """The interpreter to spawn: inside Triton's Python-backend stub, sys.executable is the
+    stub, not Python, so the environment's own python is used."""
+    if Path(sys.executable).name.startswith("python"):
+        return sys.executable
+    candidate = Path(sys.prefix) / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+    return str(candidate if candidate.exists() else Path(sys.prefix) / "bin" / "python3")

@@ -1,0 +1,189 @@
+"""Runs one iteration from a `SchedulerOutput`: selective batching over the paged K/V cache.
+
+The runner owns every piece of per-request execution state (`RunnerRequest`, in `state`:
+token history for penalties, the seeded generator, the block table). It learns of requests
+from the messages alone, so it can live in another process or another Triton model.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from ..core.messages import RunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
+from .models.attention import AttentionBackend, BatchLayout, TorchPagedAttention
+from .sampler import Sampler, SamplerOutput
+from .state import RunnerRequest
+
+log = logging.getLogger(__name__)
+
+
+class RunnerError(RuntimeError):
+    """A message the runner cannot carry out (it contradicts the runner's state)."""
+
+
+class ModelRunner:
+    def __init__(self, model, num_blocks: int, block_size: int, device: torch.device,
+                 dtype: torch.dtype, seed: int, keep_logits: bool = False,
+                 attention: AttentionBackend | None = None) -> None:
+        cfg = model.config
+        self.model = model
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.device, self.dtype = device, dtype
+        self.attention = attention or TorchPagedAttention(block_size, device)
+        layers = model.layer_range
+        caches = self.attention.allocate_kv_cache(len(layers), num_blocks, cfg.num_kv_heads,
+                                                  cfg.head_dim, dtype)
+        self.kv_caches = dict(zip(layers, caches))  # layer index -> its cache: only this model's layers
+        self.sampler = Sampler(device, seed, cfg.eos_token_ids)
+        self.keep_logits = keep_logits
+        self.requests: dict[str, RunnerRequest] = {}
+        self.decode_graphs = None
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Whether this runner's model ends with the LM head (a whole model always does)."""
+        return self.model.layer_range.stop == self.model.config.num_layers
+
+    @property
+    def num_held_blocks(self) -> int:
+        """K/V blocks in the block tables of the requests this runner holds."""
+        return sum(len(r.block_ids) for r in self.requests.values())
+
+    def no_rows(self) -> torch.Tensor:
+        """Hidden states of an iteration with no rows, as a stage before the last passes on."""
+        return torch.empty(0, self.model.config.hidden_size, dtype=self.dtype, device=self.device)
+
+    @torch.inference_mode()
+    def execute(self, message: SchedulerOutput, hidden: torch.Tensor | None = None):
+        """Run one iteration. A pipeline stage after the first takes the previous stage's
+        hidden states; a stage before the last returns its own [num_tokens, hidden]."""
+        layout, token_ids, sampling = self._apply(message)
+        if not token_ids:  # a message that only says which requests have ended
+            return RunnerOutput(message.iteration_id) if self.is_last_stage else self.no_rows()
+        last_rows = [row for row, _ in sampling]
+        start = time.perf_counter()
+        result = self._compute(layout, token_ids, hidden, last_rows)
+        if not self.is_last_stage:
+            return result  # [num_tokens, hidden]
+        logits = result  # [num_sampled, vocab]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the time of the forward, not of its launches
+        out = RunnerOutput(message.iteration_id, forward_seconds=time.perf_counter() - start)
+        states = [state for _, state in sampling]
+        if states:
+            self._collect(out, self._sample(logits, states), states)
+        if self.keep_logits:
+            out.logits = {s.request_id: logits[j].cpu().numpy().tobytes() for j, s in enumerate(states)}
+        return out
+
+    def enable_decode_graphs(self, max_batch_size: int, max_blocks: int, capture: bool) -> None:
+        """Run decode-only iterations of up to max_batch_size requests from CUDA graphs (with
+        `capture=False`, through the same padded buffers without graphs)."""
+        from .cuda_graphs import DecodeGraphs
+
+        try:
+            self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.attention.kernel,
+                                              self.device, max_batch_size, max_blocks, capture)
+        except Exception:
+            if not capture:
+                raise
+            # Slower without graphs, but serving: a capture failure must not take the model down.
+            log.exception("capturing decode CUDA graphs failed; decode iterations run without them")
+
+    def apply_only(self, message: SchedulerOutput) -> None:
+        """Keep the per-request state in step with an iteration that is not run here (an
+        earlier pipeline stage failed it), so that later messages still match."""
+        self._apply(message)
+
+    def _compute(self, layout: BatchLayout, token_ids: list[int], hidden: torch.Tensor | None,
+                 last_rows: list[int]) -> torch.Tensor:
+        """A stage before the last: its hidden states [num_tokens, hidden]. Otherwise the
+        logits [len(last_rows), vocab] of the rows that sample (the LM head on those only)."""
+        h = self._forward(layout, token_ids, hidden)
+        return self.model.logits(h[last_rows]) if self.is_last_stage else h
+
+    def _forward(self, layout: BatchLayout, token_ids: list[int], hidden: torch.Tensor | None) -> torch.Tensor:
+        if hidden is None and self.decode_graphs is not None and self.decode_graphs.can_run(layout):
+            return self.decode_graphs.run(layout, token_ids)
+        meta = self.attention.plan(layout)  # built once, shared by every layer
+        if hidden is None:
+            input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+            hidden = self.model.embed_tokens(input_ids, meta)  # [num_tokens, hidden]
+        return self.model.run_layers(hidden, meta, self.kv_caches, self.model.layer_range)
+
+    def _apply(self, message: SchedulerOutput) -> tuple[BatchLayout, list[int], list]:
+        """Bring the per-request state up to date; returns the rows to run."""
+        for request_id in message.finished_request_ids:
+            self.requests.pop(request_id, None)
+        for request_id in message.preempted_request_ids:
+            if request_id in self.requests:
+                self.requests[request_id].block_ids.clear()  # a new table comes on resume
+        for new in message.new_requests:
+            # Only the stage that samples draws: the others need no generators.
+            self.requests[new.request_id] = RunnerRequest.new(new, self.device if self.is_last_stage else None)
+        layout = BatchLayout([], [], [])
+        token_ids: list[int] = []
+        sampling = []  # (last row, state) of each request that samples
+        for s in message.scheduled:
+            state = self._update(s)
+            token_ids += state.token_ids[s.num_computed_tokens:s.num_computed_tokens + s.num_scheduled_tokens]
+            layout.num_computed_tokens.append(s.num_computed_tokens)
+            layout.num_scheduled_tokens.append(s.num_scheduled_tokens)
+            layout.block_tables.append(state.block_ids)
+            if s.sample:
+                sampling.append((len(token_ids) - 1, state))
+        return layout, token_ids, sampling
+
+    def _update(self, s: ScheduledRequest) -> RunnerRequest:
+        state = self.requests.get(s.request_id)
+        if state is None:
+            raise RunnerError(f"iteration schedules request {s.request_id!r}, which the runner "
+                              f"was never sent")
+        if any(not 0 <= b < self.num_blocks for b in s.new_block_ids):
+            raise RunnerError(f"request {s.request_id!r} got K/V blocks outside [0, {self.num_blocks})")
+        state.token_ids += s.new_token_ids
+        state.block_ids += s.new_block_ids
+        end = s.num_computed_tokens + s.num_scheduled_tokens
+        if end > len(state.token_ids) or end > len(state.block_ids) * self.block_size:
+            raise RunnerError(f"request {s.request_id!r} is scheduled up to token {end}, but the "
+                              f"runner has {len(state.token_ids)} tokens and "
+                              f"{len(state.block_ids)} K/V blocks for it")
+        return state
+
+    def _sample(self, logits: torch.Tensor, states: list[RunnerRequest]) -> SamplerOutput:
+        """Sample the batch at once; if that fails, or a request cannot sample, row by row, so
+        that a request whose parameters break the sampler fails alone and its neighbours
+        still get their token (each seeded generator drawn from once)."""
+        if not any(state.failure for state in states):
+            try:
+                return self.sampler(logits, states)
+            except Exception:
+                log.exception("batched sampling failed; sampling row by row")
+        out = SamplerOutput([], [], [], [])
+        for i, state in enumerate(states):
+            try:
+                if state.failure:
+                    raise RuntimeError(state.failure)
+                row = self.sampler(logits[i:i + 1], [state])
+                error = None
+            except Exception as e:
+                row = SamplerOutput([None], [None], [None])
+                error = f"internal error while sampling this request's token: {e}"
+            out.token_ids += row.token_ids
+            out.sampled_logprobs += row.sampled_logprobs
+            out.top_logprobs += row.top_logprobs
+            out.errors.append(error)
+        return out
+
+    @staticmethod
+    def _collect(out: RunnerOutput, sampled: SamplerOutput, states: list[RunnerRequest]) -> None:
+        for i, state in enumerate(states):
+            error = sampled.errors[i] if sampled.errors else None
+            if error is not None:
+                out.errors[state.request_id] = error
+            else:
+                out.sampled[state.request_id] = SampledToken(
+                    sampled.token_ids[i], sampled.sampled_logprobs[i], sampled.top_logprobs[i])

@@ -1,0 +1,49 @@
+"""Model loading: a Hugging Face-format folder in, a model with the iteration contract out.
+
+Every model offers `embed_tokens(input_ids, meta)`, `run_layers(h, meta, kv_caches, layers)`
+and `logits(h)`. Loaded with a `layer_range`, it holds only those layers (a pipeline stage):
+the first stage also the embeddings, the last the final norm and the LM head.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ...checkpoint.config import ModelConfig
+from ...core.errors import ConfigError
+from .gpt2 import GPT2Model
+from .llama import LlamaModel
+from .weights import Weights
+
+__all__ = ["load_model"]
+
+
+def load_model(folder: Path, dtype: torch.dtype, device: torch.device,
+               layer_range: range | None = None):
+    """The whole model, or a pipeline stage's `layer_range` of it (reading only those tensors)."""
+    config = ModelConfig.from_folder(folder)
+    if layer_range is not None and not (0 <= layer_range.start < layer_range.stop <= config.num_layers):
+        raise ConfigError(f"layers [{layer_range.start}, {layer_range.stop}) are not a non-empty "
+                          f"range within the model's {config.num_layers} layers")
+    if config.architecture == "GPT2LMHeadModel":
+        weights = Weights(folder, dtype, device, strip_prefix="transformer.")
+        model = GPT2Model(config, weights, layer_range)
+    else:
+        weights = Weights(folder, dtype, device)
+        model = LlamaModel(config, weights, layer_range)
+    unused = _unused(weights, model)
+    if unused:
+        raise ConfigError(f"model folder {folder} has tensors this engine does not use: "
+                          f"{', '.join(unused[:5])}")
+    return model
+
+
+def _unused(weights: Weights, model) -> list[str]:
+    names = weights.leftover()
+    if len(model.layer_range) == model.config.num_layers:
+        return names
+    # A stage leaves the other stages' tensors unread; its own layers' must all be used.
+    prefix = model.LAYER_PREFIX
+    return [n for n in names if n.startswith(prefix)
+            and int(n[len(prefix):].split(".", 1)[0]) in model.layer_range]

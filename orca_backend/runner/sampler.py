@@ -1,0 +1,127 @@
+"""Token sampling with per-request parameters, vectorized over the rows of one iteration.
+
+The sampler reads the runner's per-request state (parameters, token history, the seeded
+generator the runner made) and changes none of it but by drawing from those generators.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .state import RunnerRequest
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    sampled_logprobs: list[float | None]  # raw log-probability of the sampled token, if wanted
+    top_logprobs: list[dict[int, tuple[float, int]] | None]  # {token_id: (logprob, rank)}
+    errors: list[str | None] = field(default_factory=list)  # per row, when sampled row by row
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int, eos_token_ids: list[int]) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.eos_token_ids = eos_token_ids
+
+    def __call__(self, logits: torch.Tensor, requests: list[RunnerRequest]) -> SamplerOutput:
+        """logits [num_requests, vocab] fp32, one row per request that samples this iteration."""
+        logprob_rows = [i for i, r in enumerate(requests) if r.wants_logprob]
+        # Raw model log-probabilities (before penalties and temperature), only where asked:
+        # a full-vocabulary softmax per row is a visible share of a CPU iteration.
+        raw_logprobs = logits[logprob_rows].log_softmax(dim=-1) if logprob_rows else None
+        logits = self._adjust(logits, requests)
+        token_ids = logits.argmax(dim=-1)  # greedy rows keep this
+        random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+        if random_rows:
+            token_ids[random_rows] = self._sample(logits[random_rows], [requests[i] for i in random_rows])
+        token_list = token_ids.tolist()
+        sampled: list[float | None] = [None] * len(requests)
+        top: list[dict | None] = [None] * len(requests)
+        for j, i in enumerate(logprob_rows):
+            sampled[i] = float(raw_logprobs[j, token_list[i]])
+            n = requests[i].params.logprobs
+            if n is not None:
+                top[i] = _top_logprobs(raw_logprobs[j], token_list[i], n)
+        return SamplerOutput(token_list, sampled, top)
+
+    def _adjust(self, logits: torch.Tensor, requests: list[RunnerRequest]) -> torch.Tensor:
+        """Penalties and min_tokens, row by row, only for the rows that ask for them."""
+        changed = False
+        for i, req in enumerate(requests):
+            p = req.params
+            banned = self._banned_tokens(req)
+            if not (p.needs_penalties or banned):
+                continue
+            if not changed:
+                logits, changed = logits.clone(), True
+            if p.needs_penalties:
+                _apply_penalties(logits[i], req, self.device)
+            if banned:
+                logits[i, banned] = float("-inf")
+        return logits
+
+    def _banned_tokens(self, req: RunnerRequest) -> list[int]:
+        p = req.params
+        if req.num_output_tokens >= p.min_tokens:
+            return []
+        return p.stop_token_ids + ([] if p.ignore_eos else self.eos_token_ids)
+
+    def _sample(self, logits: torch.Tensor, requests: list[RunnerRequest]) -> torch.Tensor:
+        temps = torch.tensor([r.params.temperature for r in requests], device=logits.device)
+        logits = logits / temps[:, None]
+        if any(r.params.top_k > 0 or r.params.top_p < 1 for r in requests):
+            logits = _top_k_top_p(logits, requests)
+        probs = logits.softmax(dim=-1)
+        min_p = torch.tensor([r.params.min_p for r in requests], device=logits.device)
+        if (min_p > 0).any():
+            probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), 0.0)
+        # Exponential race: argmax(p / q), q ~ Exp(1), draws from p. Seeded requests draw
+        # their q from their own generator, so their output does not depend on the batch.
+        q = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, req in enumerate(requests):
+            if req.generator is not None:
+                q[i].exponential_(generator=req.generator)
+        return (probs / q).argmax(dim=-1)
+
+
+def _apply_penalties(row: torch.Tensor, req: RunnerRequest, device: torch.device) -> None:
+    p = req.params
+    vocab = row.shape[0]
+    output = torch.tensor(req.output_token_ids, dtype=torch.long, device=device)
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(req.token_ids, device=device).unique()
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if len(output) and (p.frequency_penalty or p.presence_penalty):
+        counts = torch.bincount(output, minlength=vocab)[:vocab].to(row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def _top_k_top_p(logits: torch.Tensor, requests: list[RunnerRequest]) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    # Clamped before the tensor is made: a top_k beyond int64 would not fit in one.
+    k = torch.tensor([min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in requests],
+                     device=logits.device)
+    top_p = torch.tensor([r.params.top_p for r in requests], device=logits.device)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    drop = ranks >= k[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    # Drop a token when the tokens ranked above it already cover top_p (the first is kept).
+    drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+def _top_logprobs(row: torch.Tensor, token_id: int, n: int) -> dict[int, tuple[float, int]]:
+    """The sampled token first (with its rank), then the n most likely tokens."""
+    rank = int((row > row[token_id]).sum()) + 1
+    result = {token_id: (float(row[token_id]), rank)}
+    if n > 0:
+        values, ids = row.topk(n)
+        for r, (v, t) in enumerate(zip(values.tolist(), ids.tolist())):
+            result.setdefault(t, (v, r + 1))
+    return result

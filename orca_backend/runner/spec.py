@@ -1,0 +1,46 @@
+"""What a runner is built from, as plain values: it crosses to child processes and to the
+Triton stage models (`dataclasses.asdict` there, `RunnerSpec(**values)` back)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..core.config import EngineConfig
+
+
+@dataclass(slots=True)
+class RunnerSpec:
+    model_path: str
+    dtype: str
+    device: str
+    num_blocks: int
+    block_size: int
+    seed: int
+    keep_logits: bool = False
+    attention: str = "torch"  # "torch" (SDPA) or "triton" (our kernel)
+    cuda_graphs: bool = False  # decode iterations from CUDA graphs (padded eagerly on the CPU)
+    max_batch_size: int = 32  # the largest decode graph
+    max_model_len: int = 2048  # sets the graphs' block-table width
+    layer_range: tuple[int, int] | None = None  # a pipeline stage's layers [start, stop); None: all
+    engine: str = "torch"  # "torch" (PyTorch layers) or "tensorrt" (one TensorRT engine per iteration)
+    tensorrt_runtime: str = "tensorrt"  # "torch": the engine's graph evaluated with torch (checks)
+    max_num_batched_tokens: int = 512  # with the batch size and model length, the engine's profile
+    engine_cache_dir: str = ""  # where built TensorRT engines are kept
+
+    def __post_init__(self) -> None:
+        if self.layer_range is not None:  # a list, after a trip through msgpack or JSON
+            self.layer_range = tuple(self.layer_range)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, *, model_path: Path | str, num_blocks: int,
+                    max_model_len: int, engine_cache_dir: str = "") -> RunnerSpec:
+        """The runner of a whole model, as `config` asks for it; the rest is what the engine
+        worked out: the checkpoint's folder, the K/V pool's size and the context limit."""
+        return cls(model_path=str(model_path), dtype=config.dtype, device=config.device,
+                   num_blocks=num_blocks, block_size=config.block_size, seed=config.seed,
+                   keep_logits=config.keep_logits, attention=config.attention_backend,
+                   cuda_graphs=config.cuda_graphs, max_batch_size=config.max_batch_size,
+                   max_model_len=max_model_len, engine=config.engine,
+                   tensorrt_runtime=config.tensorrt_runtime,
+                   max_num_batched_tokens=config.max_num_batched_tokens,
+                   engine_cache_dir=engine_cache_dir)

@@ -1,0 +1,44 @@
+"""What the runner keeps of one request between iterations."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..core.messages import NewRequest
+from ..core.sampling_params import SamplingParams
+
+
+@dataclass(slots=True, eq=False)
+class RunnerRequest:
+    request_id: str
+    num_prompt_tokens: int
+    token_ids: list[int]  # every token it has been sent: the prompt, then outputs as fed back
+    params: SamplingParams
+    wants_logprob: bool
+    block_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None  # its own, when it is seeded and this runner samples
+    failure: str | None = None  # why it cannot sample (its seed broke the generator): it fails alone
+
+    @classmethod
+    def new(cls, new: NewRequest, sampling_device: torch.device | None) -> RunnerRequest:
+        """`sampling_device`: where this runner samples (None if it does not): a seeded
+        request's generator is made there now, so that sampling never creates state."""
+        state = cls(new.request_id, len(new.prompt_token_ids), list(new.prompt_token_ids), new.params,
+                    new.wants_logprob)
+        seed = new.params.seed
+        if seed is not None and sampling_device is not None:
+            try:
+                state.generator = torch.Generator(device=sampling_device).manual_seed(seed)
+            except Exception as e:
+                state.failure = f"its seed {seed} cannot seed a generator: {e}"
+        return state
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """Outputs so far: when it samples, every earlier output has been fed back."""
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens

@@ -1,0 +1,85 @@
+"""Serving-side request parsing with the I/O of Triton's vLLM backend, transport-free.
+
+The Triton model turns tensors into plain values and hands them here; everything that decides
+what a request means (flags, defaults, errors) lives in this module and is tested without
+a server.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..core.errors import InvalidRequestError
+from ..core.sampling_params import SamplingParams, parse_json
+
+RETURN_FLAGS = ("return_finish_reason", "return_cumulative_logprob", "return_logprobs",
+                "return_num_input_tokens", "return_num_output_tokens")
+FLAG_INPUTS = ("stream", "exclude_input_in_output", *RETURN_FLAGS)
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    """One parsed request, ready for the engine."""
+
+    prompt: str
+    params: SamplingParams
+    stream: bool = False
+    exclude_input_in_output: bool = False
+    return_finish_reason: bool = False
+    return_cumulative_logprob: bool = False
+    return_logprobs: bool = False
+    return_num_input_tokens: bool = False
+    return_num_output_tokens: bool = False
+
+    @classmethod
+    def parse(cls, text_input: bytes | None, flags: dict[str, bool | None],
+              sampling_json: bytes | None, request_parameters: str | None) -> GenerateRequest:
+        """Raises InvalidRequestError naming the input that is wrong.
+
+        `flags` holds the BOOL inputs that were sent; `request_parameters` is the request's
+        JSON parameters, which carry the sampling parameters (and flags) when the
+        `sampling_parameters` input is absent, as Triton's generate endpoint sends them.
+        """
+        if text_input is None:
+            raise InvalidRequestError("input 'text_input' is required")
+        try:
+            prompt = text_input.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InvalidRequestError(f"input 'text_input' is not valid UTF-8: {e}") from None
+        if sampling_json is not None:
+            params = SamplingParams.from_json(_utf8(sampling_json, "sampling_parameters"))
+        else:
+            values = _json_object(request_parameters)
+            for name in FLAG_INPUTS:  # the generate endpoint sends flags as parameters too
+                if flags.get(name) is None and name in values:
+                    flags[name] = _bool(values[name], name)
+            params = SamplingParams.from_dict({k: v for k, v in values.items() if k not in FLAG_INPUTS})
+        stream = bool(flags.get("stream"))
+        exclude = flags.get("exclude_input_in_output")
+        if stream and exclude is False:
+            raise InvalidRequestError(
+                "exclude_input_in_output=false is not supported when streaming: "
+                "streamed responses carry only the new text")
+        return cls(prompt, params, stream, exclude if exclude is not None else stream,
+                   **{name: bool(flags.get(name)) for name in RETURN_FLAGS})
+
+
+def _json_object(text: str | None) -> dict:
+    values = parse_json(text, "request parameters") if text else {}
+    if not isinstance(values, dict):
+        raise InvalidRequestError("request parameters must be a JSON object")
+    return values
+
+
+def _utf8(raw: bytes, name: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidRequestError(f"input {name!r} is not valid UTF-8: {e}") from None
+
+
+def _bool(value, name: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise InvalidRequestError(f"parameter {name!r} must be true or false, got {value!r}")

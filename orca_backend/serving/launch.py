@@ -1,0 +1,176 @@
+"""Start a real `tritonserver` on a model repository, with or without the NGC image.
+
+Uses `tritonserver` from PATH when there is one (the NGC image). Otherwise it uses the binary
+shipped in the `nvidia-pytriton` wheel: a writable copy of the wheel's backends/ gets the Python
+backend stub for the running Python, and the environment lets that stub find the wheel's
+libraries, libpython, and our package with its dependencies.
+
+    python -m orca_backend.serving.launch [--model-repository model_repository]
+Ports come from HTTP_PORT, GRPC_PORT and METRICS_PORT (defaults 8000, 8001, 8002).
+`Server` runs one as a child process on free ports, for tests and benchmarks.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shutil
+import signal
+import site
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from ..core.errors import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds orca_backend/
+
+
+def _wheel_root() -> Path:
+    # Never import pytriton: its __init__ needs packages (and a numpy) we do not install.
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("no tritonserver on PATH and the nvidia-pytriton wheel is not installed")
+    return Path(spec.submodule_search_locations[0])
+
+
+def _prepare_backends(work_dir: Path) -> tuple[Path, Path]:
+    """Copy the wheel's backends/ and put this Python's stub in it; returns (binary, backends)."""
+    root = _wheel_root() / "tritonserver"
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.exists():
+        raise ConfigError(f"the nvidia-pytriton wheel has no Python backend stub for Python {version}")
+    backends = work_dir / "backends"
+    shutil.rmtree(backends, ignore_errors=True)
+    shutil.copytree(root / "backends", backends)
+    shutil.copy2(stub, backends / "python" / "triton_python_backend_stub")
+    return root / "bin" / "tritonserver", backends
+
+
+def _join(*parts: str | os.PathLike | None) -> str:
+    return os.pathsep.join(str(p) for p in parts if p)
+
+
+def server_command(model_repository: Path, work_dir: Path, http_port: int, grpc_port: int,
+                   metrics_port: int, extra_args: list[str] = ()) -> tuple[list[str], dict[str, str]]:
+    """The argv and environment that run tritonserver on `model_repository`."""
+    env = dict(os.environ)
+    python_paths = [REPO_ROOT, *site.getsitepackages(), sysconfig.get_paths()["purelib"]]
+    env["PYTHONPATH"] = _join(*dict.fromkeys(python_paths), env.get("PYTHONPATH"))
+    # The stub's embedded Python finds its prefix (and a virtualenv's packages) from the
+    # first `python3` on PATH: make that the interpreter running us.
+    env["PATH"] = _join(Path(sys.executable).parent, env.get("PATH"))
+    args = [f"--model-repository={model_repository}", f"--http-port={http_port}",
+            f"--grpc-port={grpc_port}", f"--metrics-port={metrics_port}", *extra_args]
+    binary = shutil.which("tritonserver")
+    if binary is None:
+        binary, backends = _prepare_backends(work_dir)
+        libs = _wheel_root().parent / "nvidia_pytriton.libs"
+        env["LD_LIBRARY_PATH"] = _join(libs, sysconfig.get_config_var("LIBDIR"), env.get("LD_LIBRARY_PATH"))
+        args.append(f"--backend-directory={backends}")
+    return [str(binary), *args], env
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+class Server:
+    """A tritonserver child process on free loopback ports (tests and benchmarks).
+
+    `env` adds environment variables for the server and its models (ORCA_ITERATION_TRACE).
+    """
+
+    def __init__(self, work_dir: Path, model_repository: Path = REPO_ROOT / "model_repository",
+                 extra_args: list[str] = (), env: dict[str, str] | None = None) -> None:
+        self.http_port, self.grpc_port, self.metrics_port = free_ports(3)
+        argv, server_env = server_command(model_repository, work_dir, self.http_port, self.grpc_port,
+                                          self.metrics_port, ["--log-verbose=0", *extra_args])
+        server_env.update(env or {})
+        self.log_path = work_dir / "tritonserver.log"
+        self._log = open(self.log_path, "wb")
+        self.process = subprocess.Popen(argv, env=server_env, stdout=self._log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def http(self, path: str, body: bytes | None = None, port: int | None = None) -> tuple[int, str]:
+        url = f"http://127.0.0.1:{port or self.http_port}{path}"
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, data=body), timeout=120) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+        except OSError as e:
+            return 0, str(e)
+
+    def is_ready(self) -> bool:
+        return self.http("/v2/health/ready")[0] == 200
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"tritonserver exited; log:\n{self.log_path.read_text(errors='replace')[-3000:]}")
+            if self.is_ready():
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"tritonserver not ready in {timeout} s")
+
+    def metric(self, name: str, model: str = "orca") -> float:
+        _, text = self.http("/metrics", port=self.metrics_port)
+        for line in text.splitlines():
+            if line.startswith(f'{name}{{model="{model}"}}'):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(name)
+
+    def terminate(self) -> None:
+        """Ask tritonserver to shut down as Ctrl+C in a terminal does: SIGINT to the group."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGINT)
+
+    def stop(self, timeout: float = 60) -> None:
+        self.terminate()
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        # The Python backend's stub processes outlive a killed server: end the whole group.
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+        self._log.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-repository", type=Path, default=REPO_ROOT / "model_repository")
+    parser.add_argument("--work-dir", type=Path, default=REPO_ROOT / "build" / "triton")
+    args, extra = parser.parse_known_args()
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    argv, env = server_command(
+        args.model_repository.resolve(), args.work_dir.resolve(),
+        int(os.environ.get("HTTP_PORT", 8000)), int(os.environ.get("GRPC_PORT", 8001)),
+        int(os.environ.get("METRICS_PORT", 8002)), extra)
+    print(" ".join(argv), flush=True)
+    os.execve(argv[0], argv, env)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,237 @@
+"""The serving loop: a tokenizer thread, one engine thread that runs iterations, and a sender
+thread that talks to clients (`sender.py`).
+
+The engine thread owns the engine (scheduler, K/V manager, runner) and never waits on a
+client or on a tokenizer. Each request gets exactly one final response, whether it finished,
+failed, was cancelled, was refused because the queue was full, or the server shut down. A
+failure of a loop thread itself ends every open request with an error, and the engine is
+restarted with an empty pool: the server keeps serving.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..core.errors import OrcaError
+from ..engine.llm_engine import LLMEngine
+from ..engine.outputs import IterationRecord
+from ..executors.stages import StageStats
+from .inputs import GenerateRequest
+from .sender import (Deltas, ErrorKind, Fail, FailAll, Metrics, Open, Rejected, ResponseSink, Sender, Stats,
+                     Stop, Stream)
+from .trace import TraceFile
+
+log = logging.getLogger(__name__)
+JOIN_TIMEOUT_SECONDS = 60
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    request: GenerateRequest
+    token_ids: list[int] | None = None  # set by the tokenizer thread
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+class EngineLoop:
+    """`stage_stats`: a pipeline's per-stage counters, reported with every iteration's stats."""
+
+    def __init__(self, engine: LLMEngine, metrics: Metrics | None = None,
+                 trace_path: str | None = None, max_queue_size: int | None = None,
+                 stage_stats: Callable[[], list[StageStats]] | None = None) -> None:
+        self.engine = engine
+        self.max_queue_size = max_queue_size  # None: unbounded
+        self._stage_stats = stage_stats
+        # One JSON line per iteration (batch shape, K/V use, queue), to watch batching happen.
+        self._trace = TraceFile(trace_path)
+        self._to_tokenize: queue.Queue = queue.Queue()  # _Add | Stop
+        self._inbox: queue.Queue = queue.Queue()  # to the engine thread: _Add | _Abort | Stop
+        self.sender = Sender(engine.rules.tokenizer.decode, metrics,
+                             lambda request_id: self._inbox.put(_Abort(request_id)))
+        self._ids = itertools.count()
+        self._lock = threading.Lock()  # guards the fields below
+        self._closed = False
+        self._pending: set[str] = set()  # submitted, not yet handed to the engine
+        self._num_engine_waiting = 0  # the engine's queue, as of its last command or iteration
+        self._aborted_early: set[str] = set()  # cancelled before the engine saw them
+        self.num_restarts = 0
+        self._broken: str | None = None  # why the engine cannot serve, if it cannot
+        self._threads = [threading.Thread(target=self._tokenizer_main, name="orca-tokenizer", daemon=True),
+                         threading.Thread(target=self._engine_main, name="orca-engine", daemon=True)]
+
+    def start(self) -> None:
+        self.sender.put(self._stats())  # gauges show the pool before any request
+        self.sender.start()
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, request: GenerateRequest, sink: ResponseSink) -> None:
+        """Queue a parsed request; called from Triton's execute() thread."""
+        with self._lock:
+            if self._closed or self._broken:
+                sink.fail(self._broken or "the server is shutting down", ErrorKind.UNAVAILABLE)
+                return
+            num_waiting = len(self._pending) + self._num_engine_waiting
+            if self.max_queue_size is not None and num_waiting >= self.max_queue_size:
+                self.sender.put(Rejected())
+                sink.fail(f"the queue is full: {num_waiting} requests are waiting "
+                          f"(max_queue_size {self.max_queue_size}); retry later", ErrorKind.UNAVAILABLE)
+                return
+            request_id = f"req-{next(self._ids)}"
+            self._pending.add(request_id)
+            # The stream is opened before the engine can produce anything for it.
+            self.sender.put(Open(request_id, Stream(request, sink, time.monotonic())))
+            self._to_tokenize.put(_Add(request_id, request))
+
+    def shutdown(self) -> None:
+        """Finish every open request with a final response, then stop every thread."""
+        self.close()
+        for thread in self._threads:
+            thread.join(JOIN_TIMEOUT_SECONDS)
+        self.sender.join(JOIN_TIMEOUT_SECONDS)
+        self._trace.close()
+
+    def close(self) -> None:
+        """Refuse new requests; the threads end the open ones and stop."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._to_tokenize.put(Stop())  # it passes the Stop on after the last add
+
+    # -- tokenizer thread ---------------------------------------------------------------------
+    def _tokenizer_main(self) -> None:
+        """Tokenize and check prompts here, so a huge prompt never holds up an iteration."""
+        while not isinstance(add := self._to_tokenize.get(), Stop):
+            try:
+                add.token_ids = self.engine.prepare(add.request.prompt, add.request.params)
+            except Exception as e:
+                self._settle(add.request_id)
+                self.sender.put(_refusal(add.request_id, e, "checking the prompt"))
+                continue
+            self._inbox.put(add)
+        self._inbox.put(Stop())
+
+    # -- engine thread ------------------------------------------------------------------------
+    def _engine_main(self) -> None:
+        running = True
+        while running:
+            try:
+                running = self._take_commands()
+                if running and not self._broken:
+                    self._step()
+            except Exception as e:
+                log.exception("the engine thread failed; restarting the engine")
+                self._restart(e)
+        self._end_all("the server is shutting down", ErrorKind.UNAVAILABLE)
+        self.sender.put(Stop())
+
+    def _step(self) -> None:
+        deltas = self.engine.step()
+        for iteration in self.engine.stats.last_step_iterations:
+            self._trace.write(iteration)
+            self.sender.put(self._stats(iteration))
+        self.sender.put(Deltas(deltas))  # after the gauges: no client sees a token the metrics do not
+        if not self.engine.stats.last_step_iterations and not self.engine.has_unfinished_requests():
+            self.sender.put(self._stats())  # e.g. the runner has dropped ended requests
+
+    def _take_commands(self) -> bool:
+        """Apply queued adds and aborts; block while there is nothing to run. False = stop."""
+        block = self._idle()
+        while True:
+            try:
+                command = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            if isinstance(command, Stop):
+                return False
+            if isinstance(command, _Add):
+                self._add(command)
+            else:
+                self._abort(command.request_id)
+            block = self._idle() and self._inbox.empty()
+
+    def _idle(self) -> bool:
+        return self._broken is not None or not self.engine.has_unfinished_requests()
+
+    def _add(self, add: _Add) -> None:
+        with self._lock:
+            self._pending.discard(add.request_id)
+            if add.request_id in self._aborted_early:
+                self._aborted_early.discard(add.request_id)
+                return  # cancelled while it was being tokenized; its stream has ended
+            broken = self._broken
+        if broken:
+            self.sender.put(Fail(add.request_id, broken, ErrorKind.UNAVAILABLE))
+            return
+        try:
+            self.engine.add_request(add.request_id, add.token_ids, add.request.params,
+                                    track_logprob=add.request.return_cumulative_logprob)
+        except Exception as e:
+            self.engine.abort_request(add.request_id)  # in case it got halfway in
+            self.sender.put(_refusal(add.request_id, e, "adding the request"))
+        self._publish_waiting()
+
+    def _abort(self, request_id: str) -> None:
+        if self.engine.abort_request(request_id):
+            self.sender.put(Fail(request_id, "the request was cancelled", ErrorKind.CANCELLED))
+            self.sender.put(self._stats())
+            return
+        with self._lock:
+            if request_id in self._pending:  # the add comes later: drop it then
+                self._aborted_early.add(request_id)
+                self.sender.put(Fail(request_id, "the request was cancelled", ErrorKind.CANCELLED))
+
+    def _restart(self, error: Exception) -> None:
+        """End every open request with an error and start over with an empty engine."""
+        self.num_restarts += 1
+        self.sender.put(FailAll(f"internal error in the engine ({type(error).__name__}: {error}); "
+                                "the request was ended and the engine restarted"))
+        try:
+            self.engine.reset()
+        except Exception as e:
+            log.exception("the engine could not be restarted; every request is refused from now on")
+            with self._lock:
+                self._broken = f"the engine failed and could not be restarted ({type(e).__name__}: {e})"
+            return
+        self.sender.put(self._stats())
+
+    def _end_all(self, message: str, kind: ErrorKind) -> None:
+        for request_id in self.engine.unfinished_request_ids():
+            self.engine.abort_request(request_id)
+            self.sender.put(Fail(request_id, message, kind))
+        self.sender.put(self._stats())
+
+    def _settle(self, request_id: str) -> None:
+        with self._lock:
+            self._pending.discard(request_id)
+            self._aborted_early.discard(request_id)
+
+    def _publish_waiting(self, num_waiting: int | None = None) -> None:
+        if num_waiting is None:
+            num_waiting = self.engine.snapshot().num_waiting
+        with self._lock:
+            self._num_engine_waiting = num_waiting
+
+    def _stats(self, iteration: IterationRecord | None = None) -> Stats:
+        """Gauges and counters for the metrics; `iteration` when one has just run."""
+        snapshot = self.engine.snapshot()
+        self._publish_waiting(snapshot.num_waiting)
+        return Stats(snapshot, self.num_restarts, iteration.num_requests if iteration else 0,
+                     self._stage_stats() if self._stage_stats else None)
+
+
+def _refusal(request_id: str, error: Exception, doing: str) -> Fail:
+    """An expected refusal (bad input) names the problem; anything else is an internal error."""
+    if isinstance(error, OrcaError):
+        return Fail(request_id, str(error), ErrorKind.INVALID)
+    log.error("%s failed for %s", doing, request_id, exc_info=error)
+    return Fail(request_id, f"internal error while {doing}: {type(error).__name__}", ErrorKind.INTERNAL)

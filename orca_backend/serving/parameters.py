@@ -1,0 +1,79 @@
+"""A served model's config.pbtxt `parameters`: the engine's options (every `EngineConfig`
+field that is a model parameter, read by its type) and the serving loop's own."""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+
+from ..core.config import EngineConfig, auto_dtype, is_model_parameter
+from ..core.errors import ConfigError
+
+
+def _option_types() -> dict[str, type]:
+    """Each parameter's type: int, bool or str (of `int | None`, int)."""
+    hints = typing.get_type_hints(EngineConfig)
+    types = {}
+    for f in dataclasses.fields(EngineConfig):
+        if is_model_parameter(f):
+            kinds = [t for t in typing.get_args(hints[f.name]) if t is not type(None)] or [hints[f.name]]
+            types[f.name] = kinds[0]
+    return types
+
+
+ENGINE_PARAMETERS = _option_types()
+
+
+@dataclass(slots=True)
+class ServingOptions:
+    """config.pbtxt parameters of the serving loop rather than of the engine."""
+
+    iteration_trace: str | None = None
+    max_queue_size: int | None = None  # None: unbounded
+
+
+def serving_options(parameters: dict[str, str]) -> ServingOptions:
+    """Take the serving loop's parameters out of `parameters`; empty means unset."""
+    trace = parameters.pop("iteration_trace", "").strip() or None
+    raw = parameters.pop("max_queue_size", "").strip()
+    if raw in ("", "auto"):
+        return ServingOptions(trace, None)
+    try:
+        size = int(raw)
+    except ValueError:
+        size = -1
+    if size < 1:
+        raise ConfigError(f"model parameter 'max_queue_size' must be an integer >= 1 or empty "
+                          f"(unbounded), got {raw!r}")
+    return ServingOptions(trace, size)
+
+
+def engine_config_from_parameters(parameters: dict[str, str], instance_device: str = "cpu") -> EngineConfig:
+    """Build EngineConfig from config.pbtxt string parameters; empty or "auto" means default.
+
+    `device` "auto" is the model instance's device (`instance_device`: cuda:<id> for KIND_GPU,
+    else cpu), and `dtype` "auto" is bfloat16 on a GPU, float32 on the CPU.
+    """
+    options = {}
+    for name, raw in parameters.items():
+        if name not in ENGINE_PARAMETERS:
+            raise ConfigError(f"unknown model parameter {name!r}; known: {', '.join(sorted(ENGINE_PARAMETERS))}")
+        value = raw.strip()
+        if value not in ("", "auto"):
+            options[name] = _parse(name, value, ENGINE_PARAMETERS[name])
+    options.setdefault("device", instance_device)
+    options.setdefault("dtype", auto_dtype(options["device"]))
+    return EngineConfig(**options)
+
+
+def _parse(name: str, value: str, kind: type):
+    if kind is int:
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"model parameter {name!r} must be an integer, got {value!r}") from None
+    if kind is bool:
+        if value.lower() not in ("true", "false"):
+            raise ConfigError(f"model parameter {name!r} must be true or false, got {value!r}")
+        return value.lower() == "true"
+    return value

@@ -1,0 +1,292 @@
+"""The `stages` executor: pipeline stages as Triton models (`<name>_stage_<i>` of the serving
+model `<name>`, one instance each, on its own GPU or CPU cores), driven from the serving
+model, which hands the engine its factory. Only usable inside tritonserver;
+`python -m orca_backend.serving.stages.repository` writes such a repository.
+
+Two transports, both Triton's own machinery:
+- `bls` (the default): one thread per stage here calls its stage model with BLS, in
+  submission order, and hands the stage's `hidden` output on as the next stage's input. So
+  stage 1 runs iteration k while stage 0 runs iteration k + 1: up to `max_inflight`
+  iterations are in the pipeline.
+- `ensemble`: one call per iteration to the generated ensemble `<name>_pipeline`, which chains
+  the stages inside Triton. Triton gives no order between concurrent calls (and every stage
+  must see the iterations in order), so this transport keeps one iteration in flight.
+
+The stages are configured with the first iteration, not at load time: Triton allows BLS only
+once models serve. A stage that fails an iteration says so in-band (`error`) and the stages
+after it only take note of the message; that fails the iteration alone. A stage that fails a
+call, or does not answer one within `iteration_timeout_seconds`, takes the pipeline down with
+an error naming it: the engine ends the requests it held and configures the stages afresh for
+the next ones. A stage that cannot be configured (its process was killed: Triton does not
+restart a Python model's process) fails every request with an error naming it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import asdict, dataclass
+
+import msgpack
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from ...core.config import EngineConfig
+from ...core.errors import ConfigError
+from ...core.messages import RunnerOutput, SchedulerOutput
+from ...executors.base import Executor, IterationFailedError, RunnerDiedError, RunnerUnavailableError
+from ...executors.stages import (StagedFactory, StageTimes, check_layer_split, ensemble_model, stage_model,
+                                 stage_name)
+from ...runner.spec import RunnerSpec
+from ..triton_io import string_tensor, tensor_text
+
+log = logging.getLogger(__name__)
+WATCH_SECONDS = 0.25
+
+
+@dataclass(slots=True, eq=False)
+class _Work:
+    iteration_id: int
+    message: np.ndarray  # the SchedulerOutput, msgpack bytes as uint8
+    future: Future
+    hidden: object = None  # the previous stage's `hidden` output tensor
+    error: str = ""  # set once a stage has failed this iteration
+
+
+class TritonStagesExecutor(Executor):
+    def __init__(self, spec: RunnerSpec, num_stages: int, transport: str = "bls",
+                 timeout: float = 600.0, pipeline: str = "orca", times: StageTimes | None = None) -> None:
+        self.spec, self.transport, self.timeout = spec, transport, float(timeout)
+        self.models = [stage_model(pipeline, i) for i in range(num_stages)]
+        self.ensemble = ensemble_model(pipeline)
+        self.layer_ranges: list[tuple[int, int]] | None = None  # known once configured
+        self.times = times or StageTimes(num_stages)
+        self._lock = threading.Lock()
+        self._pending: dict[int, _Work] = {}
+        self._calls: dict[int, tuple[float, int]] = {}  # stage -> (start, iteration) of its open call
+        self._dead: str | None = None
+        self._stopped = threading.Event()
+        lanes = num_stages if transport == "bls" else 1
+        self._inboxes: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(lanes)]
+        target = self._serve_stage if transport == "bls" else self._serve_ensemble
+        self._threads = [threading.Thread(target=target, args=(i,), name=f"orca-stage-{i}", daemon=True)
+                         for i in range(lanes)]
+        self._threads.append(threading.Thread(target=self._watch, name="orca-stage-watch", daemon=True))
+        for t in self._threads:
+            t.start()
+
+    @property
+    def name(self) -> str:
+        return f"the {len(self.models)}-stage pipeline"
+
+    def stage_name(self, i: int) -> str:
+        if self.layer_ranges is None:
+            return f"pipeline stage {i} (model {self.models[i]})"
+        return stage_name(i, self.layer_ranges[i], self.models[i])
+
+    # -- the executor interface -------------------------------------------------------------
+    def submit(self, message: SchedulerOutput) -> Future[RunnerOutput]:
+        """Raises RunnerUnavailableError when the stages cannot be configured."""
+        future: Future[RunnerOutput] = Future()
+        if self.layer_ranges is None and not self._dead:
+            self._configure()
+        try:
+            data = np.frombuffer(msgpack.packb(message.to_wire()), dtype=np.uint8)
+        except Exception as e:
+            future.set_exception(IterationFailedError(
+                f"iteration {message.iteration_id} could not be encoded for {self.name}: {e}"))
+            return future
+        work = _Work(message.iteration_id, data, future)
+        with self._lock:
+            if self._dead:
+                future.set_exception(RunnerDiedError(self._dead))
+                return future
+            self._pending[work.iteration_id] = work
+        self.times.submitted()
+        future.add_done_callback(lambda _: self._returned(work))
+        self._inboxes[0].put(work)
+        return future
+
+    def check_health(self) -> None:
+        if self._dead:
+            raise RunnerDiedError(self._dead)
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+        for inbox in self._inboxes:
+            inbox.put(None)
+        for t in self._threads:
+            t.join(timeout=1.0)  # a thread blocked on a stage that hangs is left behind (daemon)
+
+    def describe_wait(self) -> str:
+        if not self._calls:
+            return ""
+        stage, (start, iteration) = min(self._calls.items(), key=lambda item: item[1][0])
+        return f"; {self.stage_name(stage)} has had iteration {iteration} for {time.monotonic() - start:.1f} s"
+
+    # -- configuring the stages -------------------------------------------------------------
+    def _configure(self) -> None:
+        """Every stage builds its runner from our spec; their layers must chain over the model."""
+        call = json.dumps({"op": "configure", "spec": asdict(self.spec)})
+        replies = [self._control(i, call) for i in range(len(self.models))]
+        ranges = [tuple(r["layers"]) for r in replies]
+        try:
+            check_layer_split(ranges, replies[-1]["num_layers"])
+        except ConfigError as e:
+            self._unavailable(f"the stage models {', '.join(self.models)} do not chain: {e}")
+        self.layer_ranges = ranges
+        log.info("pipeline stages configured: %s", ", ".join(map(self.stage_name, range(len(ranges)))))
+
+    def _control(self, i: int, call: str) -> dict:
+        """One control call, with the deadline run from here (a BLS call cannot be timed out)."""
+        result: list = []
+        request = pb_utils.InferenceRequest(model_name=self.models[i], requested_output_names=["reply"],
+                                            inputs=[string_tensor("control", call)])
+        caller = threading.Thread(target=lambda: result.append(request.exec()), daemon=True)
+        caller.start()
+        caller.join(self.timeout)
+        if not result:
+            self._unavailable(f"{self.stage_name(i)} did not answer its configure call within "
+                              f"{self.timeout:.0f} s")
+        response = result[0]
+        if response.has_error():
+            self._unavailable(f"{self.stage_name(i)} is unavailable: {response.error().message()}")
+        return json.loads(tensor_text(pb_utils.get_output_tensor_by_name(response, "reply")))
+
+    def _unavailable(self, reason: str):
+        with self._lock:
+            self._dead = reason
+        raise RunnerUnavailableError(reason)
+
+    # -- the transports ---------------------------------------------------------------------
+    def _serve_stage(self, i: int) -> None:
+        """BLS: this thread calls stage i, one iteration after the other."""
+        last = i == len(self.models) - 1
+        while (work := self._inboxes[i].get()) is not None:
+            if self._dead:
+                continue  # its future has failed already
+            inputs = [pb_utils.Tensor("message", work.message)]
+            if work.error:
+                inputs.append(string_tensor("error", work.error))
+            elif work.hidden is not None:
+                inputs.append(work.hidden)
+            request = pb_utils.InferenceRequest(
+                model_name=self.models[i], inputs=inputs,
+                requested_output_names=["output" if last else "hidden", "error", "stats"])
+            response = self._exec(i, work, request)
+            if response is None:
+                continue
+            self._passed(i, response, "stats")
+            self._take_error(work, response)
+            if last:
+                self._finish(work, response)
+            else:
+                work.hidden = None if work.error else pb_utils.get_output_tensor_by_name(response, "hidden")
+                self._inboxes[i + 1].put(work)
+
+    def _serve_ensemble(self, _: int) -> None:
+        """Ensemble: one call runs the whole pipeline inside Triton."""
+        n = len(self.models)
+        while (work := self._inboxes[0].get()) is not None:
+            if self._dead:
+                continue
+            request = pb_utils.InferenceRequest(
+                model_name=self.ensemble, inputs=[pb_utils.Tensor("message", work.message)],
+                requested_output_names=["output", "error", *(f"stats_{i}" for i in range(n))])
+            response = self._exec(0, work, request)
+            if response is None:
+                continue
+            for i in range(n):
+                self._passed(i, response, f"stats_{i}")
+            self._take_error(work, response)
+            self._finish(work, response)
+
+    def _exec(self, i: int, work: _Work, request):
+        """The call, watched by the deadline; None when the pipeline is down."""
+        self._calls[i] = (time.monotonic(), work.iteration_id)
+        try:
+            response = request.exec()
+        except Exception as e:
+            response = e
+        finally:
+            self._calls.pop(i, None)
+        if self._dead or self._stopped.is_set():
+            return None  # a late answer to a pipeline given up on: its iteration has been failed
+        if isinstance(response, Exception) or response.has_error():
+            why = response if isinstance(response, Exception) else response.error().message()
+            self._die(f"{self._where(i)} failed iteration {work.iteration_id}: {why}")
+            return None
+        return response
+
+    def _where(self, i: int) -> str:
+        return self.stage_name(i) if self.transport == "bls" else f"the ensemble {self.ensemble}"
+
+    def _passed(self, i: int, response, stats_output: str) -> None:
+        """Count stage i's part of an iteration from the stats it answered with."""
+        forward, blocks, busy = pb_utils.get_output_tensor_by_name(response, stats_output).as_numpy()
+        self.times.passed(i, busy, forward, int(blocks))
+
+    @staticmethod
+    def _take_error(work: _Work, response) -> None:
+        error = tensor_text(pb_utils.get_output_tensor_by_name(response, "error"))
+        if error and not work.error:
+            work.error = error  # the first stage that failed it; it fails once it has left the pipeline
+
+    def _finish(self, work: _Work, response) -> None:
+        """The iteration has been through every stage (so the stages' counters include it)."""
+        if work.error:
+            self._settle(work, error=IterationFailedError(work.error))
+        else:
+            data = pb_utils.get_output_tensor_by_name(response, "output").as_numpy().tobytes()
+            self._settle(work, result=RunnerOutput.from_wire(msgpack.unpackb(data, strict_map_key=False)))
+
+    @staticmethod
+    def _settle(work: _Work, result=None, error: Exception | None = None) -> None:
+        try:  # not under our lock: the future's callbacks take it
+            if error is not None:
+                work.future.set_exception(error)
+            else:
+                work.future.set_result(result)
+        except InvalidStateError:
+            pass  # the pipeline went down and failed it first
+
+    def _returned(self, work: _Work) -> None:
+        with self._lock:
+            self._pending.pop(work.iteration_id, None)
+        self.times.returned()
+
+    # -- deadlines and death ----------------------------------------------------------------
+    def _watch(self) -> None:
+        while not self._stopped.wait(WATCH_SECONDS):
+            now = time.monotonic()
+            for i, (start, iteration) in list(self._calls.items()):
+                if now - start > self.timeout:
+                    self._die(f"{self._where(i)} did not answer iteration {iteration} within {self.timeout:.0f} s")
+                    return
+
+    def _die(self, reason: str) -> None:
+        """Fail every iteration in the pipeline; the engine then ends their requests and
+        starts a new executor, which configures the stages afresh."""
+        with self._lock:
+            if self._dead:
+                return
+            self._dead = reason
+            pending = list(self._pending.values())
+        log.error("%s", reason)
+        for work in pending:
+            self._settle(work, error=RunnerDiedError(reason))
+
+
+class TritonStagesFactory(StagedFactory):
+    """The `stages` executor of the serving model `name`, as the engine's executor factory."""
+
+    def __init__(self, config: EngineConfig, name: str) -> None:
+        super().__init__(config.pipeline_stages)
+        self.transport, self.name = config.stage_transport, name
+        self.timeout = float(config.iteration_timeout_seconds)
+
+    def make(self, spec: RunnerSpec) -> TritonStagesExecutor:
+        return TritonStagesExecutor(spec, self.num_stages, self.transport, self.timeout, self.name, self.times)

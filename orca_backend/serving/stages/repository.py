@@ -1,0 +1,203 @@
+"""Write a model repository that serves the model as pipeline stages, one Triton model each.
+
+    python -m orca_backend.serving.stages.repository --stages 2 --kind gpu --gpus 0,1 \
+        --model PATH --output DIR
+    tritonserver --model-repository DIR
+    # or: python -m orca_backend.serving.launch --model-repository DIR
+
+The repository holds `orca` (the serving model, with the I/O of the single-process one, set
+to the `stages` executor), `orca_stage_<i>` (one Python-backend model per stage, exactly one
+instance, on GPU i of `--gpus` or on the CPU) and `orca_pipeline` (the ensemble that chains
+the stages, used when `stage_transport` is `ensemble`). Layers are split evenly unless
+`--layers` chooses, e.g. `--layers 0:20,20:30`.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ...checkpoint.config import ModelConfig
+from ...checkpoint.store import prepare_default_model
+from ...core.config import STAGE_TRANSPORTS, auto_dtype
+from ...core.errors import ConfigError
+from ...executors.stages import check_layer_split, ensemble_model, split_layers, stage_model
+from ..launch import REPO_ROOT
+
+TEMPLATE = REPO_ROOT / "model_repository" / "orca" / "config.pbtxt"
+_TRITON_TYPES = {"float32": "TYPE_FP32", "bfloat16": "TYPE_BF16", "float16": "TYPE_FP16"}
+
+
+@dataclass(slots=True)
+class PipelineLayout:
+    """What the repository is made of; `write_repository` turns it into files."""
+
+    num_stages: int
+    name: str = "orca"  # the serving model; its stages are <name>_stage_<i>, the ensemble <name>_pipeline
+    kind: str = "cpu"  # "cpu" or "gpu"
+    gpus: list[int] | None = None  # stage i on gpus[i]; default 0, 1, ...
+    model: str | None = None  # a Hugging Face-format folder; None: the default model
+    layers: list[tuple[int, int]] | None = None  # None: an even split
+    dtype: str | None = None  # None: bfloat16 on GPUs, float32 on the CPU ("auto")
+    threads_per_stage: int = 0  # torch threads per CPU stage; 0: torch's default
+    orca_parameters: dict[str, str] = field(default_factory=dict)  # more `orca` parameters
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("cpu", "gpu"):
+            raise ConfigError(f"--kind must be cpu or gpu, got {self.kind!r}")
+        if self.dtype is None:
+            self.dtype = auto_dtype("cuda" if self.kind == "gpu" else "cpu")
+        if self.dtype not in _TRITON_TYPES:
+            raise ConfigError(f"--dtype must be one of {', '.join(_TRITON_TYPES)}, got {self.dtype!r}")
+        if self.kind == "cpu" and self.dtype != "float32":
+            raise ConfigError("stages on the CPU run in float32")
+        if self.gpus is None:
+            self.gpus = list(range(self.num_stages))
+        if self.kind == "gpu" and len(self.gpus) != self.num_stages:
+            raise ConfigError(f"--gpus names {len(self.gpus)} GPUs for {self.num_stages} stages")
+
+
+def write_repository(layout: PipelineLayout, output: Path) -> Path:
+    """Write the repository into `output` (created; its existing stage models are replaced)."""
+    model_path = Path(layout.model).resolve() if layout.model else prepare_default_model()
+    config = ModelConfig.from_folder(model_path)
+    layers = layout.layers or split_layers(config.num_layers, layout.num_stages)
+    if len(layers) != layout.num_stages:
+        raise ConfigError(f"--layers gives {len(layers)} ranges for {layout.num_stages} stages")
+    check_layer_split(layers, config.num_layers)
+    output.mkdir(parents=True, exist_ok=True)
+    on_gpu = layout.kind == "gpu"
+    orca = {"model": str(model_path) if layout.model else "", "executor": "stages",
+            "pipeline_stages": str(layout.num_stages), "dtype": layout.dtype,
+            "device": "cuda" if on_gpu else "cpu", **layout.orca_parameters}
+    serving = set_parameters(TEMPLATE.read_text(), orca).replace('name: "orca"', f'name: "{layout.name}"', 1)
+    _write_model(output / layout.name, serving, "orca_backend.serving.triton_model")
+    hidden_type = _TRITON_TYPES[layout.dtype]
+    for i, (start, stop) in enumerate(layers):
+        last = i == len(layers) - 1
+        parameters = {"stage": str(i), "layer_start": str(start), "layer_end": str(stop),
+                      "model": orca["model"], "dtype": layout.dtype,
+                      "num_threads": str(layout.threads_per_stage), "FORCE_CPU_ONLY_INPUT_TENSORS": "no"}
+        instance = (f"{{ count: 1 kind: KIND_GPU gpus: [ {layout.gpus[i]} ] }}" if on_gpu
+                    else "{ count: 1 kind: KIND_CPU }")
+        text = _STAGE_CONFIG.format(
+            name=stage_model(layout.name, i), hidden_type=hidden_type, hidden=config.hidden_size,
+            last_output=('{ name: "output" data_type: TYPE_UINT8 dims: [ -1 ] }' if last else
+                         f'{{ name: "hidden" data_type: {hidden_type} dims: [ -1, {config.hidden_size} ] }}'),
+            instance=instance, parameters=_parameters(parameters))
+        _write_model(output / stage_model(layout.name, i), text, "orca_backend.serving.stages.model")
+    ensemble = output / ensemble_model(layout.name)
+    (ensemble / "1").mkdir(parents=True, exist_ok=True)
+    (ensemble / "config.pbtxt").write_text(_ensemble(layout.name, len(layers)))
+    return output
+
+
+def _write_model(folder: Path, config_text: str, module: str) -> None:
+    (folder / "1").mkdir(parents=True, exist_ok=True)
+    (folder / "config.pbtxt").write_text(config_text)
+    (folder / "1" / "model.py").write_text(
+        f"# Written by orca_backend.serving.stages.repository; the model lives in that package.\n"
+        f"from {module} import TritonPythonModel  # noqa: F401\n")
+
+
+def set_parameters(text: str, values: dict[str, str]) -> str:
+    """Set `parameters` entries of a config.pbtxt; a key it lacks is added."""
+    for key, value in values.items():
+        pattern = re.compile(r'(parameters: \{ key: "' + re.escape(key) + r'" value: \{ string_value: ")[^"]*(")')
+        if pattern.search(text):
+            text = pattern.sub(lambda m: m.group(1) + value + m.group(2), text)
+        else:
+            text += f'parameters: {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n'
+    if values.get("device", "cpu") != "cpu":  # the serving model itself stays on the CPU
+        text = text.replace("# One instance: the engine batches internally.",
+                            "# One instance on the CPU: the stages hold the weights.")
+    return text
+
+
+def _parameters(values: dict[str, str]) -> str:
+    return "\n".join(f'parameters: {{ key: "{k}" value: {{ string_value: "{v}" }} }}' for k, v in values.items())
+
+
+_STAGE_CONFIG = """# One pipeline stage of `orca` (written by orca_backend.serving.stages.repository): exactly
+# one instance, since it holds the K/V cache of its layers and per-request state.
+name: "{name}"
+backend: "python"
+max_batch_size: 0
+
+input [
+  {{ name: "control" data_type: TYPE_STRING dims: [ 1 ] optional: true }},
+  {{ name: "message" data_type: TYPE_UINT8 dims: [ -1 ] optional: true }},
+  {{ name: "hidden" data_type: {hidden_type} dims: [ -1, {hidden} ] optional: true }},
+  {{ name: "error" data_type: TYPE_STRING dims: [ 1 ] optional: true }}
+]
+output [
+  {last_output},
+  {{ name: "error" data_type: TYPE_STRING dims: [ 1 ] }},
+  {{ name: "stats" data_type: TYPE_FP64 dims: [ 3 ] }},
+  {{ name: "reply" data_type: TYPE_STRING dims: [ 1 ] }}
+]
+
+instance_group [ {instance} ]
+
+{parameters}
+"""
+
+
+def _ensemble(name: str, num_stages: int) -> str:
+    steps = []
+    for i in range(num_stages):
+        last = i == num_stages - 1
+        inputs = ['{ key: "message" value: "message" }']
+        if i:
+            inputs += [f'{{ key: "hidden" value: "hidden_{i - 1}" }}', f'{{ key: "error" value: "error_{i - 1}" }}']
+        outputs = [f'{{ key: "stats" value: "stats_{i}" }}',
+                   '{ key: "error" value: "error" }' if last else f'{{ key: "error" value: "error_{i}" }}',
+                   '{ key: "output" value: "output" }' if last else f'{{ key: "hidden" value: "hidden_{i}" }}']
+        steps.append(f'    {{\n      model_name: "{stage_model(name, i)}"\n      model_version: -1\n'
+                     f'      input_map [ {", ".join(inputs)} ]\n      output_map [ {", ".join(outputs)} ]\n    }}')
+    stats = ",\n".join(f'  {{ name: "stats_{i}" data_type: TYPE_FP64 dims: [ 3 ] }}' for i in range(num_stages))
+    return (f'# The stages chained inside Triton: `orca` calls this once per iteration when its\n'
+            f'# parameter stage_transport is "ensemble" (written by\n'
+            f'# orca_backend.serving.stages.repository).\n'
+            f'name: "{ensemble_model(name)}"\nplatform: "ensemble"\nmax_batch_size: 0\n\n'
+            f'input [ {{ name: "message" data_type: TYPE_UINT8 dims: [ -1 ] }} ]\n'
+            f'output [\n  {{ name: "output" data_type: TYPE_UINT8 dims: [ -1 ] }},\n'
+            f'  {{ name: "error" data_type: TYPE_STRING dims: [ 1 ] }},\n{stats}\n]\n\n'
+            f'ensemble_scheduling {{\n  step [\n' + ",\n".join(steps) + "\n  ]\n}\n")
+
+
+def parse_layers(text: str) -> list[tuple[int, int]]:
+    try:
+        return [(int(a), int(b)) for a, b in (part.split(":") for part in text.split(","))]
+    except ValueError:
+        raise ConfigError(f"--layers must look like 0:15,15:30, got {text!r}") from None
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", type=int, required=True, help="number of pipeline stages")
+    parser.add_argument("--kind", choices=("cpu", "gpu"), default="cpu")
+    parser.add_argument("--gpus", help="GPU of each stage, e.g. 0,1 (default: stage i on GPU i)")
+    parser.add_argument("--model", help="Hugging Face-format folder (default: the default model)")
+    parser.add_argument("--layers", help="each stage's layers, e.g. 0:15,15:30 (default: even)")
+    parser.add_argument("--dtype", help="float32, bfloat16 or float16 (default: bfloat16 on GPUs)")
+    parser.add_argument("--transport", choices=STAGE_TRANSPORTS, default="bls")
+    parser.add_argument("--threads-per-stage", type=int, default=0,
+                        help="torch threads of each CPU stage (default: torch's own choice)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="another parameter of the orca model, e.g. max_inflight=1")
+    parser.add_argument("--name", default="orca", help="the serving model's name (default: orca)")
+    parser.add_argument("--output", type=Path, required=True)
+    args = parser.parse_args(argv)
+    extra = dict(item.split("=", 1) for item in args.set)
+    layout = PipelineLayout(args.stages, args.name, args.kind, [int(g) for g in args.gpus.split(",")] if args.gpus else None,
+                            args.model, parse_layers(args.layers) if args.layers else None, args.dtype,
+                            args.threads_per_stage, {"stage_transport": args.transport, **extra})
+    path = write_repository(layout, args.output)
+    names = [args.name, *(stage_model(args.name, i) for i in range(args.stages)), ensemble_model(args.name)]
+    print(f"wrote {path}: {', '.join(names)}")
+
+
+if __name__ == "__main__":
+    main()

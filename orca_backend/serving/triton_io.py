@@ -1,0 +1,77 @@
+"""pb_utils at the edge: a model's parameters and device, requests' tensors in, responses'
+tensors out, and errors with Triton's status codes. Shared by every Python-backend model of
+the package (the serving model, the pipeline stages, the baseline)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from ..core.config import auto_device
+from .inputs import FLAG_INPUTS, GenerateRequest
+from .sender import ErrorKind, Response
+
+_ERROR_CODES = {ErrorKind.INVALID: "INVALID_ARG", ErrorKind.CANCELLED: "CANCELLED",
+                ErrorKind.UNAVAILABLE: "UNAVAILABLE", ErrorKind.INTERNAL: "INTERNAL"}
+
+
+def model_parameters(args: dict) -> dict[str, str]:
+    """The `parameters` of the model's config.pbtxt, as stripped strings."""
+    config = json.loads(args["model_config"])
+    return {k: v["string_value"].strip() for k, v in config.get("parameters", {}).items()}
+
+
+def instance_device(args: dict) -> str:
+    """The device of this model instance: its GPU with KIND_GPU, else the CPU."""
+    return auto_device(args.get("model_instance_kind", "CPU"), int(args.get("model_instance_device_id", 0)))
+
+
+def parse_request(request) -> GenerateRequest:
+    def scalar(name):
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        return None if tensor is None else tensor.as_numpy().reshape(-1)[0]
+
+    flags = {name: (None if (v := scalar(name)) is None else bool(v)) for name in FLAG_INPUTS}
+    text, sampling = scalar("text_input"), scalar("sampling_parameters")
+    return GenerateRequest.parse(_as_bytes(text), flags, _as_bytes(sampling), request.parameters())
+
+
+def response_tensors(parsed: GenerateRequest, r: Response, batched: bool = False) -> list:
+    """The output tensors of one response: text_output, and the outputs the request's flags
+    ask for. `batched`: with a leading batch axis of 1, for a model with max_batch_size > 0."""
+    optional = {  # output name -> (the flag that asks for it, its value)
+        "finish_reason": ("return_finish_reason", _bytes(str(r.finish_reason))),
+        "cumulative_logprob": ("return_cumulative_logprob",
+                               np.array([r.cumulative_logprob or 0.0], dtype=np.float32)),
+        "logprobs": ("return_logprobs", _bytes(json.dumps(r.logprobs))),
+        "num_input_tokens": ("return_num_input_tokens", np.array([r.num_input_tokens], dtype=np.uint32)),
+        "num_output_tokens": ("return_num_output_tokens", np.array([r.num_output_tokens], dtype=np.uint32)),
+    }
+    values = [("text_output", _bytes(r.text))]
+    values += [(name, value) for name, (flag, value) in optional.items() if getattr(parsed, flag)]
+    return [pb_utils.Tensor(name, value[None] if batched else value) for name, value in values]
+
+
+def error_response(message: str, kind: ErrorKind):
+    code = getattr(pb_utils.TritonError, _ERROR_CODES[ErrorKind(kind)])
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
+
+
+def _bytes(text: str) -> np.ndarray:
+    return np.array([text.encode("utf-8")], dtype=np.object_)
+
+
+def string_tensor(name: str, text: str):
+    return pb_utils.Tensor(name, _bytes(text))
+
+
+def tensor_text(tensor) -> str:
+    value = tensor.as_numpy().reshape(-1)[0]
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def _as_bytes(value) -> bytes | None:
+    if value is None or isinstance(value, bytes):
+        return value
+    return str(value).encode("utf-8")

@@ -1,0 +1,103 @@
+"""The serving model `orca`: a decoupled Triton Python-backend model.
+
+`model_repository/<name>/1/model.py` re-exports `TritonPythonModel` from here. execute() only
+parses requests and hands them to the EngineLoop; responses go out from the loop's sender
+thread through each request's decoupled response sender.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+
+import triton_python_backend_utils as pb_utils
+
+from ..core.errors import OrcaError
+from ..engine.llm_engine import LLMEngine
+from ..executors.factory import executor_factory_for
+from ..executors.stages import StagedFactory
+from .inputs import GenerateRequest
+from .loop import EngineLoop
+from .metrics import TritonMetrics
+from .parameters import engine_config_from_parameters, serving_options
+from .sender import ErrorKind, Response
+from .stages.executor import TritonStagesFactory
+from .trace import trace_path
+from .triton_io import error_response, instance_device, model_parameters, parse_request, response_tensors
+
+log = logging.getLogger(__name__)
+_FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        parameters = model_parameters(args)
+        options = serving_options(parameters)  # takes its own parameters out
+        engine_config = engine_config_from_parameters(parameters, instance_device(args))
+        name = args["model_name"]
+        # The stages executor calls the Triton models <name>_stage_<i>, so it is made here.
+        factory = (TritonStagesFactory(engine_config, name) if engine_config.executor == "stages"
+                   else executor_factory_for(engine_config))
+        self.engine = LLMEngine(engine_config, factory)
+        stage_stats = factory.stage_stats if isinstance(factory, StagedFactory) else None
+        self.loop = EngineLoop(self.engine, TritonMetrics(name), trace_path(options.iteration_trace, name),
+                               options.max_queue_size, stage_stats)
+        self.loop.start()
+        _close_on_interrupt(self.loop)
+
+    def execute(self, requests) -> None:
+        for request in requests:
+            sink = _TritonSink(request)
+            try:
+                sink.parsed = parse_request(request)
+            except OrcaError as e:
+                sink.fail(str(e), ErrorKind.INVALID)
+                continue
+            except Exception as e:  # never a traceback to the client: that one is in our log
+                log.exception("parsing a request failed")
+                sink.fail(f"internal error while reading the request ({type(e).__name__})", ErrorKind.INTERNAL)
+                continue
+            self.loop.submit(sink.parsed, sink)
+        return None
+
+    def finalize(self) -> None:
+        self.loop.shutdown()
+        self.engine.shutdown()
+
+
+def _close_on_interrupt(loop: EngineLoop) -> None:
+    """End open streams when Ctrl+C (SIGINT to the process group) reaches this stub process.
+
+    Triton calls finalize() only after every open stream has ended, so a server stopped while
+    requests stream would otherwise wait out its exit timeout. The stub's main thread sits in
+    C++, so the signal is read from a wakeup fd by a thread of ours."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.set_wakeup_fd(write_fd)
+    signal.signal(signal.SIGINT, lambda *_: None)
+
+    def watch() -> None:
+        while os.read(read_fd, 1) != bytes([signal.SIGINT]):
+            pass
+        loop.close()
+
+    threading.Thread(target=watch, name="orca-interrupt", daemon=True).start()
+
+
+class _TritonSink:
+    def __init__(self, request) -> None:
+        self.sender = request.get_response_sender()
+        self.parsed: GenerateRequest | None = None
+
+    def send(self, r: Response) -> None:
+        self.sender.send(pb_utils.InferenceResponse(output_tensors=response_tensors(self.parsed, r)),
+                         flags=_FINAL if r.final else 0)
+
+    def fail(self, message: str, kind: ErrorKind) -> None:
+        self.sender.send(error_response(message, kind), flags=_FINAL)
+
+    def is_cancelled(self) -> bool:
+        return self.sender.is_cancelled()
