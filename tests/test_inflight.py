@@ -146,6 +146,26 @@ def test_an_abort_in_flight_takes_effect_when_its_iteration_returns(default_mode
     assert "a" not in executor.runner.token_ids, "the runner was never told to drop the aborted request"
 
 
+def test_the_snapshot_follows_the_requests_through_their_iterations(default_model):
+    executor = HeldExecutor(lambda ex, i: None)  # iterations stay out until released
+    engine = _engine(default_model, executor, max_batch_size=1, max_inflight=1)
+    engine.add_request("a", list(range(10, 18)), _params(2))
+    engine.add_request("b", list(range(20, 24)), _params(1))
+    s = engine.snapshot()
+    assert (s.num_running, s.num_waiting, s.num_used_blocks, s.num_iterations) == (0, 2, 0, 0)
+    engine._submit()  # iteration 0 = [a] is out
+    s = engine.snapshot()
+    assert (s.num_running, s.num_waiting, s.num_used_blocks, s.num_blocks) == (1, 1, 2, 64)
+    executor.release(0)
+    engine.step()  # iteration 0 returns
+    assert engine.snapshot().num_iterations == 1
+    executor.on_submit = lambda ex, i: ex.release(i)  # from now on each returns at once
+    while engine.has_unfinished_requests():
+        engine.step()
+    s = engine.snapshot()
+    assert (s.num_running, s.num_waiting, s.num_used_blocks, s.num_iterations, s.num_preemptions) == (0, 0, 0, 3, 0)
+
+
 def _stream(max_tokens: int) -> GenerateRequest:
     values = {"max_tokens": max_tokens, "ignore_eos": True}
     return GenerateRequest.parse(b"hello", {"stream": True}, json.dumps(values).encode(), None)

@@ -16,6 +16,11 @@ def test_layers_split_evenly_the_first_stages_taking_the_remainder():
         split_layers(2, 3)
 
 
+def test_the_stages_executor_is_refused_outside_tritonserver(tiny_models):
+    with pytest.raises(ConfigError, match="executor 'stages' .* runs inside tritonserver only"):
+        LLMEngine(EngineConfig(model=str(tiny_models["llama"]), executor="stages"))
+
+
 def _greedy(max_tokens):
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 

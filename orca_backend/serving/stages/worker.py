@@ -1,9 +1,9 @@
 """One pipeline stage as its own Triton model (`orca_stage_<i>`), without the Triton part:
 its layers, the K/V cache of those layers, its per-request state, and what it does per call.
 
-The serving model drives it (the `stages` executor, `executor.py`). First a `configure` call brings the
-engine's `RunnerSpec`, so that every stage's K/V pool has the scheduler's geometry; the
-weights were loaded when Triton loaded the model. Then one call per iteration: the message,
+The serving model drives it (the `stages` executor, `executor.py`). First a `configure`
+call brings the engine's `RunnerSpec`, so that every stage's K/V pool has the scheduler's
+geometry; the weights were loaded when Triton loaded the model. Then one call per iteration: the message,
 and from the second stage on the previous stage's hidden states.
 
 An iteration's failure never fails the call. It comes back in-band as `error`, naming the
