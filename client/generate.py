@@ -29,7 +29,7 @@ def _prompt(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
     if not args.chat:
         return args.prompt
     if args.tokenizer is None:
-        from orca_backend.checkpoint.store import default_model_path  # imports torch; only --chat needs it
+        from orca_backend.checkpoint.store import default_model_path  # only --chat needs it
         folder = default_model_path()
     else:
         folder = Path(args.tokenizer)

@@ -18,6 +18,8 @@ def inject(worker, fail_at: int | None = None, stall: tuple[int, float] | None =
         reply = configure(spec_values)
         runner, execute = worker.runner, worker.runner.execute
 
+        # In the runner's forward: an iteration that arrives failed upstream is only taken
+        # note of (`apply_only`), so neither fault reaches it.
         def execute_with_faults(message, hidden=None):
             if pending_stall[0] is not None and message.iteration_id == pending_stall[0][0]:
                 seconds, pending_stall[0] = pending_stall[0][1], None

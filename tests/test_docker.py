@@ -45,7 +45,7 @@ def python_m_modules(text: str) -> set[str]:
 
 
 @pytest.mark.parametrize("path", ["docker/Dockerfile", "Makefile", "README.md", *sorted(
-    str(p.relative_to(REPO_ROOT)) for p in REPO_ROOT.glob("docs/*.md"))])
+    str(p.relative_to(REPO_ROOT)) for p in REPO_ROOT.glob("docs/**/*.md"))])
 def test_every_python_m_names_a_module_that_runs(path):
     modules = python_m_modules((REPO_ROOT / path).read_text())
     if path in ("docker/Dockerfile", "Makefile"):

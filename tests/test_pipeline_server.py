@@ -1,7 +1,7 @@
 """Pipeline stages as Triton models, end to end: repositories written by
 `orca_backend.serving.stages.repository`, served by a real tritonserver, driven by tritonclient.
 
-One server hosts a single-stage model (`single`, the reference) and four 2-stage pipelines
+One server hosts a single-stage model (`single`, the reference) and five 2-stage pipelines
 on the CPU, one torch thread per stage: `p1` (1 iteration in flight), `p2` (2 in flight,
 batches of at most 4, so that two iterations really are in flight), `pk` (2 in flight over
 a K/V pool small enough to force preemptions), `pe` (the ensemble transport) and `pf` (its

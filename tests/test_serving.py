@@ -2,15 +2,16 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
 
 from orca_backend import ConfigError, InvalidRequestError
-from orca_backend.core.config import auto_device
 from orca_backend.serving.inputs import GenerateRequest
 from orca_backend.serving.loop import EngineLoop
-from orca_backend.serving.parameters import engine_config_from_parameters
+from orca_backend.serving.parameters import (ENGINE_PARAMETERS, engine_config_from_parameters,
+                                             instance_device, model_parameters)
 
 from fakes import FakeSink
 
@@ -51,7 +52,8 @@ def test_config_parameters_become_engine_options():
     c = engine_config_from_parameters({"executor": "process", "max_inflight": "2",
                                        "iteration_timeout_seconds": "30"})
     assert (c.executor, c.max_inflight, c.iteration_timeout_seconds) == ("process", 2, 30)
-    gpu = engine_config_from_parameters({}, auto_device("GPU", 2))
+    gpu = engine_config_from_parameters({}, instance_device({"model_instance_kind": "GPU",
+                                                             "model_instance_device_id": "2"}))
     assert (gpu.device, gpu.dtype, gpu.attention_backend, gpu.cuda_graphs) == ("cuda:2", "bfloat16", "triton", True)
     c = engine_config_from_parameters({"attention": "triton", "cuda_graphs": "False"})
     assert (c.attention_backend, c.cuda_graphs) == ("triton", False)
@@ -59,6 +61,32 @@ def test_config_parameters_become_engine_options():
     c = engine_config_from_parameters({"executor": "pipeline", "pipeline_stages": "3", "max_inflight": "auto"})
     assert (c.executor, c.pipeline_stages, c.max_inflight) == ("pipeline", 3, 3)
     assert engine_config_from_parameters({"max_inflight": "auto"}).max_inflight == 1
+
+
+def test_a_models_args_give_its_parameters_and_device():
+    config = json.dumps({"parameters": {"max_batch_size": {"string_value": " 8 "}, "model": {"string_value": ""}}})
+    assert model_parameters({"model_config": config}) == {"max_batch_size": "8", "model": ""}
+    assert model_parameters({"model_config": "{}"}) == {}
+    assert instance_device({"model_instance_kind": "CPU", "model_instance_device_id": "0"}) == "cpu"
+    assert instance_device({}) == "cpu"
+    assert instance_device({"model_instance_kind": "GPU", "model_instance_device_id": "3"}) == "cuda:3"
+
+
+def test_the_documented_parameters_are_the_ones_read():
+    """Every EngineConfig field that is a model parameter, and the serving loop's two: the
+    table of docs/configuration.md and model_repository/orca/config.pbtxt name exactly these
+    (the other served models a part of them)."""
+    from orca_backend.serving.launch import REPO_ROOT
+
+    read = set(ENGINE_PARAMETERS) | {"max_queue_size", "iteration_trace"}
+    table = (REPO_ROOT / "docs" / "configuration.md").read_text()
+    documented = set(re.findall(r"^\| `(\w+)` \|", table, re.M))
+    assert documented == read
+    def shipped(model: str) -> set[str]:
+        text = (REPO_ROOT / "model_repository" / model / "config.pbtxt").read_text()
+        return set(re.findall(r'parameters: \{ key: "(\w+)"', text))
+
+    assert shipped("orca") == read and shipped("orca_request_level") <= read
 
 
 @pytest.mark.parametrize("parameters, message", [

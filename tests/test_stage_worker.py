@@ -9,7 +9,7 @@ import pytest
 from stage_faults import inject
 
 from orca_backend import ConfigError, EngineConfig, LLMEngine, SamplingParams
-from orca_backend.executors.stages import StageTimes
+from orca_backend.executors.stages import StageCall, StageTimes
 from orca_backend.serving.stages.repository import PipelineLayout, parse_layers, write_repository
 from orca_backend.serving.stages.worker import StageWorker
 from tools.gpu_check.pipeline_section import hand_driven_stages, stage_worker_engine
@@ -136,9 +136,9 @@ def test_bubble_time_is_pipeline_time_less_each_stages_busy_time(monkeypatch):
     times = StageTimes(2)
     times.submitted()  # one iteration in flight: each stage idles while the other works
     now[0] = 1.0
-    times.passed(0, busy=1.0, forward=0.9, blocks=3)
+    times.passed(0, StageCall(forward_seconds=0.9, kv_blocks_used=3, busy_seconds=1.0))
     now[0] = 2.0
-    times.passed(1, busy=1.0, forward=0.8, blocks=3)
+    times.passed(1, StageCall(forward_seconds=0.8, kv_blocks_used=3, busy_seconds=1.0))
     times.returned()
     s0, s1 = times.snapshot()
     assert (s0.bubble_seconds, s1.bubble_seconds) == (1.0, 1.0)
@@ -147,13 +147,13 @@ def test_bubble_time_is_pipeline_time_less_each_stages_busy_time(monkeypatch):
     times.submitted()
     times.submitted()  # two in flight: both stages busy the whole time
     now[0] = 11.0
-    times.passed(0, 1.0, 1.0, 3)
+    times.passed(0, StageCall(1.0, 3, 1.0))
     assert times.snapshot()[1].iterations_in_flight == 1
     now[0] = 12.0
-    times.passed(0, 1.0, 1.0, 3)
-    times.passed(1, 1.0, 1.0, 3)
+    times.passed(0, StageCall(1.0, 3, 1.0))
+    times.passed(1, StageCall(1.0, 3, 1.0))
     now[0] = 13.0
-    times.passed(1, 1.0, 1.0, 3)
+    times.passed(1, StageCall(1.0, 3, 1.0))
     times.returned()
     times.returned()
     s0, s1 = times.snapshot()

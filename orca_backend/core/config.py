@@ -44,7 +44,7 @@ class EngineConfig:
     seed: int = 0
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES  # longer prompts are refused untokenized
     keep_logits: bool = field(default=False, metadata=_NOT_A_PARAMETER)  # each iteration's logits (tests)
-    executor: str = "inline"  # where the model runner lives: "inline", "process" or "pipeline"
+    executor: str = "inline"  # where the model runner lives: one of EXECUTORS
     pipeline_stages: int = 2  # with the "pipeline" or "stages" executor: stages, layers split evenly
     stage_transport: str = "bls"  # "stages": BLS calls per stage from this model, or one "ensemble" call
     max_inflight: int | None = None  # iterations out at once; None: pipeline_stages for a pipeline, else 1

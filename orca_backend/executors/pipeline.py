@@ -19,11 +19,12 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from ..checkpoint.config import ModelConfig
 from ..core.messages import RunnerOutput, SchedulerOutput
 from ..runner.build import build_runner
 from ..runner.spec import RunnerSpec
 from .base import Executor, IterationFailedError, RunnerDiedError
-from .stages import StagedFactory, StageTimes, split_layers, stage_name
+from .stages import StageCall, StagedFactory, StageTimes, split_layers, stage_name
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +41,6 @@ class _Work:
 
 class PipelineExecutor(Executor):
     def __init__(self, spec: RunnerSpec, num_stages: int, times: StageTimes | None = None) -> None:
-        from ..runner.models import ModelConfig
-
         num_layers = ModelConfig.from_folder(spec.model_path).num_layers
         self.layer_ranges = split_layers(num_layers, num_stages)
         self.runners = [build_runner(dataclasses.replace(spec, layer_range=r)) for r in self.layer_ranges]
@@ -93,7 +92,7 @@ class PipelineExecutor(Executor):
                     work.error = f"{self.stage_name(i)} failed: {type(e).__name__}: {e}"
                 work.hidden = None
             busy = time.monotonic() - start
-            self.times.passed(i, busy, busy, runner.num_held_blocks)
+            self.times.passed(i, StageCall(busy, runner.num_held_blocks, busy))
             if not last:
                 self._inboxes[i + 1].put(work)
             elif work.error:

@@ -1,6 +1,6 @@
 """The `process` executor: the runner in a child process (spawned, so it shares nothing but the
-messages), which proves the message is self-sufficient and is what pipeline stages and
-tensor-parallel ranks build on.
+messages), which proves the message is self-sufficient, as a runner in another process or on
+another host (tensor-parallel ranks, remote stages) needs it to be.
 
 The child exits when its parent does (its inbox closes, or its parent pid changes). If the
 child dies first, every iteration it owed fails with `RunnerDiedError` naming it, and so does

@@ -57,6 +57,27 @@ def stage_name(i: int, layers: tuple[int, int], model: str | None = None) -> str
 
 
 @dataclass(slots=True)
+class StageCall:
+    """One stage's share of one iteration, as the stage reports it; crosses Triton as
+    float64 values in field order (`to_values`)."""
+
+    forward_seconds: float  # in the stage's model forward
+    kv_blocks_used: int  # in the block tables the stage holds, after the iteration
+    busy_seconds: float  # the stage's whole share (forward and transfers)
+
+    def to_values(self) -> list[float]:
+        return [self.forward_seconds, float(self.kv_blocks_used), self.busy_seconds]
+
+    @classmethod
+    def from_values(cls, values) -> StageCall:
+        forward, blocks, busy = (float(v) for v in values)
+        return cls(forward, int(blocks), busy)
+
+
+NUM_STAGE_CALL_VALUES = len(StageCall.__dataclass_fields__)
+
+
+@dataclass(slots=True)
 class StageStats:
     """One stage's counters, for the metrics. Times in seconds, totals since the start."""
 
@@ -100,16 +121,16 @@ class StageTimes:
             self._num_out += 1
             self._in_flight[0] += 1
 
-    def passed(self, i: int, busy: float, forward: float, blocks: int) -> None:
+    def passed(self, i: int, call: StageCall) -> None:
         """Stage i is done with one iteration (ran it, or only took note of a failed one)."""
         with self._lock:
             self._in_flight[i] -= 1
             if i + 1 < len(self._in_flight):
                 self._in_flight[i + 1] += 1
             self._iterations[i] += 1
-            self._busy[i] += busy
-            self._forward[i] += forward
-            self._blocks[i] = blocks
+            self._busy[i] += call.busy_seconds
+            self._forward[i] += call.forward_seconds
+            self._blocks[i] = call.kv_blocks_used
 
     def returned(self) -> None:
         """An iteration has left the pipeline (its last stage, or a failure)."""

@@ -17,7 +17,7 @@ class RunnerRequest:
     params: SamplingParams
     wants_logprob: bool
     block_ids: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None  # its own, when it is seeded and this runner samples
+    generator: torch.Generator | None = None  # its own: seeded, not greedy, and this runner samples
     failure: str | None = None  # why it cannot sample (its seed broke the generator): it fails alone
 
     @classmethod
@@ -27,7 +27,7 @@ class RunnerRequest:
         state = cls(new.request_id, len(new.prompt_token_ids), list(new.prompt_token_ids), new.params,
                     new.wants_logprob)
         seed = new.params.seed
-        if seed is not None and sampling_device is not None:
+        if seed is not None and sampling_device is not None and not new.params.greedy:
             try:
                 state.generator = torch.Generator(device=sampling_device).manual_seed(seed)
             except Exception as e:

@@ -1,12 +1,14 @@
-"""A served model's config.pbtxt `parameters`: the engine's options (every `EngineConfig`
-field that is a model parameter, read by its type) and the serving loop's own."""
+"""A served model's config.pbtxt `parameters` and device, from the `args` Triton gives its
+`initialize`: the engine's options (every `EngineConfig` field that is a model parameter, read
+by its type) and the serving loop's own."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import typing
 from dataclasses import dataclass
 
-from ..core.config import EngineConfig, auto_dtype, is_model_parameter
+from ..core.config import EngineConfig, auto_device, auto_dtype, is_model_parameter
 from ..core.errors import ConfigError
 
 
@@ -22,6 +24,17 @@ def _option_types() -> dict[str, type]:
 
 
 ENGINE_PARAMETERS = _option_types()
+
+
+def model_parameters(args: dict) -> dict[str, str]:
+    """The `parameters` of the model's config.pbtxt, as stripped strings."""
+    config = json.loads(args["model_config"])
+    return {k: v["string_value"].strip() for k, v in config.get("parameters", {}).items()}
+
+
+def instance_device(args: dict) -> str:
+    """The device of this model instance: its GPU with KIND_GPU, else the CPU."""
+    return auto_device(args.get("model_instance_kind", "CPU"), int(args.get("model_instance_device_id", 0)))
 
 
 @dataclass(slots=True)

@@ -1,6 +1,6 @@
-"""pb_utils at the edge: a model's parameters and device, requests' tensors in, responses'
-tensors out, and errors with Triton's status codes. Shared by every Python-backend model of
-the package (the serving model, the pipeline stages, the baseline)."""
+"""pb_utils at the edge: requests' tensors in, responses' tensors out, and errors with
+Triton's status codes. Shared by every Python-backend model of the package (the serving
+model, the pipeline stages, the baseline)."""
 from __future__ import annotations
 
 import json
@@ -8,23 +8,11 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from ..core.config import auto_device
 from .inputs import FLAG_INPUTS, GenerateRequest
 from .sender import ErrorKind, Response
 
 _ERROR_CODES = {ErrorKind.INVALID: "INVALID_ARG", ErrorKind.CANCELLED: "CANCELLED",
                 ErrorKind.UNAVAILABLE: "UNAVAILABLE", ErrorKind.INTERNAL: "INTERNAL"}
-
-
-def model_parameters(args: dict) -> dict[str, str]:
-    """The `parameters` of the model's config.pbtxt, as stripped strings."""
-    config = json.loads(args["model_config"])
-    return {k: v["string_value"].strip() for k, v in config.get("parameters", {}).items()}
-
-
-def instance_device(args: dict) -> str:
-    """The device of this model instance: its GPU with KIND_GPU, else the CPU."""
-    return auto_device(args.get("model_instance_kind", "CPU"), int(args.get("model_instance_device_id", 0)))
 
 
 def parse_request(request) -> GenerateRequest:

@@ -20,11 +20,11 @@ from ..executors.stages import StagedFactory
 from .inputs import GenerateRequest
 from .loop import EngineLoop
 from .metrics import TritonMetrics
-from .parameters import engine_config_from_parameters, serving_options
+from .parameters import engine_config_from_parameters, instance_device, model_parameters, serving_options
 from .sender import ErrorKind, Response
 from .stages.executor import TritonStagesFactory
 from .trace import trace_path
-from .triton_io import error_response, instance_device, model_parameters, parse_request, response_tensors
+from .triton_io import error_response, parse_request, response_tensors
 
 log = logging.getLogger(__name__)
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL

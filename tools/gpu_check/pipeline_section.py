@@ -48,7 +48,7 @@ GOALS = {"pipeline executor, 1 in flight": "pipeline_tokens_equal_single_stage",
 
 
 def pipeline(ctx: Context, rec: dict) -> None:
-    from orca_backend.runner.models import ModelConfig
+    from orca_backend.checkpoint.config import ModelConfig
 
     dtype = "bfloat16" if ctx.cuda else "float32"
     if not ctx.cuda:
@@ -204,7 +204,7 @@ class HandDrivenStages(Executor):
         for worker in self.workers:
             reply = worker.run(data, hidden, error)
             hidden, error = reply.hidden, reply.error
-            forwards.append(reply.stats[0])
+            forwards.append(reply.stats.forward_seconds)
             if hidden is not None and message.num_tokens and not error:
                 want = (message.num_tokens, worker.model.config.hidden_size)
                 if (tuple(hidden.shape) != want or hidden.dtype != worker.model_dtype

@@ -38,8 +38,8 @@ from ...core.config import EngineConfig
 from ...core.errors import ConfigError
 from ...core.messages import RunnerOutput, SchedulerOutput
 from ...executors.base import Executor, IterationFailedError, RunnerDiedError, RunnerUnavailableError
-from ...executors.stages import (StagedFactory, StageTimes, check_layer_split, ensemble_model, stage_model,
-                                 stage_name)
+from ...executors.stages import (StageCall, StagedFactory, StageTimes, check_layer_split, ensemble_model,
+                                 stage_model, stage_name)
 from ...runner.spec import RunnerSpec
 from ..triton_io import string_tensor, tensor_text
 
@@ -226,8 +226,8 @@ class TritonStagesExecutor(Executor):
 
     def _passed(self, i: int, response, stats_output: str) -> None:
         """Count stage i's part of an iteration from the stats it answered with."""
-        forward, blocks, busy = pb_utils.get_output_tensor_by_name(response, stats_output).as_numpy()
-        self.times.passed(i, busy, forward, int(blocks))
+        values = pb_utils.get_output_tensor_by_name(response, stats_output).as_numpy()
+        self.times.passed(i, StageCall.from_values(values))
 
     @staticmethod
     def _take_error(work: _Work, response) -> None:

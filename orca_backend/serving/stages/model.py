@@ -5,8 +5,8 @@ around `StageWorker`. Written into a repository by
 Inputs (all optional): `control` (a JSON control call), `message` (the iteration, msgpack
 bytes), `hidden` (the previous stage's [num_tokens, hidden]) and `error` (an earlier stage
 failed this iteration). Outputs: `hidden` (a stage before the last) or `output` (the last
-stage: the RunnerOutput, msgpack bytes), `error`, `stats` (forward seconds, K/V blocks held,
-busy seconds) and `reply` (the answer to a control call). Parameters: `stage`,
+stage: the RunnerOutput, msgpack bytes), `error`, `stats` (a `StageCall`'s
+values) and `reply` (the answer to a control call). Parameters: `stage`,
 `layer_start`, `layer_end`, `model`, `dtype`, `num_threads`.
 """
 from __future__ import annotations
@@ -21,7 +21,8 @@ import triton_python_backend_utils as pb_utils
 
 from ...core.config import auto_dtype
 from ...core.errors import ConfigError
-from ..triton_io import instance_device, model_parameters, string_tensor, tensor_text
+from ..parameters import instance_device, model_parameters
+from ..triton_io import string_tensor, tensor_text
 from .worker import StageWorker
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,8 @@ class TritonPythonModel:
             message.as_numpy().tobytes(),
             None if hidden is None else torch.utils.dlpack.from_dlpack(hidden.to_dlpack()),
             "" if error is None else tensor_text(error))
-        tensors = [string_tensor("error", reply.error), pb_utils.Tensor("stats", np.array(reply.stats, dtype=np.float64))]
+        tensors = [string_tensor("error", reply.error),
+                   pb_utils.Tensor("stats", np.array(reply.stats.to_values(), dtype=np.float64))]
         if reply.output is not None:
             tensors.append(pb_utils.Tensor("output", np.frombuffer(reply.output, dtype=np.uint8)))
         elif reply.hidden is not None:

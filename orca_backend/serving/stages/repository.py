@@ -22,7 +22,8 @@ from ...checkpoint.config import ModelConfig
 from ...checkpoint.store import prepare_default_model
 from ...core.config import STAGE_TRANSPORTS, auto_dtype
 from ...core.errors import ConfigError
-from ...executors.stages import check_layer_split, ensemble_model, split_layers, stage_model
+from ...executors.stages import (NUM_STAGE_CALL_VALUES, check_layer_split, ensemble_model, split_layers,
+                                 stage_model)
 from ..launch import REPO_ROOT
 
 TEMPLATE = REPO_ROOT / "model_repository" / "orca" / "config.pbtxt"
@@ -65,7 +66,10 @@ def write_repository(layout: PipelineLayout, output: Path) -> Path:
     layers = layout.layers or split_layers(config.num_layers, layout.num_stages)
     if len(layers) != layout.num_stages:
         raise ConfigError(f"--layers gives {len(layers)} ranges for {layout.num_stages} stages")
-    check_layer_split(layers, config.num_layers)
+    try:
+        check_layer_split(layers, config.num_layers)
+    except ConfigError as e:
+        raise ConfigError(f"--layers: {e}") from None
     output.mkdir(parents=True, exist_ok=True)
     on_gpu = layout.kind == "gpu"
     orca = {"model": str(model_path) if layout.model else "", "executor": "stages",
@@ -85,7 +89,7 @@ def write_repository(layout: PipelineLayout, output: Path) -> Path:
             name=stage_model(layout.name, i), hidden_type=hidden_type, hidden=config.hidden_size,
             last_output=('{ name: "output" data_type: TYPE_UINT8 dims: [ -1 ] }' if last else
                          f'{{ name: "hidden" data_type: {hidden_type} dims: [ -1, {config.hidden_size} ] }}'),
-            instance=instance, parameters=_parameters(parameters))
+            instance=instance, parameters=_parameters(parameters), num_stats=NUM_STAGE_CALL_VALUES)
         _write_model(output / stage_model(layout.name, i), text, "orca_backend.serving.stages.model")
     ensemble = output / ensemble_model(layout.name)
     (ensemble / "1").mkdir(parents=True, exist_ok=True)
@@ -97,7 +101,7 @@ def _write_model(folder: Path, config_text: str, module: str) -> None:
     (folder / "1").mkdir(parents=True, exist_ok=True)
     (folder / "config.pbtxt").write_text(config_text)
     (folder / "1" / "model.py").write_text(
-        f"# Written by orca_backend.serving.stages.repository; the model lives in that package.\n"
+        f"# Written by orca_backend.serving.stages.repository; the model is in orca_backend.\n"
         f"from {module} import TritonPythonModel  # noqa: F401\n")
 
 
@@ -134,7 +138,7 @@ input [
 output [
   {last_output},
   {{ name: "error" data_type: TYPE_STRING dims: [ 1 ] }},
-  {{ name: "stats" data_type: TYPE_FP64 dims: [ 3 ] }},
+  {{ name: "stats" data_type: TYPE_FP64 dims: [ {num_stats} ] }},
   {{ name: "reply" data_type: TYPE_STRING dims: [ 1 ] }}
 ]
 
@@ -156,7 +160,8 @@ def _ensemble(name: str, num_stages: int) -> str:
                    '{ key: "output" value: "output" }' if last else f'{{ key: "hidden" value: "hidden_{i}" }}']
         steps.append(f'    {{\n      model_name: "{stage_model(name, i)}"\n      model_version: -1\n'
                      f'      input_map [ {", ".join(inputs)} ]\n      output_map [ {", ".join(outputs)} ]\n    }}')
-    stats = ",\n".join(f'  {{ name: "stats_{i}" data_type: TYPE_FP64 dims: [ 3 ] }}' for i in range(num_stages))
+    stats = ",\n".join(f'  {{ name: "stats_{i}" data_type: TYPE_FP64 dims: [ {NUM_STAGE_CALL_VALUES} ] }}'
+                       for i in range(num_stages))
     return (f'# The stages chained inside Triton: `orca` calls this once per iteration when its\n'
             f'# parameter stage_transport is "ensemble" (written by\n'
             f'# orca_backend.serving.stages.repository).\n'

@@ -25,7 +25,7 @@ import torch
 from ...checkpoint.store import prepare_default_model
 from ...core.errors import ConfigError
 from ...core.messages import RunnerOutput, SchedulerOutput
-from ...executors.stages import stage_name
+from ...executors.stages import StageCall, stage_name
 from ...runner.build import build_runner
 from ...runner.models import load_model
 from ...runner.spec import RunnerSpec
@@ -38,7 +38,7 @@ class StageReply:
     hidden: torch.Tensor | None  # a stage before the last: [num_tokens, hidden] (no rows after a failure)
     output: bytes | None  # the last stage: the RunnerOutput, msgpack
     error: str  # "" when the iteration went through; else why, from the first stage that failed
-    stats: list[float]  # forward seconds, K/V blocks held, busy seconds
+    stats: StageCall
 
 
 class StageWorker:
@@ -87,7 +87,7 @@ class StageWorker:
             except Exception as e:
                 log.exception("%s failed iteration %d", self.name, message.iteration_id)
                 error = f"{self.name} failed: {type(e).__name__}: {e}"
-        stats = [forward, float(self.runner.num_held_blocks), time.monotonic() - start]
+        stats = StageCall(forward, self.runner.num_held_blocks, time.monotonic() - start)
         if self.is_last:
             output = None if error else msgpack.packb(result.to_wire())
             return StageReply(None, output, error, stats)
