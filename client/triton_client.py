@@ -12,7 +12,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 OUTPUTS = ("text_output", "finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens",
-           "num_output_tokens")
+           "num_output_tokens", "num_cached_tokens")
 
 
 @dataclass

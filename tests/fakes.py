@@ -38,12 +38,20 @@ class Fed:
 
 class FakeRunner:
     """Keeps per-request state from the messages as the real runner does, and samples
-    `1000 + output index` instead of running a model."""
+    `1000 + output index` instead of running a model.
 
-    def __init__(self) -> None:
+    It also keeps a fake K/V pool: each slot it writes holds a digest of the tokens up to
+    and including that position (what real K/V depends on), and before each iteration it
+    checks that the slots of every earlier position in the request's table hold the
+    request's own digests. Wrong sharing, a cached block rewritten, a block handed out while
+    still in use: each shows as K/V that is not the request's."""
+
+    def __init__(self, block_size: int | None = None) -> None:
         self.token_ids: dict[str, list[int]] = {}
         self.num_prompt_tokens: dict[str, int] = {}
         self.block_tables: dict[str, list[int]] = {}
+        self.block_size = block_size  # None: no K/V pool kept
+        self.slots: dict[int, int] = {}
 
     def execute(self, message: SchedulerOutput) -> tuple[RunnerOutput, Fed]:
         for request_id in message.finished_request_ids:
@@ -68,22 +76,48 @@ class FakeRunner:
             fed.token_ids += tokens[start:start + n]
             fed.sample.append(s.sample)
             fed.block_tables.append(list(self.block_tables[s.request_id]))
+            if self.block_size is not None:
+                self._attend(s.request_id, start, n)
             if s.sample:
                 out.sampled[s.request_id] = SampledToken(1000 + len(tokens) - self.num_prompt_tokens[s.request_id])
         return out, fed
+
+    def _attend(self, request_id: str, start: int, n: int) -> None:
+        tokens, table, size = self.token_ids[request_id], self.block_tables[request_id], self.block_size
+        digests = _prefix_digests(tokens[:start + n])
+        for p in range(start + n):
+            slot = table[p // size] * size + p % size
+            if p < start:
+                assert self.slots.get(slot) == digests[p], \
+                    f"{request_id}: the K/V of position {p} (block {table[p // size]}) is not its own"
+            else:
+                self.slots[slot] = digests[p]
+
+
+def _prefix_digests(tokens: list[int]) -> list[int]:
+    digests, h = [], 0
+    for t in tokens:
+        h = hash((h, t))
+        digests.append(h)
+    return digests
 
 
 class FakeEngine:
     """Scheduler + K/V manager driven through the message boundary by a FakeRunner."""
 
-    def __init__(self, num_blocks: int = 64, block_size: int = 4, **scheduler_options) -> None:
-        self.kv = BlockManager(num_blocks, block_size)
+    def __init__(self, num_blocks: int = 64, block_size: int = 4, enable_prefix_caching: bool = False,
+                 **scheduler_options) -> None:
+        self.kv = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(**scheduler_options), self.kv)
-        self.runner = FakeRunner()
+        self.runner = FakeRunner(block_size)
         self.batches: list[Fed] = []
 
-    def add(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> Request:
-        req = Request(request_id, list(range(1, num_prompt_tokens + 1)), SamplingParams(max_tokens=max_tokens))
+    def add(self, request_id: str, num_prompt_tokens: int | list[int], max_tokens: int,
+            cache_salt: str | None = None) -> Request:
+        """`num_prompt_tokens`: a length (the prompt 1, 2, ...), or the prompt's token ids."""
+        prompt = (list(range(1, num_prompt_tokens + 1)) if isinstance(num_prompt_tokens, int)
+                  else list(num_prompt_tokens))
+        req = Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, cache_salt=cache_salt))
         self.scheduler.add(req)
         return req
 
@@ -161,15 +195,34 @@ class HeldExecutor(Executor):
             assert not in_flight & set(message.request_ids), "a request is in two in-flight iterations"
             assert not in_flight & set(message.finished_request_ids + message.preempted_request_ids), \
                 "an in-flight request was dropped or preempted"
-            held_blocks = {b for rid in in_flight for b in self.runner.block_tables[rid]}
-            new_blocks = {b for s in message.scheduled for b in s.new_block_ids}
-            assert not held_blocks & new_blocks, "a block of an in-flight request was handed out again"
+            if self.kv is not None:
+                self.runner.block_size = self.kv.block_size  # the K/V check on
             out, _ = self.runner.execute(message)
+            # Blocks may be shared (prefix caching), but none that an iteration writes is in
+            # the table of a request in another iteration still out.
+            held_blocks = {b for rid in in_flight for b in self.runner.block_tables[rid]}
+            assert not held_blocks & self._written(message), \
+                "a block of an in-flight request was handed out again"
+            assert not {b for m in self._held_messages() for b in self._written(m)} & \
+                {b for rid in message.request_ids for b in self.runner.block_tables[rid]}, \
+                "a block an in-flight iteration writes was handed out again"
             self.held[message.iteration_id] = (future, out, message)
             self.max_held = max(self.max_held, len(self.held))
         if self.on_submit is not None:
             self.on_submit(self, message.iteration_id)
         return future
+
+    def _held_messages(self) -> list[SchedulerOutput]:
+        return [m for _, _, m in self.held.values()]
+
+    def _written(self, message: SchedulerOutput) -> set[int]:
+        """The blocks whose slots this iteration writes (without the pool: every new one)."""
+        size = self.runner.block_size
+        if size is None:
+            return {b for s in message.scheduled for b in s.new_block_ids}
+        return {b for s in message.scheduled
+                for b in self.runner.block_tables[s.request_id][
+                    s.num_computed_tokens // size:-(-(s.num_computed_tokens + s.num_scheduled_tokens) // size)]}
 
     def release(self, iteration_id: int) -> None:
         with self.lock:

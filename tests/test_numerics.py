@@ -18,13 +18,13 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n, _ in SHAPES]
 
 
-def _reference(folder, prompts):
+def _reference(folder, prompts, shapes=SHAPES):
     """transformers' generate on each prompt alone: token ids and per-step logits."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     refs = []
-    for ids, (_, max_tokens) in zip(prompts, SHAPES):
+    for ids, (_, max_tokens) in zip(prompts, shapes):
         out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
                              do_sample=False, output_logits=True, return_dict_in_generate=True,
                              pad_token_id=0)
@@ -32,8 +32,9 @@ def _reference(folder, prompts):
     return refs
 
 
-def _run_staggered(engine: LLMEngine, prompts):
-    """Add two requests, then one more every iteration, so batches mix prefill and decode."""
+def _run_staggered(engine: LLMEngine, prompts, shapes=SHAPES, cached: dict | None = None):
+    """Add two requests, then one more every iteration, so batches mix prefill and decode.
+    `cached` collects each request's num_cached_tokens."""
     tokens = {i: [] for i in range(len(prompts))}
     logits = {i: [] for i in range(len(prompts))}
     pending = list(range(len(prompts)))
@@ -43,23 +44,25 @@ def _run_staggered(engine: LLMEngine, prompts):
             if pending:
                 i = pending.pop(0)
                 engine.add_request(str(i), prompts[i], SamplingParams(
-                    temperature=0, max_tokens=SHAPES[i][1], ignore_eos=True))
+                    temperature=0, max_tokens=shapes[i][1], ignore_eos=True))
         deltas = engine.step()
         shape = engine.stats.last_iteration
         mixed_iterations += shape.num_prefill_requests > 0 and shape.num_decode_requests > 0
         for d in deltas:
             tokens[int(d.request_id)] += d.token_ids
             logits[int(d.request_id)].append(d.logits)
+            if cached is not None:
+                cached[int(d.request_id)] = d.num_cached_tokens
         engine.kv.check_integrity()
     assert engine.kv.num_used_blocks == 0
     return tokens, logits, mixed_iterations
 
 
-def _check(engine, prompts, refs):
-    tokens, logits, mixed = _run_staggered(engine, prompts)
+def _check(engine, prompts, refs, shapes=SHAPES, cached: dict | None = None):
+    tokens, logits, mixed = _run_staggered(engine, prompts, shapes, cached)
     assert mixed > 0, "no iteration mixed prefill with decode"
     for i, (ref_tokens, ref_logits) in enumerate(refs):
-        assert tokens[i] == ref_tokens, f"request {i} (prompt of {SHAPES[i][0]} tokens) diverged"
+        assert tokens[i] == ref_tokens, f"request {i} (prompt of {len(prompts[i])} tokens) diverged"
         for step, (ours, theirs) in enumerate(zip(logits[i], ref_logits)):
             torch.testing.assert_close(ours, theirs, rtol=1e-3, atol=1e-3,
                                        msg=lambda m: f"request {i} step {step}: {m}")
@@ -157,3 +160,53 @@ def test_kernel_backend_matches_sdpa_backend(tiny_models):
     for i in sdpa_logits:
         for ours, theirs in zip(kernel_logits[i], sdpa_logits[i]):
             torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+# -- prefix caching: the same tokens and logits as transformers with K/V reused ------------------
+# Blocks of 4. Each request shares a prefix with an earlier one: 0 and 1 arrive together (no
+# hit: 0's blocks are cached when its iteration returns); 2 is 0 again (the whole prompt
+# cached but its last block, whose last token must be computed); 3 shares exactly 4 blocks,
+# 4 one token past them, 5 one token short; 6 is 0's second turn (its prompt, its answer, a
+# new message: the answer's K/V was written by decode steps); 7 is short.
+SHARED_MAX_TOKENS = (6, 5, 7, 8, 3, 9, 5, 4)
+SHARED_HITS = (0, 0, 16, 16, 16, 12, 24, 4)  # cached tokens of each, staggered, nothing evicted
+PREFIX_VARIANTS = {
+    "iteration": dict(),
+    "chunked": dict(max_num_batched_tokens=8),
+    "preempt": dict(kv_cache_tokens=48, max_num_batched_tokens=16),
+    "inflight": dict(max_inflight=2, max_batch_size=3, max_num_batched_tokens=16),
+    "process": dict(executor="process", max_inflight=2, kv_cache_tokens=48, max_num_batched_tokens=16),
+    "pipeline": dict(executor="pipeline", max_batch_size=3, max_num_batched_tokens=16),
+    "kernel": dict(attention="triton", max_num_batched_tokens=16),
+}
+
+
+def _shared_prompts(folder) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    g = torch.Generator().manual_seed(2)
+    base = torch.randint(3, 512, (20,), generator=g).tolist()
+    other = torch.randint(3, 512, (6,), generator=g).tolist()
+    prompts = [base, base, base, base[:16] + other[:5], base[:17] + other[:4], base[:15] + other,
+               None, base[:8]]
+    first_answer = _reference(folder, [base], [(20, SHARED_MAX_TOKENS[0])])[0][0]
+    prompts[6] = base + first_answer + other[:5]
+    return prompts, [(len(p), n) for p, n in zip(prompts, SHARED_MAX_TOKENS)]
+
+
+@pytest.mark.parametrize("variant, kind", [pytest.param(v, k, id=f"{v}-{k}") for v in PREFIX_VARIANTS
+                                           for k in (["llama"] if v == "kernel" else ["llama", "gpt2"])])
+def test_prefix_cache_hits_give_transformers_tokens_and_logits(variant, kind, tiny_models):
+    folder = tiny_models[kind]
+    prompts, shapes = _shared_prompts(folder)
+    refs = _reference(folder, prompts, shapes)
+    engine = LLMEngine(EngineConfig(model=str(folder), keep_logits=True, block_size=4,
+                                    **PREFIX_VARIANTS[variant]))
+    cached: dict[int, int] = {}
+    try:
+        _check(engine, prompts, refs, shapes, cached)
+    finally:
+        engine.shutdown()
+    assert engine.kv.stats.num_hit_tokens > 0
+    if variant == "iteration":
+        assert tuple(cached[i] for i in range(len(prompts))) == SHARED_HITS
+    if variant in ("preempt", "process"):
+        assert engine.scheduler.num_preemptions > 0

@@ -40,6 +40,7 @@ class EngineConfig:
     kv_cache_bytes: int | None = None  # default DEFAULT_KV_CACHE_BYTES
     policy: str = "paged"
     batching: str = "iteration"
+    enable_prefix_caching: bool = True  # full K/V blocks shared by content across requests
     max_model_len: int | None = None  # cap on the model's context
     seed: int = 0
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES  # longer prompts are refused untokenized
@@ -79,7 +80,8 @@ class EngineConfig:
               f"one of {', '.join(BATCHING_MODES)}")
         _need(self.attention in ATTENTION_BACKENDS, "attention", self.attention,
               f"one of {', '.join(ATTENTION_BACKENDS)}")
-        _need(isinstance(self.cuda_graphs, bool), "cuda_graphs", self.cuda_graphs, "true or false")
+        for name in ("cuda_graphs", "enable_prefix_caching"):
+            _need(isinstance(getattr(self, name), bool), name, getattr(self, name), "true or false")
         _need(self.executor in EXECUTORS, "executor", self.executor, f"one of {', '.join(EXECUTORS)}")
         _need(self.engine in ENGINES, "engine", self.engine, f"one of {', '.join(ENGINES)}")
         _need(self.tensorrt_runtime in TENSORRT_RUNTIMES, "tensorrt_runtime", self.tensorrt_runtime,

@@ -1,65 +1,238 @@
-"""Paged K/V block manager: a fixed pool of blocks and one block table per request.
+"""Paged K/V block manager: a fixed pool of blocks, one block table per request, and (with
+prefix caching) full blocks shared by content between requests.
 
 Pure bookkeeping; the K/V tensors themselves live in the model runner, indexed by the
 slots (block_id * block_size + offset) that these tables define.
+
+Prefix caching. A block whose `block_size` tokens have all been computed is named by a hash
+chained over its parent's hash and its token ids, rooted in a namespace (the model, and the
+request's cache salt). A request that arrives with the same leading tokens gets those blocks
+into its table instead of computing them. A block is held (reference counted) by every table
+that contains it; when nobody holds it, it keeps its contents and hash and waits in an
+eviction queue, least recently released first, until a new block is needed and no truly
+free block is left.
+
+The hash is SHA-256: a 64-bit hash such as Python's `hash()` of a tuple of ints is not
+randomized for ints, so a tenant could craft two prompts that collide and read another's
+K/V. A hit also compares the block's token ids, so a collision could at worst miss.
 """
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+from .request import Request
+
+
+@dataclass(slots=True)
+class CachedBlock:
+    """What a hash names: a block, and the parent hash and tokens it was computed from."""
+
+    block_id: int
+    parent_hash: bytes
+    token_ids: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Counters that run on across engine resets (the engine hands them to the new pool)."""
+
+    num_queried_tokens: int = 0  # prompt tokens of admitted requests, looked up once each
+    num_hit_tokens: int = 0  # of those, tokens whose K/V came from the cache
+    num_evictions: int = 0  # cached blocks whose contents were dropped to reuse the block
+
+
+def block_hash(parent_hash: bytes, token_ids) -> bytes:
+    return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
+
+
+def root_hash(namespace: str, cache_salt: str | None) -> bytes:
+    """The parent of a sequence's first block: requests with different roots share nothing."""
+    salt = b"\x00" if cache_salt is None else b"\x01" + cache_salt.encode("utf-8")
+    return hashlib.sha256(b"orca-prefix\x00" + namespace.encode("utf-8") + b"\x00" + salt).digest()
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 namespace: str = "") -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free_block_ids: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self.namespace = namespace
         self.block_tables: dict[str, list[int]] = {}
+        self.stats = PrefixCacheStats()
+        self._free_block_ids: deque[int] = deque(range(num_blocks))  # no contents worth keeping
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
+        self._ref_counts = [0] * num_blocks
+        self._hashes: list[bytes | None] = [None] * num_blocks  # of blocks in the cache
+        self._cache: dict[bytes, CachedBlock] = {}
+        self._num_committed: dict[str, int] = {}  # per table: leading blocks already offered to the cache
 
+    # -- counts ---------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_block_ids)
+        """Blocks an allocation can take: truly free, or cached and unreferenced."""
+        return len(self._free_block_ids) + len(self._evictable)
 
     @property
     def num_used_blocks(self) -> int:
+        """Blocks held by requests."""
         return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks no request holds that keep their contents for a later hit."""
+        return len(self._evictable)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def num_new_blocks(self, request_id: str, num_tokens: int) -> int:
-        """Blocks to add so that `request_id`'s table covers `num_tokens` tokens."""
-        held = len(self.block_tables.get(request_id, ()))
+    def num_new_blocks(self, request_id: str, num_tokens: int, num_cached_blocks: int = 0) -> int:
+        """Blocks to add so that `request_id`'s table covers `num_tokens` tokens, after
+        `num_cached_blocks` hits join it."""
+        held = len(self.block_tables.get(request_id, ())) + num_cached_blocks
         return max(0, self.blocks_for(num_tokens) - held)
 
-    def can_allocate(self, request_id: str, num_tokens: int) -> bool:
-        return self.num_new_blocks(request_id, num_tokens) <= self.num_free_blocks
+    # -- prefix cache ---------------------------------------------------------------------
+    def match_prefix(self, req: Request) -> list[int]:
+        """The cached blocks that hold the longest run of `req`'s leading tokens; empty with
+        caching off or when the request holds blocks already. The last token is never
+        matched (its logits are needed), so the whole prompt is never a hit."""
+        if not self.enable_prefix_caching or req.request_id in self.block_tables:
+            return []
+        hashes = self._hashes_of(req)
+        hits = []
+        for i, h in enumerate(hashes[:(req.num_tokens - 1) // self.block_size]):
+            cached = self._cache.get(h)
+            if cached is None or cached.token_ids != tuple(self._block_tokens(req, i)):
+                break
+            hits.append(cached.block_id)
+        return hits
 
-    def allocate(self, request_id: str, num_tokens: int) -> list[int]:
-        """Grow the request's block table to cover `num_tokens` tokens and return it."""
-        needed = self.num_new_blocks(request_id, num_tokens)
-        if needed > self.num_free_blocks:
-            raise RuntimeError(f"allocate({request_id!r}, {num_tokens}) needs {needed} blocks, "
-                               f"{self.num_free_blocks} free; call can_allocate first")
+    def cache_computed_blocks(self, req: Request) -> None:
+        """Offer `req`'s blocks whose tokens are all computed to the cache. A block whose
+        hash names another block already (the same prefix computed twice) stays private."""
+        if not self.enable_prefix_caching:
+            return
+        table = self.block_tables[req.request_id]
+        num_full = min(req.num_computed_tokens // self.block_size, len(table))
+        start = self._num_committed.get(req.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._hashes_of(req)
+        for i in range(start, num_full):
+            block_id, h = table[i], hashes[i]
+            if h not in self._cache and self._hashes[block_id] is None:
+                parent = hashes[i - 1] if i else self._root(req)
+                self._cache[h] = CachedBlock(block_id, parent, tuple(self._block_tokens(req, i)))
+                self._hashes[block_id] = h
+        self._num_committed[req.request_id] = num_full
+
+    def _hashes_of(self, req: Request) -> list[bytes]:
+        """The chain of hashes of `req`'s full blocks (kept on the request: tokens only grow)."""
+        hashes = req.block_hashes
+        for i in range(len(hashes), req.num_tokens // self.block_size):
+            hashes.append(block_hash(hashes[-1] if hashes else self._root(req), self._block_tokens(req, i)))
+        return hashes
+
+    def _root(self, req: Request) -> bytes:
+        return root_hash(self.namespace, req.params.cache_salt)
+
+    def _block_tokens(self, req: Request, i: int) -> list[int]:
+        return req.token_slice(i * self.block_size, (i + 1) * self.block_size)
+
+    # -- tables ---------------------------------------------------------------------------
+    def can_allocate(self, request_id: str, num_tokens: int, cached_block_ids: list[int] = ()) -> bool:
+        """Whether `allocate` with the same arguments would succeed. Hits that nobody holds
+        are counted out of the evictable blocks: they join the table, they are not taken."""
+        needed = self.num_new_blocks(request_id, num_tokens, len(cached_block_ids))
+        unheld_hits = sum(1 for b in cached_block_ids if self._ref_counts[b] == 0)
+        return needed <= self.num_free_blocks - unheld_hits
+
+    def allocate(self, request_id: str, num_tokens: int, cached_block_ids: list[int] = ()) -> list[int]:
+        """Grow the request's block table to cover `num_tokens` tokens, starting with
+        `cached_block_ids` (hits from `match_prefix`, for a request that holds no blocks
+        yet), and return it."""
+        if not self.can_allocate(request_id, num_tokens, cached_block_ids):
+            raise RuntimeError(f"allocate({request_id!r}, {num_tokens}) needs "
+                               f"{self.num_new_blocks(request_id, num_tokens, len(cached_block_ids))} "
+                               f"blocks, {self.num_free_blocks} free; call can_allocate first")
+        if cached_block_ids and request_id in self.block_tables:
+            raise RuntimeError(f"cache hits for {request_id!r}, which holds blocks already")
+        needed = self.num_new_blocks(request_id, num_tokens, len(cached_block_ids))
         table = self.block_tables.setdefault(request_id, [])
-        table.extend(self._free_block_ids.popleft() for _ in range(needed))
+        for block_id in cached_block_ids:
+            self._evictable.pop(block_id, None)
+            self._ref_counts[block_id] += 1
+        table += cached_block_ids
+        if cached_block_ids:
+            self._num_committed[request_id] = len(cached_block_ids)
+        for _ in range(needed):
+            block_id = self._take_block()
+            self._ref_counts[block_id] = 1
+            table.append(block_id)
         return table
 
+    def _take_block(self) -> int:
+        if self._free_block_ids:
+            return self._free_block_ids.popleft()
+        block_id, _ = self._evictable.popitem(last=False)
+        del self._cache[self._hashes[block_id]]
+        self._hashes[block_id] = None
+        self.stats.num_evictions += 1
+        return block_id
+
     def free(self, request_id: str) -> int:
-        """Return the request's blocks to the pool; returns how many were freed."""
+        """Release the request's blocks; returns how many it held. A cached block nobody
+        holds any more joins the eviction queue, the sequence's tail before its head (the
+        head is the likelier to be shared); any other goes back to the free pool."""
         table = self.block_tables.pop(request_id, [])
-        self._free_block_ids.extend(table)
+        self._num_committed.pop(request_id, None)
+        for block_id in (reversed(table) if self.enable_prefix_caching else table):
+            self._ref_counts[block_id] -= 1
+            if self._ref_counts[block_id] == 0:
+                if self._hashes[block_id] is not None:
+                    self._evictable[block_id] = None
+                else:
+                    self._free_block_ids.append(block_id)
         return len(table)
 
     def check_integrity(self) -> None:
-        """Every block is either free or in exactly one table; raises AssertionError if not."""
-        owned = [b for table in self.block_tables.values() for b in table]
-        free = list(self._free_block_ids)
-        everything = owned + free
-        if len(everything) != self.num_blocks or set(everything) != set(range(self.num_blocks)):
-            raise AssertionError(
-                f"K/V blocks corrupt: {len(owned)} owned + {len(free)} free != {self.num_blocks}, "
-                f"or a block is duplicated or out of range")
+        """Every block is free, cached and unreferenced, or referenced by exactly as many
+        tables as its count says; every hash names one block, whose parent hash and tokens
+        give that hash. Raises AssertionError if not."""
+        held = [0] * self.num_blocks
+        for request_id, table in self.block_tables.items():
+            _require(len(set(table)) == len(table), f"{request_id!r}'s table repeats a block: {table}")
+            for block_id in table:
+                _require(0 <= block_id < self.num_blocks, f"block {block_id} is out of range")
+                held[block_id] += 1
+        free = set(self._free_block_ids)
+        _require(len(free) == len(self._free_block_ids), "the free pool repeats a block")
+        for block_id in range(self.num_blocks):
+            count, hashed = self._ref_counts[block_id], self._hashes[block_id] is not None
+            _require(held[block_id] == count,
+                     f"block {block_id} is in {held[block_id]} tables, its count says {count}")
+            _require((block_id in free) + (block_id in self._evictable) + (count > 0) == 1,
+                     f"block {block_id} is not exactly one of free, cached and unreferenced, "
+                     f"or referenced")
+            _require(not (block_id in free and hashed) and (hashed or block_id not in self._evictable),
+                     f"block {block_id}: a free block has no hash, a cached one has")
+        named = {cached.block_id for cached in self._cache.values()}
+        _require(named == {b for b, h in enumerate(self._hashes) if h is not None},
+                 "the cache and the blocks' hashes disagree")
+        for h, cached in self._cache.items():
+            _require(self._hashes[cached.block_id] == h, f"block {cached.block_id} has another hash")
+            _require(block_hash(cached.parent_hash, cached.token_ids) == h,
+                     f"block {cached.block_id}'s hash does not name its tokens")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise AssertionError(f"K/V blocks corrupt: {message}")

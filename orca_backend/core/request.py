@@ -46,6 +46,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     track_logprob: bool = False  # compute each sampled token's log-probability
+    # Prefix caching: prompt tokens whose K/V came from the cache at its first admission
+    # (None until admitted), and the chained hashes of its full blocks (see kv_manager).
+    num_cached_tokens: int | None = None
+    block_hashes: list[bytes] = field(default_factory=list)
     # What the runner has been sent, so that each message carries only what is new to it.
     num_sent_tokens: int = 0  # 0: the runner does not know this request
     num_sent_blocks: int = 0

@@ -13,6 +13,7 @@ from .errors import InvalidRequestError
 # overflows them to inf, and softmax of inf is NaN.
 GREEDY_TEMPERATURE = 1e-5
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
+MAX_CACHE_SALT_CHARS = 1024
 
 
 @dataclass(slots=True)
@@ -35,6 +36,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    # Requests share cached K/V blocks only with requests of the same salt (None: unsalted),
+    # so that one tenant cannot tell from timing whether another sent a prompt.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -59,6 +63,10 @@ class SamplingParams:
                "must be in [0, 20]")
         _check(all(s for s in self.stop), "stop", self.stop, "must not contain empty strings")
         _check(all(_is_text(s) for s in self.stop), "stop", self.stop,
+               "must be valid Unicode text (no lone surrogates)")
+        _check(self.cache_salt is None or 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS, "cache_salt",
+               self.cache_salt, f"must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
+        _check(self.cache_salt is None or _is_text(self.cache_salt), "cache_salt", self.cache_salt,
                "must be valid Unicode text (no lone surrogates)")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids,
                "must be non-negative token ids")
@@ -96,7 +104,7 @@ _TYPES: dict[str, type] = {
     "presence_penalty": float, "frequency_penalty": float,
     "ignore_eos": bool, "include_stop_str_in_output": bool, "skip_special_tokens": bool,
 }
-_OPTIONAL = {"seed", "logprobs"}
+_OPTIONAL = {"seed", "logprobs", "cache_salt"}
 
 
 def parse_json(text: str, what: str) -> Any:
@@ -137,6 +145,10 @@ def _coerce(name: str, value: Any) -> Any:
         return [_scalar(name, v, int) for v in _coerce_list(name, value, (int, str))]
     if value is None and name in _OPTIONAL:
         return None
+    if name == "cache_salt":
+        if not isinstance(value, str):
+            raise InvalidRequestError(f"sampling parameter 'cache_salt' must be a string, got {_show(value)}")
+        return value
     return _scalar(name, value, _TYPES[name])
 
 

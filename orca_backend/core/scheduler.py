@@ -161,16 +161,25 @@ class Scheduler:
             req = self.waiting[0]
             if not self._admit(req):
                 break  # FCFS: the head of the queue waits for room, nobody overtakes it
-            n = min(req.num_tokens, budget)
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
             if n > 0:
                 scheduled.append((req, n))
                 budget -= n
 
     def _admit(self, req: Request) -> bool:
+        """Move the head of the queue to running if its blocks fit; its leading blocks found
+        in the prefix cache count as computed."""
         need = req.max_num_tokens if self.config.policy == "reserve" else req.num_tokens
-        if not self.kv.can_allocate(req.request_id, need):
+        hits = self.kv.match_prefix(req)
+        if not self.kv.can_allocate(req.request_id, need, hits):
             return False
-        self.kv.allocate(req.request_id, need)
+        self.kv.allocate(req.request_id, need, hits)
+        req.num_computed_tokens = len(hits) * self.kv.block_size
+        if req.num_cached_tokens is None:  # counted once: a recompute after preemption is not news
+            req.num_cached_tokens = req.num_computed_tokens
+            if self.kv.enable_prefix_caching:
+                self.kv.stats.num_queried_tokens += req.num_prompt_tokens
+                self.kv.stats.num_hit_tokens += req.num_cached_tokens
         self.waiting.popleft()
         self.running.append(req)
         req.status = RequestStatus.RUNNING
@@ -206,6 +215,7 @@ class Scheduler:
             token = output.sampled.get(req.request_id)
             if token is not None:
                 req.output_token_ids.append(token.token_id)
+            self.kv.cache_computed_blocks(req)  # their K/V is written now: others may share it
         return [req for req, _ in live]
 
     def fail_iteration(self, iteration_id: int) -> list[Request]:

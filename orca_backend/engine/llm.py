@@ -20,6 +20,7 @@ class RequestOutput:
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, tuple[float, int]]] | None = None
     error: str | None = None  # set when the request failed inside the engine
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
     def add(self, delta: RequestDelta) -> None:
         self.token_ids += delta.token_ids
@@ -27,6 +28,7 @@ class RequestOutput:
         self.finish_reason = delta.finish_reason
         self.cumulative_logprob = delta.cumulative_logprob
         self.error = delta.error
+        self.num_cached_tokens = delta.num_cached_tokens
         if delta.logprobs is not None:
             self.logprobs = (self.logprobs or []) + delta.logprobs
 

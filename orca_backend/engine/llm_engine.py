@@ -86,12 +86,16 @@ class LLMEngine:
 
     def _fresh_scheduler(self) -> None:
         c = self.config
-        num_preemptions = self.scheduler.num_preemptions if hasattr(self, "scheduler") else 0
-        self.kv = BlockManager(self.runner_spec.num_blocks, c.block_size)
+        old = getattr(self, "scheduler", None)
+        # A new pool starts with an empty prefix cache: a new runner has no K/V to share.
+        self.kv = BlockManager(self.runner_spec.num_blocks, c.block_size, c.enable_prefix_caching,
+                               namespace=str(self.rules.model_path))
         self.scheduler = Scheduler(SchedulerConfig(
             max_batch_size=c.max_batch_size, max_num_batched_tokens=c.max_num_batched_tokens,
             policy=c.policy, batching=c.batching, max_inflight=c.max_inflight), self.kv)
-        self.scheduler.num_preemptions = num_preemptions  # a counter runs on across a reset
+        if old is not None:  # counters run on across a reset
+            self.scheduler.num_preemptions = old.num_preemptions
+            self.kv.stats = old.kv.stats
         self._tracked: dict[str, _Tracked] = {}
         self._in_flight: dict[int, tuple[SchedulerOutput, Future[RunnerOutput]]] = {}
         self._runner_died = False  # its requests have been ended; a new runner is due
@@ -158,7 +162,9 @@ class LLMEngine:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_used_blocks=self.kv.num_used_blocks, num_blocks=self.kv.num_blocks,
             num_preemptions=self.scheduler.num_preemptions, num_iterations=self.stats.num_iterations,
-            num_runner_restarts=self.stats.num_runner_restarts)
+            num_runner_restarts=self.stats.num_runner_restarts, num_cached_blocks=self.kv.num_cached_blocks,
+            num_prefix_queried_tokens=self.kv.stats.num_queried_tokens,
+            num_prefix_hit_tokens=self.kv.stats.num_hit_tokens, num_evictions=self.kv.stats.num_evictions)
 
     # -- iterations -------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
@@ -283,7 +289,8 @@ class LLMEngine:
             req.request_id, [token.token_id], tracked.detokenizer.take_delta(final=status is not None),
             req.finish_reason, req.num_prompt_tokens, req.num_output_tokens, tracked.cumulative_logprob,
             [token.top_logprobs] if token.top_logprobs is not None else None,
-            torch.frombuffer(bytearray(logits), dtype=torch.float32) if logits is not None else None)
+            torch.frombuffer(bytearray(logits), dtype=torch.float32) if logits is not None else None,
+            num_cached_tokens=req.num_cached_tokens or 0)
 
     def _finish_status(self, req: Request, tracked: _Tracked, token_id: int) -> RequestStatus | None:
         return self.rules.finish_status(req.params, tracked.detokenizer, token_id, req.num_output_tokens,
@@ -292,4 +299,4 @@ class LLMEngine:
 
 def _error_delta(req: Request, message: str) -> RequestDelta:
     return RequestDelta(req.request_id, [], "", None, req.num_prompt_tokens, req.num_output_tokens,
-                        None, error=message)
+                        None, error=message, num_cached_tokens=req.num_cached_tokens or 0)

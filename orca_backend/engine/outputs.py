@@ -20,6 +20,7 @@ class RequestDelta:
     logprobs: list[dict[int, tuple[float, int]]] | None = None  # one entry per new token
     logits: torch.Tensor | None = None  # only with EngineConfig.keep_logits
     error: str | None = None  # the request failed inside the engine and has ended
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
     @property
     def finished(self) -> bool:
@@ -60,3 +61,7 @@ class EngineSnapshot:
     num_preemptions: int
     num_iterations: int
     num_runner_restarts: int  # the model runner died and was started again
+    num_cached_blocks: int = 0  # held by no request, kept for prefix-cache hits
+    num_prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    num_prefix_hit_tokens: int = 0  # of those, found there
+    num_evictions: int = 0  # cached blocks dropped to reuse their space

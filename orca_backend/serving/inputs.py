@@ -12,7 +12,7 @@ from ..core.errors import InvalidRequestError
 from ..core.sampling_params import SamplingParams, parse_json
 
 RETURN_FLAGS = ("return_finish_reason", "return_cumulative_logprob", "return_logprobs",
-                "return_num_input_tokens", "return_num_output_tokens")
+                "return_num_input_tokens", "return_num_output_tokens", "return_num_cached_tokens")
 FLAG_INPUTS = ("stream", "exclude_input_in_output", *RETURN_FLAGS)
 
 
@@ -29,6 +29,7 @@ class GenerateRequest:
     return_logprobs: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
+    return_num_cached_tokens: bool = False
 
     @classmethod
     def parse(cls, text_input: bytes | None, flags: dict[str, bool | None],

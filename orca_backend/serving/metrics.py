@@ -37,7 +37,15 @@ class TritonMetrics:
 
         self.running = metric("requests_running", G, "Requests in the running batch")
         self.waiting = metric("requests_waiting", G, "Requests waiting for admission")
-        self.blocks_used = metric("kv_blocks_used", G, "K/V cache blocks in use")
+        self.blocks_used = metric("kv_blocks_used", G, "K/V cache blocks held by requests")
+        self.blocks_cached = metric("kv_blocks_cached", G,
+                                    "K/V cache blocks held by no request, kept for prefix-cache hits")
+        self.prefix_queries = metric("prefix_cache_queries_total", C,
+                                     "Prompt tokens of admitted requests looked up in the prefix cache")
+        self.prefix_hits = metric("prefix_cache_hits_total", C,
+                                  "Prompt tokens whose K/V came from the prefix cache")
+        self.evictions = metric("kv_block_evictions_total", C,
+                                "Cached K/V blocks whose contents were dropped to reuse the block")
         self.blocks_total = metric("kv_blocks_total", G, "K/V cache blocks in the pool")
         self.preemptions = metric("preemptions_total", C, "Requests preempted for lack of K/V blocks")
         self.iterations = metric("iterations_total", C, "Engine iterations run")
@@ -52,7 +60,9 @@ class TritonMetrics:
         self.runner_restarts = metric("runner_restarts_total", C, "Model runner restarts after it died")
         # Counters of the engine's snapshot, and the loop's own restarts.
         self._counters = {"num_preemptions": self.preemptions, "num_iterations": self.iterations,
-                          "num_runner_restarts": self.runner_restarts}
+                          "num_runner_restarts": self.runner_restarts,
+                          "num_prefix_queried_tokens": self.prefix_queries,
+                          "num_prefix_hit_tokens": self.prefix_hits, "num_evictions": self.evictions}
         self._seen = dict.fromkeys([*self._counters, "num_engine_restarts"], 0)
         self._labels = labels
         self._stages: list[dict] = []  # per pipeline stage: its metrics, made on first report
@@ -79,6 +89,7 @@ class TritonMetrics:
         self.running.set(s.num_running)
         self.waiting.set(s.num_waiting)
         self.blocks_used.set(s.num_used_blocks)
+        self.blocks_cached.set(s.num_cached_blocks)
         self.blocks_total.set(s.num_blocks)
         for key, counter in self._counters.items():
             self._count(counter, key, getattr(s, key))

@@ -41,6 +41,7 @@ class Response:
     cumulative_logprob: float | None
     logprobs: list[dict] | None  # one {token_id: {...}} per token of this response
     final: bool
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
 
 class ResponseSink(Protocol):
@@ -233,7 +234,7 @@ class Sender:
             stream.text.clear()  # streamed text is not needed again
         logprobs = stream.unsent_logprobs if stream.request.params.logprobs is not None else None
         response = Response(text, delta.finish_reason, delta.num_prompt_tokens, stream.num_unsent_tokens,
-                            delta.cumulative_logprob, logprobs, delta.finished)
+                            delta.cumulative_logprob, logprobs, delta.finished, delta.num_cached_tokens)
         stream.num_unsent_tokens, stream.unsent_logprobs = 0, []
         _safe(lambda: stream.sink.send(response))
 

@@ -35,6 +35,7 @@ def response_tensors(parsed: GenerateRequest, r: Response, batched: bool = False
         "logprobs": ("return_logprobs", _bytes(json.dumps(r.logprobs))),
         "num_input_tokens": ("return_num_input_tokens", np.array([r.num_input_tokens], dtype=np.uint32)),
         "num_output_tokens": ("return_num_output_tokens", np.array([r.num_output_tokens], dtype=np.uint32)),
+        "num_cached_tokens": ("return_num_cached_tokens", np.array([r.num_cached_tokens], dtype=np.uint32)),
     }
     values = [("text_output", _bytes(r.text))]
     values += [(name, value) for name, (flag, value) in optional.items() if getattr(parsed, flag)]
