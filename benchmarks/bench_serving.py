@@ -178,12 +178,14 @@ def exact_rate(trace: list[TraceRequest], rate: float) -> list[TraceRequest]:
 
     A short Poisson run's realized rate strays from the nominal one (40 arrivals at 2 req/s
     span 19.5 +- 3.1 s); stretching keeps the arrival pattern and makes every run offer the
-    load its label says."""
-    last = trace[-1].offset
-    if len(trace) < 2 or last <= 0:
+    load its label says. Only arrivals are stretched (for conversations, of their first turns,
+    at rate x arrivals / requests): a later turn keeps its think time."""
+    arrivals = [r for r in trace if r.after is None]
+    last = arrivals[-1].offset if arrivals else 0.0
+    if len(arrivals) < 2 or last <= 0:
         return trace
-    factor = (len(trace) - 1) / rate / last
-    return [dataclasses.replace(r, offset=r.offset * factor) for r in trace]
+    factor = (len(arrivals) - 1) / (rate * len(arrivals) / len(trace)) / last
+    return [dataclasses.replace(r, offset=r.offset * factor) if r.after is None else r for r in trace]
 
 
 def sustained_rate(points: list[Point], metric: str, bound: float) -> tuple[float, str]:

@@ -3,9 +3,13 @@
     python -m client.bench --rate 2 --num-requests 50 --dist orca --scale 0.1
     python -m client.bench --concurrency 8 --num-requests 50 --dist fixed --json out.json
     python -m client.bench --model hf_dynamic_batching --no-stream --rate 0.5 --num-requests 20
+    python -m client.bench --rate 4 --num-requests 40 --dist system --system-tokens 400
+    python -m client.bench --rate 2 --num-requests 40 --dist chat --turns 4
 
 Open loop (`--rate`) sends at Poisson arrival offsets from one thread; closed loop
-(`--concurrency`) keeps N requests in flight. Exits non-zero if any request failed.
+(`--concurrency`) keeps N requests in flight. A later turn of a chat goes out when the
+previous turn's answer is in (and `--think-seconds` after it, in the open loop). Exits non-zero if any
+request failed.
 `--no-stream` asks for one response per request (for models that do not stream): its time to
 first token is then its end-to-end latency, and it has no inter-token latencies.
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import heapq
 import json
 import math
 import queue
@@ -27,9 +32,9 @@ from .trace import TraceRequest, add_trace_arguments, trace_from_arguments
 from .triton_client import InferenceServerException, StreamingClient
 
 FLAGS = {"return_num_input_tokens": True, "return_num_output_tokens": True,
-         "return_finish_reason": True}
+         "return_finish_reason": True, "return_num_cached_tokens": True}
 CSV_FIELDS = ("index", "scheduled", "sent", "first_token", "end", "input_tokens", "num_input_tokens",
-              "max_tokens", "output_tokens", "num_responses", "error")
+              "num_cached_tokens", "max_tokens", "output_tokens", "num_responses", "error")
 
 
 @dataclass(slots=True)
@@ -42,6 +47,7 @@ class RequestRecord:
     input_tokens: int            # drawn prompt length
     max_tokens: int              # drawn output length
     num_input_tokens: int | None = None  # the prompt as the server tokenized it
+    num_cached_tokens: int | None = None  # of those, found in the server's prefix cache
     response_times: list[float] = field(default_factory=list)
     response_tokens: list[int] = field(default_factory=list)
     error: str | None = None
@@ -118,47 +124,79 @@ def summarize(records: list[RequestRecord]) -> Summary:
 class _Run:
     """Sends a trace's requests on one stream and counts how many have ended.
 
-    A request ends with exactly one final response or exactly one error. The error callback
-    does not say which request failed, so errors are counted, and after the run the requests
-    that never got a final response are the failed ones.
+    A request ends with exactly one final response or exactly one error. A later turn of a
+    conversation becomes due when its previous turn has ended; one whose previous turn failed
+    is never sent, and is recorded as failed.
     """
 
     def __init__(self, client: StreamingClient, temperature: float, stream: bool = True) -> None:
         self.client, self.temperature, self.stream = client, temperature, stream
         self.t0 = time.monotonic()
         self.sent: dict[str, tuple[TraceRequest, float]] = {}
+        self.prompts: dict[str, str] = {}  # as sent, for the next turn's history
         self.finished: set[str] = set()
-        self.errors: list[str] = []
+        self.failed: set[str] = set()
+        self.errors: dict[str, str] = {}  # request id (or None's counter) -> message
+        self.due: list[tuple[float, int, TraceRequest, str]] = []  # (offset, index, request, prompt)
+        self._next_turn: dict[int, TraceRequest] = {}
+
+    def plan(self, trace: list[TraceRequest]) -> None:
+        for request in trace:
+            if request.after is None:
+                heapq.heappush(self.due, (request.offset, request.index, request, request.prompt))
+            else:
+                self._next_turn[request.after] = request
 
     @property
     def in_flight(self) -> int:
-        return len(self.sent) - len(self.finished) - len(self.errors)
+        return len(self.sent) - len(self.finished) - len(self.failed)
 
-    def send(self, request: TraceRequest) -> None:
+    def send(self) -> None:
+        _, _, request, prompt = heapq.heappop(self.due)
         sampling = {"max_tokens": request.output_tokens, "ignore_eos": True,
                     "temperature": self.temperature}
         now = time.monotonic() - self.t0
-        request_id = self.client.send(request.prompt, sampling=sampling, stream=self.stream, flags=FLAGS)
+        request_id = self.client.send(prompt, sampling=sampling, stream=self.stream, exclude_input=True,
+                                      flags=FLAGS)
         self.sent[request_id] = (request, now)
+        self.prompts[request_id] = prompt
 
     def pump(self, timeout: float) -> bool:
         """Take one response or error; False when none came within `timeout` seconds."""
         try:
-            request_id, item = self.client.events.get(timeout=timeout)
+            request_id, item = self.client.events.get(timeout=max(0.0, timeout))
         except queue.Empty:
             return False
         if isinstance(item, str):
-            self.errors.append(item)
+            self.errors[request_id or f"unblamed-{len(self.errors)}"] = item
+            if request_id is not None:
+                self.failed.add(request_id)
         elif item.get("finish_reason", "None") != "None":
             self.finished.add(request_id)
+            self._follow_up(request_id)
         return True
 
-    def records(self, stall_timeout: float) -> list[RequestRecord]:
-        messages = iter(self.errors)
+    def _follow_up(self, request_id: str) -> None:
+        request, _ = self.sent[request_id]
+        after = self._next_turn.pop(request.index, None)
+        if after is not None:
+            answer = self.client.wait(request_id, timeout=0).text
+            heapq.heappush(self.due, (time.monotonic() - self.t0 + after.offset, after.index, after,
+                                      self.prompts[request_id] + answer + after.prompt))
+
+    def records(self, trace: list[TraceRequest], stall_timeout: float) -> list[RequestRecord]:
+        unblamed = iter(m for k, m in self.errors.items() if k.startswith("unblamed-"))
+        by_index = {request.index: request_id for request_id, (request, _) in self.sent.items()}
         out = []
-        for request_id, (request, sent) in self.sent.items():
+        for request in trace:
+            request_id = by_index.get(request.index)
+            sent = self.sent[request_id][1] if request_id is not None else math.nan
             record = RequestRecord(index=request.index, scheduled=request.offset, sent=sent,
                                    input_tokens=request.input_tokens, max_tokens=request.output_tokens)
+            out.append(record)
+            if request_id is None:
+                record.error = "not sent: an earlier turn of its conversation failed, or the run stalled"
+                continue
             try:
                 result = self.client.wait(request_id, timeout=0)
                 responses, times = list(result.responses), list(result.times)
@@ -166,12 +204,16 @@ class _Run:
                 responses, times = [], []
             record.response_times = [t - self.t0 for t in times]
             record.response_tokens = [int(r.get("num_output_tokens", 0)) for r in responses]
-            record.num_input_tokens = next((int(r["num_input_tokens"]) for r in responses
-                                            if "num_input_tokens" in r), None)
+            record.num_input_tokens = _first(responses, "num_input_tokens")
+            record.num_cached_tokens = _first(responses, "num_cached_tokens")
             if request_id not in self.finished:
-                record.error = next(messages, f"no final response within {stall_timeout} s")
-            out.append(record)
+                record.error = self.errors.get(request_id) or next(
+                    unblamed, f"no final response within {stall_timeout} s")
         return out
+
+
+def _first(responses: list[dict], name: str) -> int | None:
+    return next((int(r[name]) for r in responses if name in r), None)
 
 
 def run_trace(url: str, model: str, trace: list[TraceRequest], concurrency: int | None = None,
@@ -185,22 +227,21 @@ def run_trace(url: str, model: str, trace: list[TraceRequest], concurrency: int 
     """
     client = StreamingClient(url, model)
     run = _Run(client, temperature, stream)
-    stalled = False
+    run.plan(trace)
     try:
         if not client.client.is_model_ready(model):
             raise RuntimeError(f"model {model!r} is not ready at {url}")
         run.t0 = time.monotonic()  # offsets count from here, after the readiness check
-        for request in trace:
-            if concurrency is None:
-                # Sleep to the absolute offset so slow sends never push later arrivals back.
-                time.sleep(max(0.0, run.t0 + request.offset - time.monotonic()))
-            # After a stall the rest still go out, so every request of the trace is recorded.
-            while concurrency is not None and run.in_flight >= concurrency and not stalled:
-                stalled = not run.pump(stall_timeout)
-            run.send(request)
-        while run.in_flight > 0 and not stalled:
-            stalled = not run.pump(stall_timeout)
-        return run.records(stall_timeout)
+        while run.due or run.in_flight:
+            now = time.monotonic() - run.t0
+            if run.due and (run.in_flight < concurrency if concurrency is not None else run.due[0][0] <= now):
+                run.send()  # at its offset: waiting is done by pumping, so sends are never late
+                continue
+            can_send_later = run.due and concurrency is None
+            timeout = min(stall_timeout, run.due[0][0] - now) if can_send_later else stall_timeout
+            if not run.pump(timeout) and not can_send_later:
+                break  # stalled: nothing arrived for stall_timeout seconds
+        return run.records(trace, stall_timeout)
     finally:
         client.close(cancel=run.in_flight > 0)
 

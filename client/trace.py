@@ -2,6 +2,10 @@
 
 A trace is plain data, so two runs with the same seed send exactly the same requests at
 exactly the same offsets, and a trace can be built once and replayed against several models.
+Two workloads share prefixes between requests (for prefix caching): `system`, one long system
+prompt before every short question, and `chat`, conversations whose every turn sends the
+whole history (earlier messages and the model's answers) and a new message, each turn after
+the previous one's answer.
 """
 from __future__ import annotations
 
@@ -98,6 +102,48 @@ class TraceRequest:
     prompt: str
     input_tokens: int    # drawn; the server's count of the decoded prompt may differ slightly
     output_tokens: int   # drawn; sent as max_tokens with ignore_eos, so it is exact
+    # A later turn of a conversation: sent `offset` seconds after request `after` has ended,
+    # its prompt being that request's prompt, then its answer, then `prompt`.
+    after: int | None = None
+
+
+@dataclass(slots=True)
+class SharedPrefixes:
+    """The `system` and `chat` workloads: lengths in tokens; `rate` counts requests (a chat
+    of `turns` turns starts every `turns / rate` seconds on average)."""
+
+    kind: str = "system"
+    system_tokens: int = 400     # the shared system prompt (chat: before each conversation)
+    question_tokens: int = 30    # each new user message
+    answer_tokens: int = 30      # max_tokens of each request
+    turns: int = 4               # chat: requests per conversation
+    think_seconds: float = 0.0   # chat: from an answer to the next turn
+
+    def trace(self, num_requests: int, rate: float | None, seed: int, tokenizer: Tokenizer) -> list[TraceRequest]:
+        if self.kind not in ("system", "chat"):
+            raise ValueError(f"unknown shared-prefix workload {self.kind!r}: system or chat")
+        rng = np.random.default_rng(seed)
+        corpus = tokenizer.encode(corpus_text(), add_special_tokens=False).ids
+
+        def window(start: int, n: int) -> str:  # n tokens of the corpus from `start`, cycled
+            return tokenizer.decode([corpus[(start + i) % len(corpus)] for i in range(n)],
+                                    skip_special_tokens=True)
+
+        system = window(0, self.system_tokens) + "\n\n" if self.system_tokens else ""
+        turns = self.turns if self.kind == "chat" else 1
+        num_chats = -(-num_requests // turns)
+        offsets = (poisson_offsets(rate / turns, num_chats, rng) if rate is not None else np.zeros(num_chats))
+        trace: list[TraceRequest] = []
+        for chat in range(num_chats):
+            for turn in range(min(turns, num_requests - len(trace))):
+                question = window(int(rng.integers(0, len(corpus))), self.question_tokens)
+                first = turn == 0
+                trace.append(TraceRequest(
+                    index=len(trace), offset=float(offsets[chat]) if first else self.think_seconds,
+                    prompt=system + question if first else "\n\n" + question,
+                    input_tokens=self.system_tokens * first + self.question_tokens,
+                    output_tokens=self.answer_tokens, after=None if first else len(trace) - 1))
+        return trace
 
 
 def load_tokenizer(folder: str | Path | None = None) -> Tokenizer:
@@ -142,19 +188,30 @@ def make_trace(dist: LengthDist, num_requests: int, rate: float | None, seed: in
 def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     """The command-line options that choose a trace's lengths, seed and tokenizer."""
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dist", choices=("orca", "fixed", "lognormal"), default="orca")
+    p.add_argument("--dist", choices=("orca", "fixed", "lognormal", "system", "chat"), default="orca",
+                   help="system: a shared system prompt and short questions; chat: multi-turn "
+                        "conversations (both share prefixes between requests)")
     p.add_argument("--scale", type=float, default=1.0, help="orca: multiplies the length ranges")
     p.add_argument("--input-tokens", type=int, default=128, help="fixed")
     p.add_argument("--output-tokens", type=int, default=64, help="fixed")
     p.add_argument("--input-mean", type=float, default=256.0, help="lognormal")
     p.add_argument("--output-mean", type=float, default=64.0, help="lognormal")
     p.add_argument("--sigma", type=float, default=0.5, help="lognormal")
+    p.add_argument("--system-tokens", type=int, help="system, chat: the system prompt (default 400, chat 0)")
+    p.add_argument("--question-tokens", type=int, default=30, help="system, chat: each user message")
+    p.add_argument("--answer-tokens", type=int, default=30, help="system, chat: each answer (max_tokens)")
+    p.add_argument("--turns", type=int, default=4, help="chat: turns per conversation")
+    p.add_argument("--think-seconds", type=float, default=0.0, help="chat: from an answer to the next turn")
     p.add_argument("--tokenizer", help="folder with tokenizer.json (default: the default model)")
 
 
 def trace_from_arguments(args: argparse.Namespace, num_requests: int,
                          rate: float | None) -> list[TraceRequest]:
     """The trace that the options of `add_trace_arguments` describe."""
+    if args.dist in ("system", "chat"):
+        system = args.system_tokens if args.system_tokens is not None else (400 if args.dist == "system" else 0)
+        return SharedPrefixes(args.dist, system, args.question_tokens, args.answer_tokens, args.turns,
+                              args.think_seconds).trace(num_requests, rate, args.seed, load_tokenizer(args.tokenizer))
     dist = LengthDist(kind=args.dist, scale=args.scale, input_tokens=args.input_tokens,
                       output_tokens=args.output_tokens, input_mean=args.input_mean,
                       output_mean=args.output_mean, sigma=args.sigma)

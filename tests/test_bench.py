@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from client.bench import RequestRecord, main, run_trace, summarize
-from client.trace import LengthDist, TraceRequest, load_tokenizer, make_trace, poisson_offsets
+from client.trace import LengthDist, SharedPrefixes, TraceRequest, load_tokenizer, make_trace, poisson_offsets
 
 
 @pytest.fixture(scope="module")
@@ -380,3 +380,44 @@ def test_replot_redraws_the_curves_from_a_run_s_csv(tmp_path):
     replot(argparse.Namespace(out=tmp_path, name="serving_full", bound_ms=250.0, ttft_bound_ms=1000.0))
     for name in ("serving_full_latency.png", "serving_full_ttft.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_system_workload_puts_one_system_prompt_before_every_question(tokenizer):
+    workload = SharedPrefixes("system", system_tokens=64, question_tokens=12, answer_tokens=5)
+    trace = workload.trace(6, 2.0, seed=3, tokenizer=tokenizer)
+    assert trace == workload.trace(6, 2.0, seed=3, tokenizer=tokenizer)
+    system = trace[0].prompt.split("\n\n")[0]
+    assert len({r.prompt for r in trace}) == 6 and all(r.prompt.startswith(system + "\n\n") for r in trace)
+    assert abs(len(tokenizer.encode(system, add_special_tokens=False).ids) - 64) <= 2
+    assert all(r.after is None and r.output_tokens == 5 and r.input_tokens == 76 for r in trace)
+
+
+def test_the_chat_workload_links_each_turn_to_the_previous_one(tokenizer):
+    trace = SharedPrefixes("chat", system_tokens=0, question_tokens=10, turns=3, think_seconds=0.5).trace(
+        7, 3.0, seed=1, tokenizer=tokenizer)
+    assert [r.after for r in trace] == [None, 0, 1, None, 3, 4, None]
+    assert [r.offset for r in trace if r.after is not None] == [0.5] * 4
+    firsts = [r.offset for r in trace if r.after is None]
+    assert firsts[0] == 0.0 and firsts == sorted(firsts)
+    assert all(r.prompt.startswith("\n\n") for r in trace if r.after is not None)
+
+
+def test_chat_turns_carry_the_history_and_hit_the_cache_through_the_server(server, tokenizer):
+    trace = SharedPrefixes("chat", system_tokens=40, question_tokens=20, answer_tokens=6, turns=3).trace(
+        6, 4.0, seed=5, tokenizer=tokenizer)
+    records = run_trace(server.grpc_url, "orca", trace)
+    _check(records, trace)
+    for record, request in zip(records, trace):
+        if request.after is not None:
+            before = records[request.after]
+            assert record.sent >= before.end  # the next turn waits for the answer
+            assert record.num_input_tokens >= before.num_input_tokens + 6 + 18
+            assert record.num_cached_tokens >= before.num_input_tokens // 16 * 16 - 16 > 0
+
+
+def test_the_system_workload_hits_the_cache_through_the_server(server, tokenizer):
+    trace = SharedPrefixes("system", system_tokens=100, question_tokens=10, answer_tokens=2).trace(
+        4, None, seed=9, tokenizer=tokenizer)
+    records = run_trace(server.grpc_url, "orca", trace, concurrency=1)
+    _check(records, trace)
+    assert all(r.num_cached_tokens >= 80 for r in records[1:])

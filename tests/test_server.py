@@ -97,10 +97,10 @@ def test_cancel_mid_stream_frees_the_blocks(server):
 @pytest.mark.parametrize("stream", [True, False])
 def test_every_return_flag_combination(client, stream):
     names = ["return_finish_reason", "return_cumulative_logprob", "return_logprobs",
-             "return_num_input_tokens", "return_num_output_tokens"]
+             "return_num_input_tokens", "return_num_output_tokens", "return_num_cached_tokens"]
     outputs = {"return_finish_reason": "finish_reason", "return_cumulative_logprob": "cumulative_logprob",
                "return_logprobs": "logprobs", "return_num_input_tokens": "num_input_tokens",
-               "return_num_output_tokens": "num_output_tokens"}
+               "return_num_output_tokens": "num_output_tokens", "return_num_cached_tokens": "num_cached_tokens"}
     ids = []
     combos = list(itertools.product([False, True], repeat=len(names)))
     for i, combo in enumerate(combos):
@@ -120,6 +120,8 @@ def test_every_return_flag_combination(client, stream):
                 assert r["num_input_tokens"] == 4
             if "num_output_tokens" in r:
                 assert r["num_output_tokens"] == (1 if stream else 3)
+            if "num_cached_tokens" in r:
+                assert r["num_cached_tokens"] == 0  # 4 tokens: less than a block
             if "logprobs" in r:
                 entries = json.loads(r["logprobs"])
                 if i % 2:
@@ -130,6 +132,57 @@ def test_every_return_flag_combination(client, stream):
                     assert entries is None
             if "cumulative_logprob" in r:
                 assert r["cumulative_logprob"] < 0
+
+
+SYSTEM = ("You are the librarian of a small town. You answer questions about books, opening hours "
+          "and the reading room, briefly and politely, and you never make up a title that the "
+          "library does not hold. ")
+CACHED = {"return_num_cached_tokens": True, "return_num_input_tokens": True}
+
+
+def _prefix_counters(server) -> tuple[float, float]:
+    return (server.metric("orca_prefix_cache_queries_total"), server.metric("orca_prefix_cache_hits_total"))
+
+
+def test_a_second_turn_reuses_the_first_turns_blocks_and_the_metrics_count_it(client, server):
+    queried, hits = _prefix_counters(server)
+    first_turn = SYSTEM + "Question: when do you open on Sundays?"
+    first = client.generate(first_turn, sampling=greedy(8), flags=CACHED)
+    assert first.error is None and first.responses[-1]["num_cached_tokens"] == 0
+    second_turn = first_turn + first.text + " Question: and on Mondays?"
+    second = client.generate(second_turn, sampling=greedy(8), flags=CACHED)
+    final = second.responses[-1]
+    num_input, num_cached = final["num_input_tokens"], final["num_cached_tokens"]
+    # Every full block of the first turn's prompt, at least (its answer's blocks too, where
+    # the text tokenizes the same again); never the last token.
+    assert num_cached % 16 == 0 and first.responses[-1]["num_input_tokens"] // 16 * 16 - 16 <= num_cached < num_input
+    wait_until(lambda: _prefix_counters(server) == (queried + first.responses[-1]["num_input_tokens"] + num_input,
+                                                    hits + num_cached), 10, "the prefix-cache counters")
+    assert server.metric("orca_kv_blocks_cached") >= num_cached // 16
+    assert_no_leak(server)
+
+
+def test_cache_salts_keep_clients_apart_through_the_server(client):
+    prompt = SYSTEM + "Question: may I bring a dog?"
+    salted = [client.generate(prompt, sampling=greedy(2, cache_salt=salt), flags=CACHED)
+              for salt in ("tenant-a", "tenant-b", "tenant-a")]
+    assert [r.responses[-1]["num_cached_tokens"] > 0 for r in salted] == [False, False, True]
+    assert len({r.text for r in salted}) == 1  # the same answer, cached or not
+
+
+def test_a_cancelled_request_with_cached_blocks_returns_every_block(server, client):
+    prompt = SYSTEM + "Question: tell me a very long story about the reading room."
+    assert client.generate(prompt, sampling=greedy(1), flags=CACHED).error is None
+    c = StreamingClient(server.grpc_url)
+    try:
+        rid = c.send(prompt, sampling=greedy(400, ignore_eos=True), flags=CACHED)
+        wait_until(lambda: len(c._results[rid].responses) >= 3, what="three responses")
+        assert c._results[rid].responses[0]["num_cached_tokens"] > 0
+        assert server.metric("orca_kv_blocks_used") > 0
+    finally:
+        c.close(cancel=True)  # a failure here must not leave it running for the next test
+    assert_no_leak(server)
+    assert server.metric("orca_kv_blocks_cached") > 0
 
 
 @pytest.mark.parametrize("prompt, sampling, options, message", [
@@ -143,6 +196,8 @@ def test_every_return_flag_combination(client, stream):
     (PROMPT, {"max_tokens": 9000}, {}, "max_tokens 9000 plus the prompt"),
     ("word " * 9000, greedy(2), {}, "the model's context is 8192"),
     (PROMPT, greedy(2), {"stream": True, "exclude_input": False}, "exclude_input_in_output"),
+    (PROMPT, greedy(2, cache_salt=7), {}, "'cache_salt' must be a string"),
+    (PROMPT, greedy(2, cache_salt="s" * 1025), {}, "'cache_salt' must be a non-empty string of at most 1024"),
 ])
 def test_bad_input_gets_a_named_error_and_harms_nothing(server, prompt, sampling, options, message):
     with StreamingClient(server.grpc_url) as c, StreamingClient(server.grpc_url) as other:
