@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install model serve test test-fast bench bench-full bench-engine bench-executors bench-pipeline perf clean
+.PHONY: install model serve test test-fast bench bench-full bench-prefix bench-engine bench-executors bench-pipeline perf clean
 
 install: $(STAMP)
 
@@ -48,6 +48,11 @@ bench-full: model
 # (batches of 4, so that the swept rates fill more than one; layers split to balance the LM head)
 bench-pipeline: model
 	$(PY) benchmarks/bench_pipeline.py --quick --max-batch-size 4 --bound-ms 400 --layers 0:19,19:30
+
+# orca with and without prefix caching, and hf_dynamic_batching, on shared-prefix traces
+# (a system prompt; multi-turn chat); writes docs/benchmarks/prefix.*
+bench-prefix: model
+	$(PY) benchmarks/bench_prefix.py
 
 bench-engine: model
 	$(PY) benchmarks/bench_engine.py --markdown docs/benchmarks/engine.md

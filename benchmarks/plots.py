@@ -13,7 +13,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-COLORS = {"orca": "tab:blue", "orca_request_level": "tab:red", "hf_dynamic_batching": "tab:green"}
+COLORS = {"orca": "tab:blue", "orca_request_level": "tab:red", "hf_dynamic_batching": "tab:green",
+          "orca_no_prefix_cache": "tab:orange"}
 
 
 def plot_curves(out: Path, points: list, models: dict[str, str], bound: float,
