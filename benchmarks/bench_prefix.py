@@ -228,12 +228,51 @@ def write_csv(path: Path, rows: list[tuple[str, Point, Work]]) -> None:
                              "cached_tokens": w.cached_tokens, "computed_prompt_tokens": w.computed_tokens})
 
 
+def run_workload(server: Server, args, tokenizer, workload: str) -> tuple[list[str], list]:
+    """Calibrate, sweep and plot one workload; its report section and its CSV rows."""
+    log(f"{workload}: calibrating ...")
+    alone = calibrate(server, tokenizer, args, workload)
+    reference = alone.get(UNCACHED, alone["orca"])
+    bounds = (args.bound_factor * reference.normalized_latency_p50, args.bound_factor * reference.ttft_p50)
+    log(f"{workload}: bounds {bounds[0] * 1e3:.0f} ms/token, {bounds[1] * 1e3:.0f} ms TTFT; sweeping ...")
+    points, works = sweep(server, args, tokenizer, workload, bounds[0])
+    plot_curves(args.out, points, {m: MODELS[m] for m in args.models}, bounds[0], bounds[1],
+                prefix=f"prefix_{workload}")
+    return (section(args, workload, points, works, alone, bounds),
+            [(workload, p, works[p.model, p.rate]) for p in points])
+
+
+def setup_lines(args, started: datetime.datetime, minutes: float, counters: dict) -> list[str]:
+    return [
+        "## Setup", "",
+        f"- date: {started.isoformat(timespec='seconds')}, whole run {minutes:.1f} min",
+        *machine_lines(),
+        "- one tritonserver hosting " + ", ".join(f"`{m}` ({MODELS[m]})" for m in args.models)
+        + " with `model_repository/`'s parameters otherwise (SmolLM2-135M-Instruct, fp32, CPU; "
+        "block_size 16, a 1 GiB K/V pool); the load generator (`client.bench`) on the same machine",
+        f"- per rate: Poisson arrivals for about {args.duration:g} s, at least {args.min_requests} "
+        "requests, greedy, max_tokens with ignore_eos; the models take turns at each rate on the "
+        "same seeded trace (a new seed per rate); a model's sweep ends after two rates in a row "
+        "over the latency bound, or one over twice the bound; `hf_dynamic_batching` does not "
+        "stream (its first token arrives with its last)",
+        "- chat: only conversations arrive by Poisson (at rate / 4); a later turn goes out "
+        "when the previous answer is in, so a slower model is offered its later turns later "
+        "(the load is partly closed-loop) and its done req/s falls short of the offered rate",
+        f"- bounds: {args.bound_factor:g}x `{UNCACHED}`'s unloaded medians ({CALIBRATION_REQUESTS} "
+        "requests one at a time, after a warm-up run of as many)",
+        "- prompt tokens and cached tokens are the server's own counts per request "
+        "(`return_num_input_tokens`, `return_num_cached_tokens`); computed = prompt - cached",
+        "- the servers' counters at the end (prompt tokens queried, hit; blocks evicted): "
+        + "; ".join(f"`{m}` {q:.0f}, {h:.0f}; {e:.0f}" for m, (q, h, e) in counters.items()),
+        "", "Raw figures: [prefix.csv](prefix.csv).", ""]
+
+
 def main() -> None:
     args = parse_args()
     started, t0 = datetime.datetime.now(), time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer()
-    body, rows, counters = [], [], {}
+    body, rows = [], []
     with tempfile.TemporaryDirectory(prefix="orca-bench-prefix-") as tmp:
         work_dir = Path(tmp)
         server = Server(work_dir, repository(work_dir / "models"),
@@ -242,44 +281,17 @@ def main() -> None:
             log("starting tritonserver ...")
             server.wait_ready()
             for workload in args.workloads:
-                log(f"{workload}: calibrating ...")
-                alone = calibrate(server, tokenizer, args, workload)
-                reference = alone.get(UNCACHED, alone["orca"])
-                bounds = (args.bound_factor * reference.normalized_latency_p50,
-                          args.bound_factor * reference.ttft_p50)
-                log(f"{workload}: bounds {bounds[0] * 1e3:.0f} ms/token, {bounds[1] * 1e3:.0f} ms TTFT; sweeping ...")
-                points, works = sweep(server, args, tokenizer, workload, bounds[0])
-                rows += [(workload, p, works[p.model, p.rate]) for p in points]
-                models = {m: MODELS[m] for m in args.models}
-                plot_curves(args.out, points, models, bounds[0], bounds[1], prefix=f"prefix_{workload}")
-                body += section(args, workload, points, works, alone, bounds)
-            counters = {m: (server.metric("orca_prefix_cache_queries_total", m),
-                            server.metric("orca_prefix_cache_hits_total", m),
-                            server.metric("orca_kv_block_evictions_total", m))
-                        for m in args.models if m != "hf_dynamic_batching"}
+                lines, mine = run_workload(server, args, tokenizer, workload)
+                body, rows = body + lines, rows + mine
+            counters = {m: tuple(server.metric(name, m) for name in (
+                "orca_prefix_cache_queries_total", "orca_prefix_cache_hits_total", "orca_kv_block_evictions_total"))
+                for m in args.models if m != "hf_dynamic_batching"}
         finally:
             server.stop()
     write_csv(args.out / "prefix.csv", rows)
     lines = ["# Prefix caching under Poisson load", "",
              "Generated by `python benchmarks/bench_prefix.py` (`make bench-prefix`).", "", *body,
-             "## Setup", "",
-             f"- date: {started.isoformat(timespec='seconds')}, whole run {(time.monotonic() - t0) / 60:.1f} min",
-             *machine_lines(),
-             "- one tritonserver hosting " + ", ".join(f"`{m}` ({MODELS[m]})" for m in args.models)
-             + " with `model_repository/`'s parameters otherwise (SmolLM2-135M-Instruct, fp32, CPU; "
-             "block_size 16, a 1 GiB K/V pool); the load generator (`client.bench`) on the same machine",
-             f"- per rate: Poisson arrivals for about {args.duration:g} s, at least {args.min_requests} "
-             "requests, greedy, max_tokens with ignore_eos; the models take turns at each rate on the "
-             "same seeded trace (a new seed per rate); a model's sweep ends after two rates in a row "
-             "over the latency bound, or one over twice the bound; `hf_dynamic_batching` does not "
-             "stream (its first token arrives with its last)",
-             f"- bounds: {args.bound_factor:g}x `{UNCACHED}`'s unloaded medians ({CALIBRATION_REQUESTS} "
-             "requests one at a time, after a warm-up run of as many)",
-             "- prompt tokens and cached tokens are the server's own counts per request "
-             "(`return_num_input_tokens`, `return_num_cached_tokens`); computed = prompt - cached",
-             "- the servers' counters at the end (prompt tokens queried, hit; blocks evicted): "
-             + "; ".join(f"`{m}` {q:.0f}, {h:.0f}; {e:.0f}" for m, (q, h, e) in counters.items()),
-             "", "Raw figures: [prefix.csv](prefix.csv).", ""]
+             *setup_lines(args, started, (time.monotonic() - t0) / 60, counters)]
     (args.out / "prefix.md").write_text("\n".join(lines))
     print("\n".join(lines))
 

@@ -76,22 +76,28 @@ class FakeRunner:
             fed.token_ids += tokens[start:start + n]
             fed.sample.append(s.sample)
             fed.block_tables.append(list(self.block_tables[s.request_id]))
-            if self.block_size is not None:
-                self._attend(s.request_id, start, n)
             if s.sample:
                 out.sampled[s.request_id] = SampledToken(1000 + len(tokens) - self.num_prompt_tokens[s.request_id])
+        if self.block_size is not None:
+            # Every row reads its context before any row writes: K/V another row of the same
+            # iteration writes is not there yet for this one.
+            for s in message.scheduled:
+                self._attend(s.request_id, s.num_computed_tokens, 0)
+            for s in message.scheduled:
+                self._attend(s.request_id, s.num_computed_tokens, s.num_scheduled_tokens)
         return out, fed
 
     def _attend(self, request_id: str, start: int, n: int) -> None:
+        """Check the K/V of positions [0, start), then write that of [start, start + n)."""
         tokens, table, size = self.token_ids[request_id], self.block_tables[request_id], self.block_size
         digests = _prefix_digests(tokens[:start + n])
         for p in range(start + n):
             slot = table[p // size] * size + p % size
-            if p < start:
+            if p >= start:
+                self.slots[slot] = digests[p]
+            elif n == 0:
                 assert self.slots.get(slot) == digests[p], \
                     f"{request_id}: the K/V of position {p} (block {table[p // size]}) is not its own"
-            else:
-                self.slots[slot] = digests[p]
 
 
 def _prefix_digests(tokens: list[int]) -> list[int]:

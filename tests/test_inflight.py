@@ -67,9 +67,12 @@ def test_out_of_order_and_late_iterations_keep_every_rule(default_model, seed):
                      kv_cache_tokens=96)
     rng = random.Random(seed)
     wanted = {f"r{i}": rng.randint(1, 12) for i in range(16)}
+    # Most prompts start with one of two shared prefixes: cached blocks are shared by requests
+    # in different iterations in flight.
+    prefixes = [[], [rng.randint(5, 900) for _ in range(9)], [rng.randint(5, 900) for _ in range(14)]]
     for request_id, max_tokens in wanted.items():
-        engine.add_request(request_id, [rng.randint(5, 900) for _ in range(rng.randint(1, 40))],
-                           _params(max_tokens))
+        prompt = rng.choice(prefixes) + [rng.randint(5, 900) for _ in range(rng.randint(1, 26))]
+        engine.add_request(request_id, prompt, _params(max_tokens))
     tokens = {request_id: [] for request_id in wanted}
     finals = {request_id: 0 for request_id in wanted}
     aborted: set[str] = set()
@@ -242,3 +245,38 @@ def test_requests_the_dead_runner_never_saw_are_kept_in_request_mode_too(default
     assert delta.request_id == "a" and delta.error is not None
     assert engine.unfinished_request_ids() == ["b", "c"]
     assert [r.request_id for r in engine.scheduler.waiting] == ["b", "c"]
+
+
+def test_requests_the_dead_runner_never_saw_are_looked_up_again_in_the_new_pool(default_model):
+    failed = []
+
+    def die_once_under_a(ex, iteration_id):
+        if "a" in ex.held[iteration_id][2].request_ids and not failed:
+            failed.append(iteration_id)
+            ex.fail(iteration_id, RunnerDiedError("the runner died"))
+        else:
+            ex.release(iteration_id)
+
+    executor = HeldExecutor(die_once_under_a)
+    engine = _engine(default_model, executor, batching="request", max_num_batched_tokens=8, max_inflight=1)
+    prompt = list(range(10, 30))
+    engine.add_request("w", prompt, _params(1))  # 20 tokens: 5 blocks cached when it ends
+    assert [d.finish_reason for d in _drain(engine)] == ["length"]
+    # a and b hit 16 tokens and take the budget; c is admitted beside them with no tokens.
+    for request_id in "abc":
+        engine.add_request(request_id, prompt, _params(2))
+    assert {d.request_id for d in engine.step() if d.error} == {"a", "b"}
+    executor.kv = engine.kv  # the new runner's pool
+    c = engine._tracked["c"].request
+    assert list(engine.scheduler.waiting) == [c] and c.num_computed_tokens == 0
+    (final,) = [d for d in _drain(engine) if d.request_id == "c" and d.finished]
+    assert final.error is None and final.num_cached_tokens == 0  # the new pool had nothing cached
+
+
+def _drain(engine: LLMEngine, max_steps: int = 50) -> list:
+    deltas = []
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return deltas
+        deltas += engine.step()
+    raise AssertionError(f"requests left after {max_steps} steps")

@@ -37,19 +37,20 @@ def _requests(params=None):
             for i, p in enumerate(PROMPTS)]
 
 
-@pytest.mark.parametrize("kv_cache_tokens", [4096, 64])  # 64: preemptions
-def test_two_stage_workers_give_the_inline_engines_tokens(tiny_models, kv_cache_tokens):
+# The prompts share prefixes: small pools preempt (the cache on needs a smaller one to).
+@pytest.mark.parametrize("kv_cache_tokens, caching", [(4096, True), (64, False), (48, True)])
+def test_two_stage_workers_give_the_inline_engines_tokens(tiny_models, kv_cache_tokens, caching):
     folder = tiny_models["llama"]
-    # The prompts share prefixes: with the cache on, 64 tokens are enough for all of them.
     options = dict(dtype="float32", device="cpu", kv_cache_tokens=kv_cache_tokens, block_size=8,
-                   enable_prefix_caching=kv_cache_tokens > 64)
-    expected, _ = _drain(LLMEngine(EngineConfig(model=str(folder), **options)), _requests())
+                   enable_prefix_caching=caching)
+    roomy = {**options, "kv_cache_tokens": 4096, "enable_prefix_caching": False}
+    expected, _ = _drain(LLMEngine(EngineConfig(model=str(folder), **roomy)), _requests())
     engine, stages = stage_worker_engine(folder, options)
     tokens, errors = _drain(engine, _requests())
     assert errors == {} and tokens == expected
     assert not stages.hidden_problems
-    if kv_cache_tokens == 64:
-        assert engine.scheduler.num_preemptions > 0
+    assert (engine.scheduler.num_preemptions > 0) == (kv_cache_tokens < 4096)
+    assert (engine.kv.stats.num_hit_tokens > 0) == caching
     for worker in stages.workers:  # every ended request was dropped, by both stages
         assert worker.runner.requests == {}
 

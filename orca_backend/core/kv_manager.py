@@ -14,7 +14,8 @@ free block is left.
 
 The hash is SHA-256: a 64-bit hash such as Python's `hash()` of a tuple of ints is not
 randomized for ints, so a tenant could craft two prompts that collide and read another's
-K/V. A hit also compares the block's token ids, so a collision could at worst miss.
+K/V. A hit also compares the block's parent hash and token ids with the request's, so a
+collision of one block's hash alone could only miss.
 """
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ class BlockManager:
         self._ref_counts = [0] * num_blocks
         self._hashes: list[bytes | None] = [None] * num_blocks  # of blocks in the cache
         self._cache: dict[bytes, CachedBlock] = {}
-        self._num_committed: dict[str, int] = {}  # per table: leading blocks already offered to the cache
+        self._num_committed_blocks: dict[str, int] = {}  # per table: leading blocks already offered to the cache
 
     # -- counts ---------------------------------------------------------------------------
     @property
@@ -110,7 +111,9 @@ class BlockManager:
         hits = []
         for i, h in enumerate(hashes[:(req.num_tokens - 1) // self.block_size]):
             cached = self._cache.get(h)
-            if cached is None or cached.token_ids != tuple(self._block_tokens(req, i)):
+            parent = hashes[i - 1] if i else self._root(req)
+            if (cached is None or cached.parent_hash != parent
+                    or cached.token_ids != tuple(self._block_tokens(req, i))):
                 break
             hits.append(cached.block_id)
         return hits
@@ -121,18 +124,18 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         table = self.block_tables[req.request_id]
-        num_full = min(req.num_computed_tokens // self.block_size, len(table))
-        start = self._num_committed.get(req.request_id, 0)
-        if num_full <= start:
+        num_full_blocks = min(req.num_computed_tokens // self.block_size, len(table))
+        start = self._num_committed_blocks.get(req.request_id, 0)
+        if num_full_blocks <= start:
             return
         hashes = self._hashes_of(req)
-        for i in range(start, num_full):
+        for i in range(start, num_full_blocks):
             block_id, h = table[i], hashes[i]
             if h not in self._cache and self._hashes[block_id] is None:
                 parent = hashes[i - 1] if i else self._root(req)
                 self._cache[h] = CachedBlock(block_id, parent, tuple(self._block_tokens(req, i)))
                 self._hashes[block_id] = h
-        self._num_committed[req.request_id] = num_full
+        self._num_committed_blocks[req.request_id] = num_full_blocks
 
     def _hashes_of(self, req: Request) -> list[bytes]:
         """The chain of hashes of `req`'s full blocks (kept on the request: tokens only grow)."""
@@ -172,7 +175,7 @@ class BlockManager:
             self._ref_counts[block_id] += 1
         table += cached_block_ids
         if cached_block_ids:
-            self._num_committed[request_id] = len(cached_block_ids)
+            self._num_committed_blocks[request_id] = len(cached_block_ids)
         for _ in range(needed):
             block_id = self._take_block()
             self._ref_counts[block_id] = 1
@@ -193,7 +196,7 @@ class BlockManager:
         holds any more joins the eviction queue, the sequence's tail before its head (the
         head is the likelier to be shared); any other goes back to the free pool."""
         table = self.block_tables.pop(request_id, [])
-        self._num_committed.pop(request_id, None)
+        self._num_committed_blocks.pop(request_id, None)
         for block_id in (reversed(table) if self.enable_prefix_caching else table):
             self._ref_counts[block_id] -= 1
             if self._ref_counts[block_id] == 0:
@@ -215,6 +218,8 @@ class BlockManager:
                 held[block_id] += 1
         free = set(self._free_block_ids)
         _require(len(free) == len(self._free_block_ids), "the free pool repeats a block")
+        _require(free | set(self._evictable) <= set(range(self.num_blocks)),
+                 "the free pool or the eviction queue holds a block out of range")
         for block_id in range(self.num_blocks):
             count, hashed = self._ref_counts[block_id], self._hashes[block_id] is not None
             _require(held[block_id] == count,
@@ -222,7 +227,9 @@ class BlockManager:
             _require((block_id in free) + (block_id in self._evictable) + (count > 0) == 1,
                      f"block {block_id} is not exactly one of free, cached and unreferenced, "
                      f"or referenced")
-            _require(not (block_id in free and hashed) and (hashed or block_id not in self._evictable),
+            free_with_hash = block_id in free and hashed
+            queued_without_hash = block_id in self._evictable and not hashed
+            _require(not (free_with_hash or queued_without_hash),
                      f"block {block_id}: a free block has no hash, a cached one has")
         named = {cached.block_id for cached in self._cache.values()}
         _require(named == {b for b, h in enumerate(self._hashes) if h is not None},

@@ -259,6 +259,8 @@ class LLMEngine:
         self._runner_died = True
         for tracked in unseen:
             self._tracked[tracked.request.request_id] = tracked
+            tracked.request.num_cached_tokens = None  # looked up again, in the new (empty) cache
+            tracked.request.num_computed_tokens = 0
             self.scheduler.add(tracked.request)
         return deltas
 
