@@ -182,6 +182,11 @@ def test_check_integrity_names_what_is_wrong():
     kv._free_block_ids.append(block_id)  # cached and free at once
     with pytest.raises(AssertionError, match="not exactly one of"):
         kv.check_integrity()
+    kv._free_block_ids.pop()
+    kv.check_integrity()
+    kv._free_block_ids[0] = 99  # out of range, and block 0 lost
+    with pytest.raises(AssertionError, match="out of range"):
+        kv.check_integrity()
     assert block_hash(b"", [1]) != block_hash(b"", [2])
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 
 from .request import Request
@@ -70,8 +70,9 @@ class BlockManager:
         self.stats = PrefixCacheStats()
         self._free_block_ids: deque[int] = deque(range(num_blocks))  # no contents worth keeping
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
-        self._ref_counts = [0] * num_blocks
-        self._hashes: list[bytes | None] = [None] * num_blocks  # of blocks in the cache
+        # Sparse, so that a check over a pool of a million blocks costs what its used part does.
+        self._ref_counts: dict[int, int] = {}  # blocks held by requests: how many tables hold each
+        self._hashes: dict[int, bytes] = {}  # blocks in the cache
         self._cache: dict[bytes, CachedBlock] = {}
         self._num_committed_blocks: dict[str, int] = {}  # per table: leading blocks already offered to the cache
 
@@ -131,7 +132,7 @@ class BlockManager:
         hashes = self._hashes_of(req)
         for i in range(start, num_full_blocks):
             block_id, h = table[i], hashes[i]
-            if h not in self._cache and self._hashes[block_id] is None:
+            if h not in self._cache and block_id not in self._hashes:
                 parent = hashes[i - 1] if i else self._root(req)
                 self._cache[h] = CachedBlock(block_id, parent, tuple(self._block_tokens(req, i)))
                 self._hashes[block_id] = h
@@ -155,7 +156,7 @@ class BlockManager:
         """Whether `allocate` with the same arguments would succeed. Hits that nobody holds
         are counted out of the evictable blocks: they join the table, they are not taken."""
         needed = self.num_new_blocks(request_id, num_tokens, len(cached_block_ids))
-        unheld_hits = sum(1 for b in cached_block_ids if self._ref_counts[b] == 0)
+        unheld_hits = sum(1 for b in cached_block_ids if b not in self._ref_counts)
         return needed <= self.num_free_blocks - unheld_hits
 
     def allocate(self, request_id: str, num_tokens: int, cached_block_ids: list[int] = ()) -> list[int]:
@@ -172,7 +173,7 @@ class BlockManager:
         table = self.block_tables.setdefault(request_id, [])
         for block_id in cached_block_ids:
             self._evictable.pop(block_id, None)
-            self._ref_counts[block_id] += 1
+            self._ref_counts[block_id] = self._ref_counts.get(block_id, 0) + 1
         table += cached_block_ids
         if cached_block_ids:
             self._num_committed_blocks[request_id] = len(cached_block_ids)
@@ -186,8 +187,7 @@ class BlockManager:
         if self._free_block_ids:
             return self._free_block_ids.popleft()
         block_id, _ = self._evictable.popitem(last=False)
-        del self._cache[self._hashes[block_id]]
-        self._hashes[block_id] = None
+        del self._cache[self._hashes.pop(block_id)]
         self.stats.num_evictions += 1
         return block_id
 
@@ -200,7 +200,8 @@ class BlockManager:
         for block_id in (reversed(table) if self.enable_prefix_caching else table):
             self._ref_counts[block_id] -= 1
             if self._ref_counts[block_id] == 0:
-                if self._hashes[block_id] is not None:
+                del self._ref_counts[block_id]
+                if block_id in self._hashes:
                     self._evictable[block_id] = None
                 else:
                     self._free_block_ids.append(block_id)
@@ -210,30 +211,25 @@ class BlockManager:
         """Every block is free, cached and unreferenced, or referenced by exactly as many
         tables as its count says; every hash names one block, whose parent hash and tokens
         give that hash. Raises AssertionError if not."""
-        held = [0] * self.num_blocks
+        held: Counter[int] = Counter()
         for request_id, table in self.block_tables.items():
             _require(len(set(table)) == len(table), f"{request_id!r}'s table repeats a block: {table}")
-            for block_id in table:
-                _require(0 <= block_id < self.num_blocks, f"block {block_id} is out of range")
-                held[block_id] += 1
-        free = set(self._free_block_ids)
+            held.update(table)
+        for block_id in held.keys() | self._ref_counts.keys():
+            _require(held[block_id] == self._ref_counts.get(block_id, 0),
+                     f"block {block_id} is in {held[block_id]} tables, its count says "
+                     f"{self._ref_counts.get(block_id, 0)}")
+        free, evictable, referenced = set(self._free_block_ids), set(self._evictable), set(self._ref_counts)
         _require(len(free) == len(self._free_block_ids), "the free pool repeats a block")
-        _require(free | set(self._evictable) <= set(range(self.num_blocks)),
-                 "the free pool or the eviction queue holds a block out of range")
-        for block_id in range(self.num_blocks):
-            count, hashed = self._ref_counts[block_id], self._hashes[block_id] is not None
-            _require(held[block_id] == count,
-                     f"block {block_id} is in {held[block_id]} tables, its count says {count}")
-            _require((block_id in free) + (block_id in self._evictable) + (count > 0) == 1,
-                     f"block {block_id} is not exactly one of free, cached and unreferenced, "
-                     f"or referenced")
-            free_with_hash = block_id in free and hashed
-            queued_without_hash = block_id in self._evictable and not hashed
-            _require(not (free_with_hash or queued_without_hash),
-                     f"block {block_id}: a free block has no hash, a cached one has")
-        named = {cached.block_id for cached in self._cache.values()}
-        _require(named == {b for b, h in enumerate(self._hashes) if h is not None},
-                 "the cache and the blocks' hashes disagree")
+        everything = free | evictable | referenced
+        _require(len(free) + len(evictable) + len(referenced) == len(everything) == self.num_blocks
+                 and min(everything) >= 0 and max(everything) < self.num_blocks,
+                 "a block is not exactly one of free, cached and unreferenced, or referenced, "
+                 "or is out of range")
+        _require(not free & self._hashes.keys() and evictable <= self._hashes.keys(),
+                 "a free block has a hash, or a cached one has none")
+        _require({cached.block_id for cached in self._cache.values()} == self._hashes.keys()
+                 and len(self._cache) == len(self._hashes), "the cache and the blocks' hashes disagree")
         for h, cached in self._cache.items():
             _require(self._hashes[cached.block_id] == h, f"block {cached.block_id} has another hash")
             _require(block_hash(cached.parent_hash, cached.token_ids) == h,
