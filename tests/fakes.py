@@ -82,22 +82,25 @@ class FakeRunner:
             # Every row reads its context before any row writes: K/V another row of the same
             # iteration writes is not there yet for this one.
             for s in message.scheduled:
-                self._attend(s.request_id, s.num_computed_tokens, 0)
+                self._check_context(s.request_id, s.num_computed_tokens)
             for s in message.scheduled:
-                self._attend(s.request_id, s.num_computed_tokens, s.num_scheduled_tokens)
+                self._write(s.request_id, s.num_computed_tokens, s.num_scheduled_tokens)
         return out, fed
 
-    def _attend(self, request_id: str, start: int, n: int) -> None:
-        """Check the K/V of positions [0, start), then write that of [start, start + n)."""
-        tokens, table, size = self.token_ids[request_id], self.block_tables[request_id], self.block_size
-        digests = _prefix_digests(tokens[:start + n])
-        for p in range(start + n):
-            slot = table[p // size] * size + p % size
-            if p >= start:
-                self.slots[slot] = digests[p]
-            elif n == 0:
-                assert self.slots.get(slot) == digests[p], \
-                    f"{request_id}: the K/V of position {p} (block {table[p // size]}) is not its own"
+    def _slot(self, request_id: str, position: int) -> int:
+        table, size = self.block_tables[request_id], self.block_size
+        return table[position // size] * size + position % size
+
+    def _check_context(self, request_id: str, start: int) -> None:
+        """The K/V of positions [0, start) is the request's own."""
+        for p, digest in enumerate(_prefix_digests(self.token_ids[request_id][:start])):
+            assert self.slots.get(self._slot(request_id, p)) == digest, \
+                f"{request_id}: the K/V of position {p} (slot {self._slot(request_id, p)}) is not its own"
+
+    def _write(self, request_id: str, start: int, n: int) -> None:
+        digests = _prefix_digests(self.token_ids[request_id][:start + n])
+        for p in range(start, start + n):
+            self.slots[self._slot(request_id, p)] = digests[p]
 
 
 def _prefix_digests(tokens: list[int]) -> list[int]:
