@@ -47,6 +47,30 @@ class ModelConfig:
         """K and V elements per token over all layers (multiply by the dtype's size)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
+    def num_local_kv_heads(self, tensor_parallel_size: int) -> int:
+        """K/V heads each of T ranks holds: its share, or one (replicated) when there are
+        fewer K/V heads than ranks."""
+        return max(1, self.num_kv_heads // tensor_parallel_size)
+
+    def check_tensor_parallel(self, tensor_parallel_size: int) -> None:
+        """Refuse a rank count that does not divide the shapes every rank takes 1/T of,
+        naming both numbers."""
+        t = tensor_parallel_size
+        if not isinstance(t, int) or isinstance(t, bool) or t < 1:
+            raise ConfigError(f"tensor_parallel_size must be an integer >= 1, got {t!r}")
+        shapes = [("attention heads", self.num_heads), ("intermediate size", self.intermediate_size),
+                  ("vocabulary size", self.vocab_size)]
+        if self.num_kv_heads >= t:
+            shapes.append(("key/value heads", self.num_kv_heads))
+        elif t % self.num_kv_heads:  # replicated: each K/V head on T / Hkv ranks
+            raise ConfigError(f"tensor_parallel_size {t} is not a multiple of the model's "
+                              f"{self.num_kv_heads} key/value heads (with fewer K/V heads than "
+                              f"ranks, each is replicated on an equal number of ranks)")
+        for what, size in shapes:
+            if size % t:
+                raise ConfigError(f"tensor_parallel_size {t} does not divide the model's {what} "
+                                  f"{size}")
+
 
 def _llama(raw: dict, arch: str) -> ModelConfig:
     scaling = raw.get("rope_scaling")

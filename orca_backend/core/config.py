@@ -57,6 +57,9 @@ class EngineConfig:
     # "torch": evaluate the TensorRT engine's graph with torch instead of TensorRT (checks on the CPU)
     tensorrt_runtime: str = "tensorrt"
     engine_cache_dir: str | None = None  # built TensorRT engines; None: <cache>/engines
+    # Ranks of the runner (and of each pipeline stage), each holding 1/T of every layer:
+    # processes on the CPU (gloo), one GPU each from the instance's first (NCCL).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _need(self.dtype in DTYPE_SIZES, "dtype", self.dtype, f"one of {', '.join(DTYPE_SIZES)}")
@@ -68,7 +71,7 @@ class EngineConfig:
             pipelined = self.executor == "pipeline" or (self.executor == "stages" and self.stage_transport == "bls")
             self.max_inflight = self.pipeline_stages if pipelined else 1
         for name in ("max_batch_size", "max_num_batched_tokens", "block_size", "max_prompt_bytes",
-                     "max_inflight", "iteration_timeout_seconds", "pipeline_stages"):
+                     "max_inflight", "iteration_timeout_seconds", "pipeline_stages", "tensor_parallel_size"):
             value = getattr(self, name)
             _need(isinstance(value, int) and value >= 1, name, value, "an integer >= 1")
         for name in ("kv_cache_tokens", "kv_cache_bytes", "max_model_len"):
@@ -89,6 +92,8 @@ class EngineConfig:
         if self.engine == "tensorrt":
             _need(self.executor in ("inline", "process"), "executor", self.executor,
                   "'inline' or 'process' with engine 'tensorrt' (it builds whole models, not stages)")
+            _need(self.tensor_parallel_size == 1, "tensor_parallel_size", self.tensor_parallel_size,
+                  "1 with engine 'tensorrt' (its engines are built for one rank)")
             _need(self.tensorrt_runtime == "torch" or self.device != "cpu", "device", self.device,
                   "a GPU ('cuda[:N]') with engine 'tensorrt' (tensorrt_runtime 'torch' evaluates "
                   "its graph on the CPU, for checks)")

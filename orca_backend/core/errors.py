@@ -11,3 +11,9 @@ class InvalidRequestError(OrcaError, ValueError):
 
 class ConfigError(OrcaError, ValueError):
     """An engine option or a model folder is unusable; the message names the option."""
+
+
+class RunnerDiedError(OrcaError, RuntimeError):
+    """The model runner cannot take iterations any more (its process, or one of its
+    tensor-parallel ranks, died, hung or raised); the message names it and how it ended.
+    The engine ends the requests it held and starts a new runner."""

@@ -12,12 +12,9 @@ import abc
 from collections.abc import Callable
 from concurrent.futures import Future
 
+from ..core.errors import RunnerDiedError
 from ..core.messages import RunnerOutput, SchedulerOutput
 from ..runner.spec import RunnerSpec
-
-
-class RunnerDiedError(RuntimeError):
-    """The runner's process is gone; the message names it and how it ended."""
 
 
 class RunnerUnavailableError(RunnerDiedError):
@@ -50,5 +47,8 @@ class Executor(abc.ABC):
         """Where the oldest unreturned iteration is, for the error when it never returns."""
         return ""
 
+
+__all__ = ["Executor", "ExecutorFactory", "IterationFailedError", "RunnerDiedError",
+           "RunnerUnavailableError"]
 
 ExecutorFactory = Callable[[RunnerSpec], Executor]

@@ -9,46 +9,22 @@ every later submit; the engine then restarts the runner (see `LLMEngine.step`).
 from __future__ import annotations
 
 import dataclasses
-import enum
 import logging
-import os
 import queue
-import signal
 import subprocess
-import sys
 import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from multiprocessing.connection import Connection
-from pathlib import Path
-
-import msgpack
 
 from ..core.messages import RunnerOutput, SchedulerOutput
+from ..runner.spawn import Frame, ending, frame, read_frame, spawn, stop_process
 from ..runner.spec import RunnerSpec
 from .base import Executor, IterationFailedError, RunnerDiedError
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_SECONDS = 600  # loading weights in the child
 STOP_TIMEOUT_SECONDS = 10
-PACKAGE_PARENT = Path(__file__).resolve().parents[2]  # the folder that holds orca_backend/
-
-
-class Frame(enum.IntEnum):
-    """Kinds of what crosses the pipes; each frame is msgpack of [kind, body]."""
-
-    SPEC = 0  # parent -> child, first: the RunnerSpec
-    ITERATION = 1  # parent -> child: a SchedulerOutput
-    STOP = 2  # parent -> child
-    READY = 3  # child -> parent: the runner is built
-    OUTPUT = 4  # child -> parent: a RunnerOutput
-    FAILED = 5  # child -> parent: [iteration_id, message]
-    FATAL = 6  # child -> parent: the runner could not be built
-
-
-def frame(kind: Frame, body=None) -> bytes:
-    return msgpack.packb([int(kind), body])
 
 
 class ProcessExecutor(Executor):
@@ -58,20 +34,11 @@ class ProcessExecutor(Executor):
     futures in submission order (the child runs iterations in that order)."""
 
     def __init__(self, spec: RunnerSpec, start_timeout: float = START_TIMEOUT_SECONDS) -> None:
-        child_in, to_child = os.pipe()
-        from_child, child_out = os.pipe()
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            filter(None, [str(PACKAGE_PARENT), os.environ.get("PYTHONPATH")])))
-        self.process = subprocess.Popen(
-            [_python_executable(), "-m", "orca_backend.executors.process_child", str(child_in), str(child_out),
-             str(os.getpid())], pass_fds=(child_in, child_out), env=env, stdin=subprocess.DEVNULL)
-        os.close(child_in)
-        os.close(child_out)  # so that the child's death reads as EOF here
-        self._to_child = Connection(to_child, readable=False)
-        self._from_child = Connection(from_child, writable=False)
+        self.process, self._to_child, self._from_child = spawn("orca_backend.executors.process_child")
         self._lock = threading.Lock()
         self._pending: deque[tuple[int, Future]] = deque()
         self._dead: str | None = None
+        self._cause: str | None = None  # what the child said before it exited (Frame.DIED)
         self._closing = False
         self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()  # None: stop writing
         try:
@@ -95,11 +62,11 @@ class ProcessExecutor(Executor):
         deadline = time.monotonic() + timeout
         while not self._from_child.poll(1.0):
             if self.process.poll() is not None:
-                raise RunnerDiedError(f"{self.name} {_ending(self.process.returncode)} while loading the model")
+                raise RunnerDiedError(f"{self.name} {ending(self.process.returncode)} while loading the model")
             if time.monotonic() > deadline:
                 raise RunnerDiedError(f"{self.name} was not ready after {timeout:.0f} s")
         try:
-            kind, body = msgpack.unpackb(self._from_child.recv_bytes())
+            kind, body = read_frame(self._from_child)
         except EOFError:
             raise RunnerDiedError(f"{self.name} exited while loading the model") from None
         if kind != Frame.READY:
@@ -131,9 +98,12 @@ class ProcessExecutor(Executor):
     def _read(self) -> None:
         while True:
             try:
-                kind, body = msgpack.unpackb(self._from_child.recv_bytes(), strict_map_key=False)
+                kind, body = read_frame(self._from_child)
             except (EOFError, OSError):
                 break
+            if kind == Frame.DIED:  # it exits next; what it owed fails with this cause
+                self._cause = body
+                continue
             with self._lock:
                 iteration_id, future = self._pending.popleft()
             if kind == Frame.OUTPUT:
@@ -149,8 +119,12 @@ class ProcessExecutor(Executor):
         except subprocess.TimeoutExpired:
             pass
         with self._lock:
-            self._dead = (f"{self.name} was shut down" if self._closing
-                          else f"{self.name} {_ending(self.process.returncode)}")
+            if self._closing:
+                self._dead = f"{self.name} was shut down"
+            elif self._cause:
+                self._dead = f"{self.name}: {self._cause}"
+            else:
+                self._dead = f"{self.name} {ending(self.process.returncode)}"
             pending, self._pending = self._pending, deque()
         if not self._closing:
             log.error("%s", self._dead)
@@ -161,7 +135,7 @@ class ProcessExecutor(Executor):
         if self._dead:
             raise RunnerDiedError(self._dead)
         if self.process.poll() is not None:
-            raise RunnerDiedError(f"{self.name} {_ending(self.process.returncode)}")
+            raise RunnerDiedError(f"{self.name} {ending(self.process.returncode)}")
 
     def shutdown(self) -> None:
         """STOP after the iterations already queued; a child that does not exit within
@@ -176,25 +150,5 @@ class ProcessExecutor(Executor):
         self._from_child.close()
 
     def _stop_process(self) -> None:
-        try:
-            self.process.wait(STOP_TIMEOUT_SECONDS)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(STOP_TIMEOUT_SECONDS)
+        stop_process(self.process, STOP_TIMEOUT_SECONDS)
 
-
-def _ending(exitcode: int | None) -> str:
-    if exitcode is None:
-        return "stopped answering"
-    if exitcode < 0:
-        return f"was killed by {signal.Signals(-exitcode).name}"
-    return f"exited with code {exitcode}"
-
-
-def _python_executable() -> str:
-    """The interpreter to spawn: inside Triton's Python-backend stub, sys.executable is the
-    stub, not Python, so the environment's own python is used."""
-    if Path(sys.executable).name.startswith("python"):
-        return sys.executable
-    candidate = Path(sys.prefix) / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}"
-    return str(candidate if candidate.exists() else Path(sys.prefix) / "bin" / "python3")

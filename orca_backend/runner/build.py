@@ -1,33 +1,92 @@
-"""Building a runner from its spec: the weights, the attention backend and the K/V pool."""
+"""Building a runner from its spec: the weights, the attention backend and the K/V pool; with
+`tensor_parallel_size` T > 1, this rank's shard of them (rank 0 also starts the other ranks)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
 
+from ..checkpoint.config import ModelConfig
+from ..core.errors import ConfigError
 from .model_runner import ModelRunner
 from .models import load_model
 from .models.attention import TorchPagedAttention
 from .models.kernel_attention import KernelPagedAttention
+from .models.parallel import Shard
 from .spec import RunnerSpec
 
+START_TIMEOUT_SECONDS = 600  # every rank loading its shard
 
-def build_runner(spec: RunnerSpec, model=None) -> ModelRunner:
+
+def build_runner(spec: RunnerSpec, model=None, rank: int = 0) -> ModelRunner:
     """Load the weights (unless `model` is already loaded) and allocate the K/V pool."""
     if spec.engine == "tensorrt":
+        if spec.tensor_parallel_size > 1:
+            raise ConfigError("engine 'tensorrt' builds single-rank engines; tensor_parallel_size "
+                              f"{spec.tensor_parallel_size} needs engine 'torch'")
         from .tensorrt_runner import build_tensorrt_runner  # imports trt_plugins' builder
 
         return build_tensorrt_runner(spec)
+    if spec.tensor_parallel_size > 1:
+        return _build_rank(spec, rank)
     dtype, device = getattr(torch, spec.dtype), torch.device(spec.device)
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # kernels launch on the current device
     if model is None:
         layers = range(*spec.layer_range) if spec.layer_range else None
         model = load_model(Path(spec.model_path), dtype, device, layers)
-    backend = KernelPagedAttention if spec.attention == "triton" else TorchPagedAttention
     runner = ModelRunner(model, spec.num_blocks, spec.block_size, device, dtype, spec.seed,
-                         spec.keep_logits, backend(spec.block_size, device))
+                         spec.keep_logits, _attention(spec, device))
     if spec.cuda_graphs and spec.attention == "triton" and not spec.layer_range:
         runner.enable_decode_graphs(spec.max_batch_size, -(-spec.max_model_len // spec.block_size),
                                     capture=device.type == "cuda")
     return runner
+
+
+def _attention(spec: RunnerSpec, device: torch.device):
+    backend = KernelPagedAttention if spec.attention == "triton" else TorchPagedAttention
+    return backend(spec.block_size, device)
+
+
+def _build_rank(spec: RunnerSpec, rank: int) -> ModelRunner:
+    """Rank `rank` of a tensor-parallel runner. Rank 0 starts the others first, so that all
+    load their shards at once, and forms the group once every rank is ready. Decode CUDA
+    graphs are not used with more than one rank."""
+    from .tensor_parallel import GroupCollectives, TensorParallelGroup
+
+    size = spec.tensor_parallel_size
+    ModelConfig.from_folder(Path(spec.model_path)).check_tensor_parallel(size)
+    device = _rank_device(spec.device, rank, size)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:  # the cores shared between the ranks: a rank per core rather than T fighting over all
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // size))
+    collectives = GroupCollectives(rank, size, device)
+    group = TensorParallelGroup(spec) if rank == 0 else None
+    try:
+        layers = range(*spec.layer_range) if spec.layer_range else None
+        model = load_model(Path(spec.model_path), getattr(torch, spec.dtype), device, layers,
+                           Shard(rank, size), collectives)
+        runner = ModelRunner(model, spec.num_blocks, spec.block_size, device, getattr(torch, spec.dtype),
+                             spec.seed, spec.keep_logits, _attention(spec, device), group)
+        if group is not None:
+            group.connect(collectives, START_TIMEOUT_SECONDS)
+    except BaseException:
+        if group is not None:
+            group.shutdown()
+        raise
+    return runner
+
+
+def _rank_device(device: str, rank: int, size: int) -> torch.device:
+    """Rank k on the k-th GPU from the instance's first (`cuda:N` or `cuda`); the CPU for all."""
+    base = torch.device(device)
+    if base.type != "cuda":
+        return base
+    first = base.index or 0
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if first + size > available:
+        raise ConfigError(f"tensor_parallel_size {size} needs GPUs cuda:{first}..cuda:{first + size - 1}, "
+                          f"but this instance sees {available} GPU(s)")
+    return torch.device("cuda", first + rank)

@@ -13,6 +13,7 @@ import torch
 
 from ..core.messages import RunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
 from .models.attention import AttentionBackend, BatchLayout, TorchPagedAttention
+from .models.parallel import Shard
 from .sampler import Sampler, SamplerOutput
 from .state import RunnerRequest
 
@@ -26,16 +27,21 @@ class RunnerError(RuntimeError):
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, seed: int, keep_logits: bool = False,
-                 attention: AttentionBackend | None = None) -> None:
+                 attention: AttentionBackend | None = None, group=None) -> None:
+        """`group`: on rank 0 of a tensor-parallel runner, the other ranks
+        (`tensor_parallel.TensorParallelGroup`); `model.shard` says which rank this is."""
         cfg = model.config
         self.model = model
+        self.shard = getattr(model, "shard", Shard())
+        self.collectives = getattr(model, "collectives", None)
+        self.group = group
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.device, self.dtype = device, dtype
         self.attention = attention or TorchPagedAttention(block_size, device)
         layers = model.layer_range
-        caches = self.attention.allocate_kv_cache(len(layers), num_blocks, cfg.num_kv_heads,
-                                                  cfg.head_dim, dtype)
+        caches = self.attention.allocate_kv_cache(len(layers), num_blocks,
+                                                  cfg.num_local_kv_heads(self.shard.size), cfg.head_dim, dtype)
         self.kv_caches = dict(zip(layers, caches))  # layer index -> its cache: only this model's layers
         self.sampler = Sampler(device, seed, cfg.eos_token_ids)
         self.keep_logits = keep_logits
@@ -48,6 +54,11 @@ class ModelRunner:
         return self.model.layer_range.stop == self.model.config.num_layers
 
     @property
+    def samples(self) -> bool:
+        """Whether this runner draws tokens: the last stage's rank 0."""
+        return self.is_last_stage and self.shard.rank == 0
+
+    @property
     def num_held_blocks(self) -> int:
         """K/V blocks in the block tables of the requests this runner holds."""
         return sum(len(r.block_ids) for r in self.requests.values())
@@ -56,18 +67,40 @@ class ModelRunner:
         """Hidden states of an iteration with no rows, as a stage before the last passes on."""
         return torch.empty(0, self.model.config.hidden_size, dtype=self.dtype, device=self.device)
 
-    @torch.inference_mode()
     def execute(self, message: SchedulerOutput, hidden: torch.Tensor | None = None):
         """Run one iteration. A pipeline stage after the first takes the previous stage's
-        hidden states; a stage before the last returns its own [num_tokens, hidden]."""
+        hidden states; a stage before the last returns its own [num_tokens, hidden]. Rank 0
+        of a tensor-parallel runner hands the message to the other ranks first; if anything
+        fails then, the group is over (`RunnerDiedError`, naming the rank)."""
+        if self.group is None:
+            return self._execute(message, hidden)
+        self.group.send(message)
+        try:
+            return self._execute(message, hidden)
+        except Exception as e:
+            raise self.group.failed(e, message.iteration_id) from e
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (bounded)."""
+        if self.group is not None:
+            self.group.shutdown()
+
+    @torch.inference_mode()
+    def _execute(self, message: SchedulerOutput, hidden: torch.Tensor | None):
         layout, token_ids, sampling = self._apply(message)
         if not token_ids:  # a message that only says which requests have ended
             return RunnerOutput(message.iteration_id) if self.is_last_stage else self.no_rows()
         last_rows = [row for row, _ in sampling]
         start = time.perf_counter()
+        if self.shard.size > 1 and self.model.layer_range.start > 0:  # every rank needs the input
+            rows = hidden if self.shard.rank == 0 else torch.empty(
+                len(token_ids), self.model.config.hidden_size, dtype=self.dtype, device=self.device)
+            hidden = self.collectives.broadcast(rows.contiguous())
         result = self._compute(layout, token_ids, hidden, last_rows)
         if not self.is_last_stage:
             return result  # [num_tokens, hidden]
+        if not self.samples:
+            return None  # rank 0 has the logits
         logits = result  # [num_sampled, vocab]
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the time of the forward, not of its launches
@@ -123,7 +156,7 @@ class ModelRunner:
                 self.requests[request_id].block_ids.clear()  # a new table comes on resume
         for new in message.new_requests:
             # Only the stage that samples draws: the others need no generators.
-            self.requests[new.request_id] = RunnerRequest.new(new, self.device if self.is_last_stage else None)
+            self.requests[new.request_id] = RunnerRequest.new(new, self.device if self.samples else None)
         layout = BatchLayout([], [], [])
         token_ids: list[int] = []
         sampling = []  # (last row, state) of each request that samples

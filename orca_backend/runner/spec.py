@@ -26,6 +26,8 @@ class RunnerSpec:
     tensorrt_runtime: str = "tensorrt"  # "torch": the engine's graph evaluated with torch (checks)
     max_num_batched_tokens: int = 512  # with the batch size and model length, the engine's profile
     engine_cache_dir: str = ""  # where built TensorRT engines are kept
+    tensor_parallel_size: int = 1  # ranks, each with 1/T of every layer (this process is rank 0)
+    collective_timeout_seconds: float = 300.0  # a collective waiting longer fails the group
 
     def __post_init__(self) -> None:
         if self.layer_range is not None:  # a list, after a trip through msgpack or JSON
@@ -43,4 +45,7 @@ class RunnerSpec:
                    max_model_len=max_model_len, engine=config.engine,
                    tensorrt_runtime=config.tensorrt_runtime,
                    max_num_batched_tokens=config.max_num_batched_tokens,
-                   engine_cache_dir=engine_cache_dir)
+                   engine_cache_dir=engine_cache_dir,
+                   tensor_parallel_size=config.tensor_parallel_size,
+                   # under the engine's deadline, so a hung rank is named before the runner is
+                   collective_timeout_seconds=max(1.0, config.iteration_timeout_seconds / 2))

@@ -14,24 +14,28 @@ from ...checkpoint.config import ModelConfig
 from ...core.errors import ConfigError
 from .gpt2 import GPT2Model
 from .llama import LlamaModel
+from .parallel import Collectives, NoCollectives, Shard
 from .weights import Weights
 
 __all__ = ["load_model"]
 
 
 def load_model(folder: Path, dtype: torch.dtype, device: torch.device,
-               layer_range: range | None = None):
-    """The whole model, or a pipeline stage's `layer_range` of it (reading only those tensors)."""
+               layer_range: range | None = None, shard: Shard = Shard(),
+               collectives: Collectives = NoCollectives()):
+    """The whole model, or a pipeline stage's `layer_range` of it (reading only those tensors);
+    with a `shard`, only that rank's slices of them."""
     config = ModelConfig.from_folder(folder)
+    config.check_tensor_parallel(shard.size)
     if layer_range is not None and not (0 <= layer_range.start < layer_range.stop <= config.num_layers):
         raise ConfigError(f"layers [{layer_range.start}, {layer_range.stop}) are not a non-empty "
                           f"range within the model's {config.num_layers} layers")
     if config.architecture == "GPT2LMHeadModel":
         weights = Weights(folder, dtype, device, strip_prefix="transformer.")
-        model = GPT2Model(config, weights, layer_range)
+        model = GPT2Model(config, weights, layer_range, shard, collectives)
     else:
         weights = Weights(folder, dtype, device)
-        model = LlamaModel(config, weights, layer_range)
+        model = LlamaModel(config, weights, layer_range, shard, collectives)
     unused = _unused(weights, model)
     if unused:
         raise ConfigError(f"model folder {folder} has tensors this engine does not use: "

@@ -6,64 +6,78 @@ import torch.nn.functional as F
 
 from ...checkpoint.config import ModelConfig
 from .attention import AttentionPlan
+from .parallel import Collectives, NoCollectives, Shard
 from .weights import Weights
 
 
 class GPT2Model:
-    """The layers in `layer_range` (all by default), as LlamaModel."""
+    """The layers in `layer_range` (all by default), as LlamaModel, and sharded as it is."""
 
     LAYER_PREFIX = "h."
 
-    def __init__(self, config: ModelConfig, w: Weights, layer_range: range | None = None) -> None:
-        self.config = config
+    def __init__(self, config: ModelConfig, w: Weights, layer_range: range | None = None,
+                 shard: Shard = Shard(), collectives: Collectives = NoCollectives()) -> None:
+        self.config, self.shard, self.collectives = config, shard, collectives
         self.layer_range = layer_range = range(config.num_layers) if layer_range is None else layer_range
         first, last = layer_range.start == 0, layer_range.stop == config.num_layers
         tied = config.tie_word_embeddings or "lm_head.weight" not in w
+        vocab = shard.part(config.vocab_size)
         if first or (last and tied):
-            self.wte = w.take("wte.weight")  # [vocab, hidden]
+            self.wte = w.take("wte.weight", 0, vocab)  # [vocab / T, hidden]
         if first:
             self.wpe = w.take("wpe.weight")  # [max_positions, hidden]
-        self.layers = {i: _GPT2Layer(config, w, f"{self.LAYER_PREFIX}{i}.") for i in layer_range}
+        self.layers = {i: _GPT2Layer(config, w, f"{self.LAYER_PREFIX}{i}.", shard, collectives)
+                       for i in layer_range}
         if last:
             self.ln_f = (w.take("ln_f.weight"), w.take("ln_f.bias"))
-            head = w.take_optional("lm_head.weight")  # a tied checkpoint may store it too
+            head = w.take_optional("lm_head.weight", 0, vocab)  # a tied checkpoint may store it too
             self.lm_head = self.wte if tied else head
 
     def embed_tokens(self, input_ids: torch.Tensor, meta: AttentionPlan) -> torch.Tensor:
-        return self.wte[input_ids] + self.wpe[meta.positions]
+        return self.shard.vocab_embed(self.wte, input_ids, self.collectives) + self.wpe[meta.positions]
 
     def run_layers(self, h: torch.Tensor, meta: AttentionPlan, kv_caches, layers: range) -> torch.Tensor:
         for i in layers:
             h = self.layers[i](h, meta, kv_caches[i])
         return h
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
+    def logits(self, h: torch.Tensor) -> torch.Tensor | None:
+        """[rows, vocab] on rank 0 (None on the other ranks)."""
         h = F.layer_norm(h, h.shape[-1:], *self.ln_f, eps=self.config.norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return self.collectives.gather_vocab(F.linear(h, self.lm_head).float())
 
 
 class _GPT2Layer:
-    def __init__(self, config: ModelConfig, w: Weights, p: str) -> None:
-        # HF GPT-2 stores Conv1D weights as [in, out]; transpose once for F.linear.
-        self.qkv = w.take(p + "attn.c_attn.weight").t().contiguous()
-        self.qkv_bias = w.take(p + "attn.c_attn.bias")
-        self.proj = w.take(p + "attn.c_proj.weight").t().contiguous()
-        self.proj_bias = w.take(p + "attn.c_proj.bias")
-        self.fc = w.take(p + "mlp.c_fc.weight").t().contiguous()
-        self.fc_bias = w.take(p + "mlp.c_fc.bias")
-        self.out = w.take(p + "mlp.c_proj.weight").t().contiguous()
+    def __init__(self, config: ModelConfig, w: Weights, p: str, shard: Shard,
+                 collectives: Collectives) -> None:
+        # HF GPT-2 stores Conv1D weights as [in, out]: a rank's output columns are its share
+        # of a column-parallel layer, its input rows its share of a row-parallel one.
+        # Transposed once, for F.linear.
+        hidden = config.hidden_size
+        heads = shard.part(hidden)  # this rank's heads' columns of each of q, k and v
+        qkv = [slice(i * hidden + heads.start, i * hidden + heads.stop) for i in range(3)]
+        c_attn = p + "attn.c_attn."
+        self.qkv = w.take(c_attn + "weight", 1, qkv).t().contiguous()
+        self.qkv_bias = w.take(c_attn + "bias", 0, qkv)
+        self.proj = w.take(p + "attn.c_proj.weight", 0, heads).t().contiguous()
+        self.proj_bias = w.take(p + "attn.c_proj.bias")  # added once, after the all-reduce
+        inter = shard.part(config.intermediate_size)
+        self.fc = w.take(p + "mlp.c_fc.weight", 1, inter).t().contiguous()
+        self.fc_bias = w.take(p + "mlp.c_fc.bias", 0, inter)
+        self.out = w.take(p + "mlp.c_proj.weight", 0, inter).t().contiguous()
         self.out_bias = w.take(p + "mlp.c_proj.bias")
         self.ln_1 = (w.take(p + "ln_1.weight"), w.take(p + "ln_1.bias"))
         self.ln_2 = (w.take(p + "ln_2.weight"), w.take(p + "ln_2.bias"))
         self.eps = config.norm_eps
-        self.num_heads, self.head_dim = config.num_heads, config.head_dim
+        self.num_heads, self.head_dim = config.num_heads // shard.size, config.head_dim
         self.approximate = "none" if config.activation == "gelu" else "tanh"
+        self.all_reduce = collectives.all_reduce
 
     def __call__(self, h, meta: AttentionPlan, kv_cache):
         x = F.layer_norm(h, h.shape[-1:], *self.ln_1, eps=self.eps)
         q, k, v = F.linear(x, self.qkv, self.qkv_bias).view(-1, 3, self.num_heads, self.head_dim).unbind(1)
         attn = meta.attend(q, k, v, kv_cache, self.head_dim ** -0.5)
-        h = h + F.linear(attn, self.proj, self.proj_bias)
+        h = h + self.all_reduce(F.linear(attn, self.proj)) + self.proj_bias
         x = F.layer_norm(h, h.shape[-1:], *self.ln_2, eps=self.eps)
         x = F.gelu(F.linear(x, self.fc, self.fc_bias), approximate=self.approximate)
-        return h + F.linear(x, self.out, self.out_bias)
+        return h + self.all_reduce(F.linear(x, self.out)) + self.out_bias

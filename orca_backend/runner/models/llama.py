@@ -6,33 +6,38 @@ import torch.nn.functional as F
 
 from ...checkpoint.config import ModelConfig
 from .attention import AttentionPlan
+from .parallel import Collectives, NoCollectives, Shard
 from .weights import Weights
 
 
 class LlamaModel:
     """The layers in `layer_range` (all by default): a pipeline stage loads only its own, the
-    first stage the embeddings, the last the final norm and the LM head."""
+    first stage the embeddings, the last the final norm and the LM head. With a `shard`, this
+    rank's share of each (see `parallel`)."""
 
     LAYER_PREFIX = "model.layers."
 
-    def __init__(self, config: ModelConfig, w: Weights, layer_range: range | None = None) -> None:
-        self.config = config
+    def __init__(self, config: ModelConfig, w: Weights, layer_range: range | None = None,
+                 shard: Shard = Shard(), collectives: Collectives = NoCollectives()) -> None:
+        self.config, self.shard, self.collectives = config, shard, collectives
         self.layer_range = layer_range = range(config.num_layers) if layer_range is None else layer_range
         first, last = layer_range.start == 0, layer_range.stop == config.num_layers
         tied = config.tie_word_embeddings or "lm_head.weight" not in w
+        vocab = shard.part(config.vocab_size)
         if first or (last and tied):
-            self.embed = w.take("model.embed_tokens.weight")  # [vocab, hidden]
-        self.layers = {i: _LlamaLayer(config, w, f"{self.LAYER_PREFIX}{i}.") for i in layer_range}
+            self.embed = w.take("model.embed_tokens.weight", 0, vocab)  # [vocab / T, hidden]
+        self.layers = {i: _LlamaLayer(config, w, f"{self.LAYER_PREFIX}{i}.", shard, collectives)
+                       for i in layer_range}
         if last:
             self.norm = w.take("model.norm.weight")
-            head = w.take_optional("lm_head.weight")  # a tied checkpoint may store it too
+            head = w.take_optional("lm_head.weight", 0, vocab)  # a tied checkpoint may store it too
             self.lm_head = self.embed if tied else head
         inv_freq = 1.0 / (config.rope_theta ** (
             torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim))
         self.inv_freq = inv_freq.to(w.device)  # [head_dim / 2]
 
     def embed_tokens(self, input_ids: torch.Tensor, meta: AttentionPlan) -> torch.Tensor:
-        return self.embed[input_ids]  # [num_tokens, hidden]
+        return self.shard.vocab_embed(self.embed, input_ids, self.collectives)  # [num_tokens, hidden]
 
     def run_layers(self, h: torch.Tensor, meta: AttentionPlan, kv_caches, layers: range) -> torch.Tensor:
         """`kv_caches[i]` is layer i's cache, for each i in `layers` (a subrange of layer_range)."""
@@ -43,25 +48,36 @@ class LlamaModel:
             h = self.layers[i](h, meta, rope, kv_caches[i])
         return h
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(_rms_norm(h, self.norm, self.config.norm_eps), self.lm_head).float()
+    def logits(self, h: torch.Tensor) -> torch.Tensor | None:
+        """[rows, vocab] on rank 0 (None on the other ranks)."""
+        local = F.linear(_rms_norm(h, self.norm, self.config.norm_eps), self.lm_head).float()
+        return self.collectives.gather_vocab(local)
 
 
 class _LlamaLayer:
-    def __init__(self, config: ModelConfig, w: Weights, p: str) -> None:
+    def __init__(self, config: ModelConfig, w: Weights, p: str, shard: Shard,
+                 collectives: Collectives) -> None:
         a = p + "self_attn."
-        self.qkv = torch.cat([w.take(a + n + "_proj.weight") for n in "qkv"])  # fused projection
-        self.qkv_bias = (torch.cat([w.take(a + n + "_proj.bias") for n in "qkv"])
+        d = config.head_dim
+        self.num_heads, self.num_kv_heads, first_kv = shard.heads(config)
+        q = slice(shard.rank * self.num_heads * d, (shard.rank + 1) * self.num_heads * d)
+        kv = slice(first_kv * d, (first_kv + self.num_kv_heads) * d)
+        parts = {"q": q, "k": kv, "v": kv}  # rows of each projection: this rank's heads
+        self.qkv = torch.cat([w.take(a + n + "_proj.weight", 0, parts[n]) for n in "qkv"])  # fused
+        self.qkv_bias = (torch.cat([w.take(a + n + "_proj.bias", 0, parts[n]) for n in "qkv"])
                          if config.qkv_bias else None)
-        self.o = w.take(a + "o_proj.weight")
-        self.o_bias = w.take_optional(a + "o_proj.bias")
-        self.gate_up = torch.cat([w.take(p + "mlp.gate_proj.weight"), w.take(p + "mlp.up_proj.weight")])
-        self.down = w.take(p + "mlp.down_proj.weight")
+        self.o = w.take(a + "o_proj.weight", 1, q)  # row-parallel: its heads' input columns
+        self.o_bias = w.take_optional(a + "o_proj.bias")  # added once, after the all-reduce
+        inter = shard.part(config.intermediate_size)
+        self.gate_up = torch.cat([w.take(p + "mlp.gate_proj.weight", 0, inter),
+                                  w.take(p + "mlp.up_proj.weight", 0, inter)])
+        self.down = w.take(p + "mlp.down_proj.weight", 1, inter)
         self.in_norm = w.take(p + "input_layernorm.weight")
         self.post_norm = w.take(p + "post_attention_layernorm.weight")
         self.eps = config.norm_eps
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        self.scale = config.head_dim ** -0.5
+        self.head_dim = d
+        self.scale = d ** -0.5
+        self.all_reduce = collectives.all_reduce
 
     def __call__(self, h, meta: AttentionPlan, rope, kv_cache):
         x = _rms_norm(h, self.in_norm, self.eps)
@@ -72,10 +88,11 @@ class _LlamaLayer:
         k = _rotate(k.view(-1, self.num_kv_heads, self.head_dim), *rope)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         attn = meta.attend(q, k, v, kv_cache, self.scale)  # [T, Hq * D]
-        h = h + F.linear(attn, self.o, self.o_bias)
+        o = self.all_reduce(F.linear(attn, self.o))
+        h = h + (o if self.o_bias is None else o + self.o_bias)
         x = _rms_norm(h, self.post_norm, self.eps)
         gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, self.down)
+        return h + self.all_reduce(F.linear(F.silu(gate) * up, self.down))
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,7 +1,10 @@
-"""Checkpoint tensors from *.safetensors, handed out by name to the model that uses them."""
+"""Checkpoint tensors from *.safetensors, handed out by name to the model that uses them.
+
+A tensor-parallel rank asks for its slice (`take(name, dim=, part=)`): only that slice is
+read from the file (safetensors' `get_slice`), so no rank ever holds the whole checkpoint.
+"""
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,6 +15,9 @@ from ...core.errors import ConfigError
 
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 
+# Reads a tensor, or the part of it an index selects (a tuple of slices, one per dimension).
+Reader = Callable[[tuple[slice, ...]], torch.Tensor]
+
 
 class Weights:
     def __init__(self, folder: Path, dtype: torch.dtype, device: torch.device,
@@ -20,13 +26,13 @@ class Weights:
         if not files:
             raise ConfigError(f"model folder {folder} has no *.safetensors files")
         self.folder, self.dtype, self.device = folder, dtype, device
-        self._sources: dict[str, Callable[[], torch.Tensor]] = {}  # name -> reads the tensor
+        self._sources: dict[str, Reader] = {}  # name -> reads the tensor, or a part of it
         for f in files:
             handle = safe_open(str(f), framework="pt")
             for name in handle.keys():
                 if not name.endswith(_IGNORED_SUFFIXES):
                     key = name[len(strip_prefix):] if strip_prefix and name.startswith(strip_prefix) else name
-                    self._sources[key] = functools.partial(handle.get_tensor, name)
+                    self._sources[key] = _file_reader(handle, name)
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
@@ -34,23 +40,42 @@ class Weights:
         """Tensors already in memory (a model built from a config, say) instead of files."""
         self = cls.__new__(cls)
         self.folder, self.dtype, self.device = folder, dtype, device
-        self._sources = {name: functools.partial(lambda t: t, t) for name, t in tensors.items()
+        self._sources = {name: _memory_reader(t) for name, t in tensors.items()
                          if not name.endswith(_IGNORED_SUFFIXES)}
         return self
 
     def __contains__(self, name: str) -> bool:
         return name in self._sources
 
-    def take_optional(self, name: str) -> torch.Tensor | None:
+    def take_optional(self, name: str, dim: int = 0,
+                      part: slice | list[slice] | None = None) -> torch.Tensor | None:
+        """The tensor, or with `part` only those indices along `dim` (a rank's share; several
+        slices are read one by one and joined along `dim`)."""
         if name not in self._sources:
             return None
-        return self._sources.pop(name)().to(device=self.device, dtype=self.dtype)
+        read = self._sources.pop(name)
+        parts = part if isinstance(part, list) else [part or slice(None)]
+        pieces = [read((slice(None),) * dim + (p,)) for p in parts]
+        t = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+        return t.to(device=self.device, dtype=self.dtype)
 
-    def take(self, name: str) -> torch.Tensor:
-        t = self.take_optional(name)
+    def take(self, name: str, dim: int = 0, part: slice | list[slice] | None = None) -> torch.Tensor:
+        t = self.take_optional(name, dim, part)
         if t is None:
             raise ConfigError(f"model folder {self.folder} lacks tensor {name!r}")
         return t
 
     def leftover(self) -> list[str]:
         return sorted(self._sources)
+
+
+def _file_reader(handle, name: str) -> Reader:
+    def read(index: tuple[slice, ...]) -> torch.Tensor:
+        if all(s == slice(None) for s in index):
+            return handle.get_tensor(name)
+        return handle.get_slice(name)[index]
+    return read
+
+
+def _memory_reader(tensor: torch.Tensor) -> Reader:
+    return lambda index: tensor[index]

@@ -1,0 +1,73 @@
+"""What a layer needs to know of tensor parallelism: which share of each sharded dimension is
+this rank's (`Shard`), and the collectives that join the shares (`Collectives`).
+
+One rank of T holds 1/T of every layer (Megatron's split, as vLLM's parallel layers do it):
+- q/k/v, gate/up and GPT-2's fc are column-parallel (each rank computes its own heads or
+  its own slice of the intermediate size; their biases are split the same way);
+- o and down are row-parallel: each rank's partial sum, then one all-reduce; their biases are
+  added once, after it;
+- embeddings and the LM head are vocab-parallel: a rank looks up only its rows of the
+  vocabulary (zeros elsewhere, then an all-reduce); its logits are gathered to rank 0, which
+  samples from the whole vocabulary as a single rank would;
+- with fewer K/V heads than ranks, each K/V head is held by T / Hkv ranks (replicated).
+Norms, rotary tables and position embeddings are replicated.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ...checkpoint.config import ModelConfig
+
+
+class Collectives(Protocol):
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks, in place; returns `t`."""
+
+    def gather_vocab(self, t: torch.Tensor) -> torch.Tensor | None:
+        """Rank 0: every rank's [rows, vocab / T] joined along the vocabulary; others: None."""
+
+
+class NoCollectives:
+    """One rank: nothing to join."""
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def gather_vocab(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """Rank `rank` of `size`; the checkpoint's shapes were checked to divide
+    (`ModelConfig.check_tensor_parallel`) before any rank loads."""
+
+    rank: int = 0
+    size: int = 1
+
+    def part(self, total: int) -> slice:
+        """This rank's indices of a dimension of `total` split evenly."""
+        n = total // self.size
+        return slice(self.rank * n, (self.rank + 1) * n)
+
+    def heads(self, config: ModelConfig) -> tuple[int, int, int]:
+        """(its query heads, its K/V heads, the first K/V head it holds)."""
+        num_heads = config.num_heads // self.size
+        num_kv_heads = config.num_local_kv_heads(self.size)
+        if config.num_kv_heads >= self.size:
+            return num_heads, num_kv_heads, self.rank * num_kv_heads
+        return num_heads, 1, self.rank // (self.size // config.num_kv_heads)  # replicated
+
+    def vocab_embed(self, table: torch.Tensor, input_ids: torch.Tensor,
+                    collectives: Collectives) -> torch.Tensor:
+        """Rows of a vocab-parallel table [vocab / T, hidden] for all ranks' ids."""
+        if self.size == 1:
+            return table[input_ids]
+        start = self.rank * table.shape[0]
+        local = input_ids - start
+        mine = (local >= 0) & (local < table.shape[0])
+        h = table[local.clamp(0, table.shape[0] - 1)] * mine[:, None].to(table.dtype)
+        return collectives.all_reduce(h)  # [num_tokens, hidden]

@@ -1,0 +1,244 @@
+"""Tensor parallelism: a runner of T ranks, each holding 1/T of every layer (`models.parallel`).
+
+The runner's own process is rank 0. It starts ranks 1..T-1 as fresh interpreters
+(`python -m orca_backend.runner.tp_rank`, as the `process` executor starts its child), and
+all T join one torch.distributed process group over a TCP store on a free loopback port:
+gloo on the CPU, NCCL on GPUs (rank k on the k-th of the instance's GPUs). Each iteration
+rank 0 writes the same `SchedulerOutput` to every rank's pipe before it runs its own shard;
+every rank runs its shard, meeting the others in the collectives; rank 0 samples.
+
+The group is built from the store and `ProcessGroupGloo` / `ProcessGroupNCCL` directly, not
+with `init_process_group`: that makes one default group per process, and a pipeline of
+tensor-parallel stages in one process needs a group per stage.
+
+Faults: a watcher polls the ranks. A rank that exits, is killed, raises (it reports, then
+exits) or is stopped ends the group: the other ranks are killed, so a collective rank 0 waits
+in fails at once, and rank 0 raises `RunnerDiedError` naming the rank and how it ended; the
+executor then builds a new group. A rank that hangs while running is caught by the
+collectives' timeout, which the engine keeps under its iteration deadline.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import queue
+import threading
+import time
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+
+from ..core.errors import RunnerDiedError
+from ..core.messages import SchedulerOutput
+from .spawn import Frame, ending, frame, read_frame, spawn, stop_process
+from .spec import RunnerSpec
+
+log = logging.getLogger(__name__)
+WATCH_SECONDS = 0.2
+STOP_TIMEOUT_SECONDS = 10
+CAUSE_WAIT_SECONDS = 2.0  # after a collective failed: how long to wait for the watcher to name a rank
+
+
+class GroupCollectives:
+    """`models.parallel.Collectives` over a process group, with the time spent in them (rank
+    0's share of an iteration: the transfer, and the wait for the slowest rank)."""
+
+    def __init__(self, rank: int, size: int, device: torch.device) -> None:
+        self.rank, self.size, self.device = rank, size, device
+        self.group = None
+        self.seconds = 0.0
+        self.num_calls = 0
+
+    def connect(self, port: int, timeout_seconds: float, store=None) -> None:
+        """Join the group; rank 0 passes the store it serves."""
+        timeout = datetime.timedelta(seconds=timeout_seconds)
+        if store is None:
+            store = dist.TCPStore("127.0.0.1", port, self.size, False, timeout=timeout)
+        if self.device.type == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self.group = dist.ProcessGroupNCCL(store, self.rank, self.size, options)
+        else:
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = timeout
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+            self.group = dist.ProcessGroupGloo(store, self.rank, self.size, options)
+
+    def _timed(self, work) -> None:
+        start = time.perf_counter()
+        work().wait()
+        self.seconds += time.perf_counter() - start
+        self.num_calls += 1
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        self._timed(lambda: self.group.allreduce([t]))
+        return t
+
+    def gather_vocab(self, t: torch.Tensor) -> torch.Tensor | None:
+        t = t.contiguous()
+        outputs = [[torch.empty_like(t) for _ in range(self.size)]] if self.rank == 0 else []
+        options = dist.GatherOptions()
+        options.rootRank = 0
+        self._timed(lambda: self.group.gather(outputs, [t], options))
+        return torch.cat(outputs[0], dim=-1) if self.rank == 0 else None
+
+    def broadcast(self, t: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `t` to every rank (a stage's hidden states from the previous stage)."""
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        self._timed(lambda: self.group.broadcast([t], options))
+        return t
+
+
+@dataclasses.dataclass(slots=True)
+class _Rank:
+    rank: int
+    process: object  # subprocess.Popen
+    inbox: Connection
+    outbox: Connection
+    outgoing: queue.SimpleQueue  # frames for its writer thread; None stops it
+    ready: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    @property
+    def name(self) -> str:
+        return f"tensor-parallel rank {self.rank} (pid {self.process.pid})"
+
+
+class TensorParallelGroup:
+    """Rank 0's side: the other ranks' processes, their pipes, and their watcher."""
+
+    def __init__(self, spec: RunnerSpec) -> None:
+        self.size = spec.tensor_parallel_size
+        self.timeout_seconds = spec.collective_timeout_seconds
+        self._lock = threading.Lock()
+        self.failure: str | None = None  # the first rank failure, named; the group is over
+        self._closing = False
+        self.handoff_seconds = 0.0  # rank 0 handing each iteration's message to the ranks
+        self.store = dist.TCPStore("127.0.0.1", 0, self.size, True,
+                                   timeout=datetime.timedelta(seconds=self.timeout_seconds),
+                                   wait_for_workers=False)
+        self.ranks: list[_Rank] = []
+        try:
+            for k in range(1, self.size):
+                process, inbox, outbox = spawn("orca_backend.runner.tp_rank")
+                rank = _Rank(k, process, inbox, outbox, queue.SimpleQueue())
+                self.ranks.append(rank)
+                inbox.send_bytes(frame(Frame.SPEC, [dataclasses.asdict(spec), k, self.store.port]))
+                for target in (self._read, self._write):
+                    threading.Thread(target=target, args=(rank,), daemon=True,
+                                     name=f"orca-tp-rank-{k}-{target.__name__[1:]}").start()
+        except BaseException:
+            self.shutdown()
+            raise
+        self._watcher = threading.Thread(target=self._watch, name="orca-tp-watch", daemon=True)
+        self._watcher.start()
+
+    def connect(self, collectives: GroupCollectives, start_timeout: float) -> None:
+        """Wait until every rank has loaded its shard, then form the group."""
+        deadline = time.monotonic() + start_timeout
+        for rank in self.ranks:
+            while not rank.ready.wait(0.2):
+                self.check()
+                if time.monotonic() > deadline:
+                    raise RunnerDiedError(f"{rank.name} was not ready after {start_timeout:.0f} s")
+        collectives.connect(self.store.port, self.timeout_seconds, self.store)
+
+    def send(self, message: SchedulerOutput) -> None:
+        """Hand the iteration to every rank (their writer threads do the writing, so a rank
+        that stops reading never blocks rank 0)."""
+        self.check()
+        start = time.perf_counter()
+        data = frame(Frame.ITERATION, message.to_wire())
+        for rank in self.ranks:
+            rank.outgoing.put(data)
+        self.handoff_seconds += time.perf_counter() - start
+
+    def check(self) -> None:
+        if self.failure:
+            raise RunnerDiedError(self.failure)
+
+    def failed(self, error: BaseException, iteration_id: int) -> RunnerDiedError:
+        """Rank 0's iteration raised: the group is over. The error names the rank that
+        caused it, if the watcher finds one in time."""
+        deadline = time.monotonic() + CAUSE_WAIT_SECONDS
+        while not self.failure and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with self._lock:
+            self.failure = self.failure or (f"tensor-parallel rank 0 failed iteration {iteration_id}: "
+                                            f"{type(error).__name__}: {error}")
+        self._kill_all()
+        return RunnerDiedError(f"{self.failure} (the {self.size} tensor-parallel ranks were torn down)")
+
+    def _fail(self, rank: _Rank, how: str) -> None:
+        with self._lock:
+            if self.failure or self._closing:
+                return
+            self.failure = f"{rank.name} {how}"
+        log.error("%s; stopping the other ranks", self.failure)
+        self._kill_all()
+
+    def _kill_all(self) -> None:
+        for rank in self.ranks:
+            if rank.process.poll() is None:
+                rank.process.kill()
+
+    def _read(self, rank: _Rank) -> None:
+        while True:
+            try:
+                kind, body = read_frame(rank.outbox)
+            except (EOFError, OSError):
+                break
+            if kind == Frame.READY:
+                rank.ready.set()
+            elif kind in (Frame.FAILED, Frame.FATAL):
+                self._fail(rank, f"raised: {body}" if kind == Frame.FAILED
+                           else f"could not load its shard: {body}")
+        try:
+            rank.process.wait(STOP_TIMEOUT_SECONDS)
+        except Exception:
+            pass
+        self._fail(rank, ending(rank.process.poll()))
+
+    @staticmethod
+    def _write(rank: _Rank) -> None:
+        while (data := rank.outgoing.get()) is not None:
+            try:
+                rank.inbox.send_bytes(data)
+            except OSError:
+                return  # the reader sees it go
+
+    def _watch(self) -> None:
+        """A stopped rank (SIGSTOP) would hold every collective until its timeout."""
+        while not self.failure and not self._closing:
+            for rank in self.ranks:
+                code = rank.process.poll()
+                if code is not None:
+                    self._fail(rank, ending(code))
+                elif _is_stopped(rank.process.pid):
+                    self._fail(rank, "was stopped (it would hang every collective)")
+            time.sleep(WATCH_SECONDS)
+
+    def shutdown(self) -> None:
+        """STOP each rank; one that does not exit within STOP_TIMEOUT_SECONDS is killed."""
+        self._closing = True
+        for rank in self.ranks:
+            rank.outgoing.put(frame(Frame.STOP))
+            rank.outgoing.put(None)
+        deadline = time.monotonic() + STOP_TIMEOUT_SECONDS
+        for rank in self.ranks:
+            try:
+                rank.process.wait(max(0.1, deadline - time.monotonic()))
+            except Exception:
+                stop_process(rank.process, 0.1)
+        for rank in self.ranks:
+            rank.inbox.close()
+
+
+def _is_stopped(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False

@@ -1,0 +1,54 @@
+"""Tensor-parallel rank k > 0: `python -m orca_backend.runner.tp_rank IN OUT PPID`, started by
+rank 0 (`tensor_parallel.TensorParallelGroup`).
+
+Reads [spec, rank, store port], loads its shard, says READY, joins the group, then runs its
+shard of every iteration it is sent (rank 0 samples; nothing is answered). If it raises, it
+says why and exits: the group is out of step, and rank 0 starts a new one.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from multiprocessing.connection import Connection
+
+from ..core.messages import SchedulerOutput
+from .build import build_runner
+from .spawn import Frame, child_connections, frame, read_frame
+from .spec import RunnerSpec
+
+log = logging.getLogger("orca_backend.runner.tp_rank")
+
+
+def main(inbox: Connection, outbox: Connection) -> None:
+    try:
+        _, (spec, rank, port) = read_frame(inbox)
+    except EOFError:
+        return
+    spec = RunnerSpec(**spec)
+    try:
+        runner = build_runner(spec, rank=rank)
+    except Exception as e:
+        log.exception("rank %d could not load its shard", rank)
+        outbox.send_bytes(frame(Frame.FATAL, f"{type(e).__name__}: {e}"))
+        return
+    outbox.send_bytes(frame(Frame.READY))
+    try:
+        runner.collectives.connect(port, spec.collective_timeout_seconds)
+        while True:
+            kind, body = read_frame(inbox)
+            if kind == Frame.STOP:
+                return
+            runner.execute(SchedulerOutput.from_wire(body))
+    except EOFError:
+        return  # rank 0 is gone
+    except Exception as e:
+        log.exception("tensor-parallel rank %d failed", rank)
+        outbox.send_bytes(frame(Frame.FAILED, f"{type(e).__name__}: {e}"))
+        os._exit(1)  # out of step with the others: the group is over
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, format="orca-tp-rank %(levelname)s %(name)s: %(message)s")
+    inbox, outbox, _ = child_connections(sys.argv)
+    main(inbox, outbox)
