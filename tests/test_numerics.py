@@ -93,11 +93,20 @@ ENGINE_VARIANTS = {
     # engine: tensorrt's graph evaluated with torch (our plugin entry interpreted), preempting.
     "tensorrt-graph": dict(engine="tensorrt", tensorrt_runtime="torch", kv_cache_tokens=96,
                            max_num_batched_tokens=24),
+    # Tensor parallelism (gloo): 2 ranks behind the process executor, with chunked prefill,
+    # preempting, 2 iterations in flight; 4 ranks inline (Llama's 2 K/V heads replicated,
+    # GPT-2's 4 split); a 2-stage pipeline of 2 ranks each.
+    "tp2": dict(tensor_parallel_size=2, executor="process", max_inflight=2,
+                kv_cache_tokens=96, block_size=4, max_num_batched_tokens=32),
+    "tp4": dict(tensor_parallel_size=4, max_num_batched_tokens=32),
+    "pipeline-tp2": dict(executor="pipeline", tensor_parallel_size=2, max_batch_size=3,
+                         max_num_batched_tokens=32),
 }
-PREEMPTING = ("preempt", "process", "kernel-preempt", "pipeline-preempt", "tensorrt-graph")
+PREEMPTING = ("preempt", "process", "kernel-preempt", "pipeline-preempt", "tensorrt-graph", "tp2")
 # The interpreter is slow: preemption under the kernel, and the TensorRT graph (which
-# test_trt_engine.py checks on Qwen2 too), run on llama alone.
-LLAMA_ONLY = ("kernel-preempt", "tensorrt-graph")
+# test_trt_engine.py checks on Qwen2 too), run on llama alone; so do the costlier rank layouts.
+KINDS = {"kernel-preempt": ["llama"], "tensorrt-graph": ["llama"], "pipeline-tp2": ["llama"],
+         "tp4": ["llama", "gpt2"]}
 NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -105,7 +114,7 @@ def _variants():
     """(variant, model kind) pairs."""
     params = []
     for v, options in ENGINE_VARIANTS.items():
-        for kind in (["llama"] if v in LLAMA_ONLY else ["llama", "qwen2", "gpt2"]):
+        for kind in KINDS.get(v, ["llama", "qwen2", "gpt2"]):
             marks = [NEEDS_CUDA] if options.get("device") == "cuda" else []
             params.append(pytest.param(v, kind, marks=marks, id=f"{v}-{kind}"))
     return params

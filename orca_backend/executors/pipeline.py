@@ -7,7 +7,9 @@ samples. Every stage runs iterations in submission order, so with `max_inflight`
 out, stage 1 runs iteration k while stage 0 runs iteration k + 1. Every stage sees every
 message (each keeps the block tables its attention needs). A stage that raises fails that
 iteration with an error naming it; the stages after it only bring their per-request state up
-to date, so the next iterations run normally.
+to date, so the next iterations run normally. Each stage may be a tensor-parallel group of its
+own (`tensor_parallel_size`); a stage whose group failed ends the pipeline (`RunnerDiedError`),
+and the engine builds a new one.
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ class PipelineExecutor(Executor):
         self._threads = [threading.Thread(target=self._serve, args=(i,), name=f"orca-stage-{i}",
                                           daemon=True) for i in range(num_stages)]
         self.times = times or StageTimes(num_stages)
+        self._dead: str | None = None  # a stage's tensor-parallel group failed
         for t in self._threads:
             t.start()
 
@@ -66,6 +69,8 @@ class PipelineExecutor(Executor):
         return future
 
     def check_health(self) -> None:
+        if self._dead:
+            raise RunnerDiedError(self._dead)
         for i, t in enumerate(self._threads):
             if not t.is_alive():
                 raise RunnerDiedError(f"the thread of {self.stage_name(i)} has stopped")
@@ -75,6 +80,8 @@ class PipelineExecutor(Executor):
             inbox.put(None)
         for t in self._threads:
             t.join(timeout=10)
+        for runner in self.runners:
+            runner.shutdown()
 
     def _serve(self, i: int) -> None:
         runner, inbox = self.runners[i], self._inboxes[i]
@@ -82,10 +89,15 @@ class PipelineExecutor(Executor):
         while (work := inbox.get()) is not None:
             start = time.monotonic()
             try:
+                if self._dead:
+                    raise RunnerDiedError(self._dead)
                 if work.error:
                     runner.apply_only(work.message)
                 else:
                     work.hidden = runner.execute(work.message, work.hidden)
+            except RunnerDiedError as e:
+                self._dead = self._dead or f"{self.stage_name(i)}: {e}"
+                work.error, work.hidden = self._dead, None
             except Exception as e:
                 log.exception("%s failed iteration %d", self.stage_name(i), work.message.iteration_id)
                 if not work.error:
@@ -96,7 +108,8 @@ class PipelineExecutor(Executor):
             if not last:
                 self._inboxes[i + 1].put(work)
             elif work.error:
-                work.future.set_exception(IterationFailedError(work.error))
+                error = RunnerDiedError if work.error == self._dead else IterationFailedError
+                work.future.set_exception(error(work.error))
             else:
                 work.future.set_result(work.hidden)
 

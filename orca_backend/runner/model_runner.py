@@ -129,6 +129,8 @@ class ModelRunner:
     def apply_only(self, message: SchedulerOutput) -> None:
         """Keep the per-request state in step with an iteration that is not run here (an
         earlier pipeline stage failed it), so that later messages still match."""
+        if self.group is not None:
+            self.group.send(message, run=False)
         self._apply(message)
 
     def _compute(self, layout: BatchLayout, token_ids: list[int], hidden: torch.Tensor | None,

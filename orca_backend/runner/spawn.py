@@ -20,6 +20,7 @@ import msgpack
 
 PACKAGE_PARENT = Path(__file__).resolve().parents[2]  # the folder that holds orca_backend/
 PARENT_CHECK_SECONDS = 1.0
+KILL_WAIT_SECONDS = 10  # SIGKILL cannot be ignored, but a busy machine may take a moment to reap
 
 
 class Frame(enum.IntEnum):
@@ -33,6 +34,7 @@ class Frame(enum.IntEnum):
     FAILED = 5  # child -> parent: [iteration_id, message]
     FATAL = 6  # child -> parent: the runner could not be built
     DIED = 7  # child -> parent: the runner cannot go on (a tensor-parallel rank failed), then it exits
+    APPLY = 8  # rank 0 -> rank: a SchedulerOutput to keep in step with, not to run
 
 
 def frame(kind: Frame, body=None) -> bytes:
@@ -92,7 +94,7 @@ def stop_process(process: subprocess.Popen, timeout: float) -> None:
         process.wait(timeout)
     except subprocess.TimeoutExpired:
         process.kill()
-        process.wait(timeout)
+        process.wait(KILL_WAIT_SECONDS)
 
 
 def python_executable() -> str:

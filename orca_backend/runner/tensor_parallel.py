@@ -145,12 +145,12 @@ class TensorParallelGroup:
                     raise RunnerDiedError(f"{rank.name} was not ready after {start_timeout:.0f} s")
         collectives.connect(self.store.port, self.timeout_seconds, self.store)
 
-    def send(self, message: SchedulerOutput) -> None:
+    def send(self, message: SchedulerOutput, run: bool = True) -> None:
         """Hand the iteration to every rank (their writer threads do the writing, so a rank
-        that stops reading never blocks rank 0)."""
+        that stops reading never blocks rank 0); `run=False`: only to keep in step with."""
         self.check()
         start = time.perf_counter()
-        data = frame(Frame.ITERATION, message.to_wire())
+        data = frame(Frame.ITERATION if run else Frame.APPLY, message.to_wire())
         for rank in self.ranks:
             rank.outgoing.put(data)
         self.handoff_seconds += time.perf_counter() - start
@@ -227,11 +227,8 @@ class TensorParallelGroup:
             rank.outgoing.put(frame(Frame.STOP))
             rank.outgoing.put(None)
         deadline = time.monotonic() + STOP_TIMEOUT_SECONDS
-        for rank in self.ranks:
-            try:
-                rank.process.wait(max(0.1, deadline - time.monotonic()))
-            except Exception:
-                stop_process(rank.process, 0.1)
+        for rank in self.ranks:  # the STOP waits for the iterations queued before it
+            stop_process(rank.process, max(0.1, deadline - time.monotonic()))
         for rank in self.ranks:
             rank.inbox.close()
 

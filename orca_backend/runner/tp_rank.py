@@ -39,7 +39,11 @@ def main(inbox: Connection, outbox: Connection) -> None:
             kind, body = read_frame(inbox)
             if kind == Frame.STOP:
                 return
-            runner.execute(SchedulerOutput.from_wire(body))
+            message = SchedulerOutput.from_wire(body)
+            if kind == Frame.APPLY:
+                runner.apply_only(message)
+            else:
+                runner.execute(message)
     except EOFError:
         return  # rank 0 is gone
     except Exception as e:
