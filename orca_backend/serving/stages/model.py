@@ -7,7 +7,9 @@ bytes), `hidden` (the previous stage's [num_tokens, hidden]) and `error` (an ear
 failed this iteration). Outputs: `hidden` (a stage before the last) or `output` (the last
 stage: the RunnerOutput, msgpack bytes), `error`, `stats` (a `StageCall`'s
 values) and `reply` (the answer to a control call). Parameters: `stage`,
-`layer_start`, `layer_end`, `model`, `dtype`, `num_threads`.
+`layer_start`, `layer_end`, `model`, `dtype`, `num_threads`, `tensor_parallel_size`, and
+`device` (a stage of T > 1 GPUs is a KIND_MODEL instance: its ranks on `device` and the
+T - 1 GPUs after it).
 """
 from __future__ import annotations
 
@@ -31,7 +33,9 @@ log = logging.getLogger(__name__)
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         parameters = model_parameters(args)
-        device = instance_device(args)
+        device = parameters.get("device", "auto")
+        if device in ("", "auto"):
+            device = instance_device(args)
         dtype = parameters.get("dtype", "auto")
         if dtype in ("", "auto"):
             dtype = auto_dtype(device)
@@ -44,7 +48,7 @@ class TritonPythonModel:
             raise ConfigError(f"model {args['model_name']} needs integer parameters stage, "
                               f"layer_start and layer_end: {e}") from None
         self.worker = StageWorker(index, layers, parameters.get("model") or None, dtype, device,
-                                  args["model_name"])
+                                  args["model_name"], int(parameters.get("tensor_parallel_size") or 1))
 
     def execute(self, requests) -> list:
         responses = []

@@ -2,6 +2,8 @@
 
     python -m orca_backend.serving.stages.repository --stages 2 --kind gpu --gpus 0,1 \
         --model PATH --output DIR
+    # 2 stages of 2 tensor-parallel ranks each, on GPUs 0-1 and 2-3:
+    python -m orca_backend.serving.stages.repository --stages 2 --tp 2 --kind gpu --gpus 0,2 ...
     tritonserver --model-repository DIR
     # or: python -m orca_backend.serving.launch --model-repository DIR
 
@@ -42,6 +44,7 @@ class PipelineLayout:
     layers: list[tuple[int, int]] | None = None  # None: an even split
     dtype: str | None = None  # None: bfloat16 on GPUs, float32 on the CPU ("auto")
     threads_per_stage: int = 0  # torch threads per CPU stage; 0: torch's default
+    tensor_parallel_size: int = 1  # ranks of each stage (stage i on GPUs gpus[i] .. gpus[i] + T - 1)
     orca_parameters: dict[str, str] = field(default_factory=dict)  # more `orca` parameters
 
     def __post_init__(self) -> None:
@@ -54,7 +57,7 @@ class PipelineLayout:
         if self.kind == "cpu" and self.dtype != "float32":
             raise ConfigError("stages on the CPU run in float32")
         if self.gpus is None:
-            self.gpus = list(range(self.num_stages))
+            self.gpus = [i * self.tensor_parallel_size for i in range(self.num_stages)]
         if self.kind == "gpu" and len(self.gpus) != self.num_stages:
             raise ConfigError(f"--gpus names {len(self.gpus)} GPUs for {self.num_stages} stages")
 
@@ -72,9 +75,11 @@ def write_repository(layout: PipelineLayout, output: Path) -> Path:
         raise ConfigError(f"--layers: {e}") from None
     output.mkdir(parents=True, exist_ok=True)
     on_gpu = layout.kind == "gpu"
+    tp = layout.tensor_parallel_size
+    config.check_tensor_parallel(tp)
     orca = {"model": str(model_path) if layout.model else "", "executor": "stages",
             "pipeline_stages": str(layout.num_stages), "dtype": layout.dtype,
-            "device": "cuda" if on_gpu else "cpu", **layout.orca_parameters}
+            "device": "cuda" if on_gpu else "cpu", "tensor_parallel_size": str(tp), **layout.orca_parameters}
     serving = set_parameters(TEMPLATE.read_text(), orca).replace('name: "orca"', f'name: "{layout.name}"', 1)
     _write_model(output / layout.name, serving, "orca_backend.serving.triton_model")
     hidden_type = _TRITON_TYPES[layout.dtype]
@@ -82,9 +87,9 @@ def write_repository(layout: PipelineLayout, output: Path) -> Path:
         last = i == len(layers) - 1
         parameters = {"stage": str(i), "layer_start": str(start), "layer_end": str(stop),
                       "model": orca["model"], "dtype": layout.dtype,
-                      "num_threads": str(layout.threads_per_stage), "FORCE_CPU_ONLY_INPUT_TENSORS": "no"}
-        instance = (f"{{ count: 1 kind: KIND_GPU gpus: [ {layout.gpus[i]} ] }}" if on_gpu
-                    else "{ count: 1 kind: KIND_CPU }")
+                      "num_threads": str(layout.threads_per_stage), "tensor_parallel_size": str(tp),
+                      "FORCE_CPU_ONLY_INPUT_TENSORS": "no"}
+        instance = _instance(on_gpu, tp, layout.gpus[i], parameters)
         text = _STAGE_CONFIG.format(
             name=stage_model(layout.name, i), hidden_type=hidden_type, hidden=config.hidden_size,
             last_output=('{ name: "output" data_type: TYPE_UINT8 dims: [ -1 ] }' if last else
@@ -95,6 +100,18 @@ def write_repository(layout: PipelineLayout, output: Path) -> Path:
     (ensemble / "1").mkdir(parents=True, exist_ok=True)
     (ensemble / "config.pbtxt").write_text(_ensemble(layout.name, len(layers)))
     return output
+
+
+def _instance(on_gpu: bool, tensor_parallel_size: int, gpu: int, parameters: dict[str, str]) -> str:
+    """A stage of one rank on a GPU is a KIND_GPU instance there. One of T > 1 ranks spans T
+    GPUs, which KIND_GPU cannot give (it makes an instance per listed GPU): KIND_MODEL, with
+    its first GPU in the `device` parameter and its ranks on the T - 1 after it."""
+    if not on_gpu:
+        return "{ count: 1 kind: KIND_CPU }"
+    if tensor_parallel_size == 1:
+        return f"{{ count: 1 kind: KIND_GPU gpus: [ {gpu} ] }}"
+    parameters["device"] = f"cuda:{gpu}"
+    return "{ count: 1 kind: KIND_MODEL }"
 
 
 def _write_model(folder: Path, config_text: str, module: str) -> None:
@@ -188,6 +205,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", help="each stage's layers, e.g. 0:15,15:30 (default: even)")
     parser.add_argument("--dtype", help="float32, bfloat16 or float16 (default: bfloat16 on GPUs)")
     parser.add_argument("--transport", choices=STAGE_TRANSPORTS, default="bls")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel ranks of each stage (default 1; on GPUs stage i "
+                             "takes T GPUs from the i-th of --gpus)")
     parser.add_argument("--threads-per-stage", type=int, default=0,
                         help="torch threads of each CPU stage (default: torch's own choice)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -198,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     extra = dict(item.split("=", 1) for item in args.set)
     layout = PipelineLayout(args.stages, args.name, args.kind, [int(g) for g in args.gpus.split(",")] if args.gpus else None,
                             args.model, parse_layers(args.layers) if args.layers else None, args.dtype,
-                            args.threads_per_stage, {"stage_transport": args.transport, **extra})
+                            args.threads_per_stage, args.tp, {"stage_transport": args.transport, **extra})
     path = write_repository(layout, args.output)
     names = [args.name, *(stage_model(args.name, i) for i in range(args.stages)), ensemble_model(args.name)]
     print(f"wrote {path}: {', '.join(names)}")

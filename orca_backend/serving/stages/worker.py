@@ -10,6 +10,11 @@ An iteration's failure never fails the call. It comes back in-band as `error`, n
 stage, and the stages after it only take note of the message, so their per-request state
 stays in step and the next iterations run. A `configure` call again (the engine restarting
 its runner) starts the stage over with a fresh K/V cache and no requests.
+
+A stage may be a tensor-parallel group (`tensor_parallel_size` T > 1): its model process is
+rank 0, and `configure` loads the shards and starts the other ranks (nothing is loaded
+before, since the serving model's spec says T). A failed rank ends the group, so that call
+fails: the serving model takes the pipeline down and configures every stage afresh.
 """
 from __future__ import annotations
 
@@ -23,7 +28,8 @@ import msgpack
 import torch
 
 from ...checkpoint.store import prepare_default_model
-from ...core.errors import ConfigError
+from ...checkpoint.config import ModelConfig
+from ...core.errors import ConfigError, RunnerDiedError
 from ...core.messages import RunnerOutput, SchedulerOutput
 from ...executors.stages import StageCall, stage_name
 from ...runner.build import build_runner
@@ -43,16 +49,20 @@ class StageReply:
 
 class StageWorker:
     def __init__(self, index: int, layers: tuple[int, int], model_path: str | None, dtype: str,
-                 device: str, model_name: str | None = None) -> None:
+                 device: str, model_name: str | None = None, tensor_parallel_size: int = 1) -> None:
         self.index, self.layers = index, layers
         self.device, self.dtype = torch.device(device), dtype
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # from the instance's device id, not CUDA_VISIBLE_DEVICES
         self.model_path = Path(model_path) if model_path else prepare_default_model()
         self.name = stage_name(index, layers, model_name)
-        self.model = load_model(self.model_path, getattr(torch, dtype), self.device, range(*layers))
+        self.config = ModelConfig.from_folder(self.model_path)
+        self.tensor_parallel_size = tensor_parallel_size
+        self.config.check_tensor_parallel(tensor_parallel_size)
+        self.model = (load_model(self.model_path, getattr(torch, dtype), self.device, range(*layers))
+                      if tensor_parallel_size == 1 else None)  # the shards load at configure
         self.runner = None
-        self.is_last = layers[1] == self.model.config.num_layers
+        self.is_last = layers[1] == self.config.num_layers
 
     def configure(self, spec_values: dict) -> dict:
         """Build the runner from the serving model's RunnerSpec; returns what the caller
@@ -62,11 +72,16 @@ class StageWorker:
             raise ConfigError(f"{self.name} serves {self.model_path}, the serving model {spec.model_path}")
         if spec.dtype != self.dtype:
             raise ConfigError(f"{self.name} runs in {self.dtype}, the serving model expects {spec.dtype}")
-        self.runner = None  # the old K/V cache goes before the new one is allocated
+        if spec.tensor_parallel_size != self.tensor_parallel_size:
+            raise ConfigError(f"{self.name} has tensor_parallel_size {self.tensor_parallel_size}, the "
+                              f"serving model {spec.tensor_parallel_size}")
+        if self.runner is not None:  # the old K/V cache (and ranks) go before the new ones come
+            self.runner.shutdown()
+            self.runner = None
         spec = dataclasses.replace(spec, device=str(self.device), layer_range=self.layers)
         self.runner = build_runner(spec, model=self.model)
-        return {"stage": self.index, "layers": list(self.layers), "num_layers": self.model.config.num_layers,
-                "hidden_size": self.model.config.hidden_size}
+        return {"stage": self.index, "layers": list(self.layers), "num_layers": self.config.num_layers,
+                "hidden_size": self.config.hidden_size}
 
     def run(self, message_bytes: bytes, hidden: torch.Tensor | None, upstream_error: str = "") -> StageReply:
         start = time.monotonic()
@@ -84,6 +99,8 @@ class StageWorker:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)  # the next stage reads it from another process
                 forward = result.forward_seconds if isinstance(result, RunnerOutput) else time.monotonic() - start
+            except RunnerDiedError:
+                raise  # the stage's ranks are gone: the call fails, and the pipeline restarts
             except Exception as e:
                 log.exception("%s failed iteration %d", self.name, message.iteration_id)
                 error = f"{self.name} failed: {type(e).__name__}: {e}"
