@@ -42,10 +42,10 @@ class ModelConfig:
         config.eos_token_ids = _eos_ids(raw, Path(folder))
         return config
 
-    @property
-    def kv_elements_per_token(self) -> int:
-        """K and V elements per token over all layers (multiply by the dtype's size)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+    def kv_elements_per_rank_token(self, tensor_parallel_size: int = 1) -> int:
+        """K and V elements per token over all layers (multiply by the dtype's size) that each
+        of T ranks holds: its K/V heads only."""
+        return 2 * self.num_layers * self.num_local_kv_heads(tensor_parallel_size) * self.head_dim
 
     def num_local_kv_heads(self, tensor_parallel_size: int) -> int:
         """K/V heads each of T ranks holds: its share, or one (replicated) when there are

@@ -46,7 +46,9 @@ class LLMEngine:
         self.rules = RequestRules(config)
         self.runner_spec = RunnerSpec.from_config(
             config, model_path=self.rules.model_path, max_model_len=self.rules.max_model_len,
-            num_blocks=config.num_kv_blocks(self.rules.model_config.kv_elements_per_token),
+            # kv_cache_bytes is each rank's: a rank holds only its K/V heads
+            num_blocks=config.num_kv_blocks(
+                self.rules.model_config.kv_elements_per_rank_token(config.tensor_parallel_size)),
             engine_cache_dir=self._engine_cache_dir())
         self.executor_factory = executor_factory or executor_factory_for(config)
         self.executor: Executor = self.executor_factory(self.runner_spec)
