@@ -13,7 +13,7 @@ BATCHING_MODES = ("iteration", "request")
 # Where the model runner lives: this process, a child process, stages in this process, or
 # stages as Triton models (only inside tritonserver).
 EXECUTORS = ("inline", "process", "pipeline", "stages")
-STAGE_TRANSPORTS = ("bls", "ensemble")
+STAGE_TRANSPORTS = ("bls", "ensemble", "grpc")
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}  # bytes per element; torch's names
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 DEFAULT_MAX_PROMPT_BYTES = 1 << 20
@@ -47,7 +47,9 @@ class EngineConfig:
     keep_logits: bool = field(default=False, metadata=_NOT_A_PARAMETER)  # each iteration's logits (tests)
     executor: str = "inline"  # where the model runner lives: one of EXECUTORS
     pipeline_stages: int = 2  # with the "pipeline" or "stages" executor: stages, layers split evenly
-    stage_transport: str = "bls"  # "stages": BLS calls per stage from this model, or one "ensemble" call
+    stage_transport: str = "bls"  # "stages": BLS calls per stage from this model, or one "ensemble" call,
+    # or "grpc": stage i in the tritonserver at stage_urls' i-th host:port (empty: this one, over BLS)
+    stage_urls: str = ""  # with "grpc": one gRPC URL per stage, comma-separated
     max_inflight: int | None = None  # iterations out at once; None: pipeline_stages for a pipeline, else 1
     # (the ensemble transport runs one iteration at a time: Triton does not order concurrent calls)
     iteration_timeout_seconds: int = 600  # a runner silent this long is treated as dead
@@ -68,7 +70,7 @@ class EngineConfig:
         if self.device == "cpu" and self.dtype != "float32":
             raise ConfigError(f"dtype {self.dtype!r} is for GPUs; use 'float32' on cpu")
         if self.max_inflight is None:
-            pipelined = self.executor == "pipeline" or (self.executor == "stages" and self.stage_transport == "bls")
+            pipelined = self.executor == "pipeline" or (self.executor == "stages" and self.stage_transport != "ensemble")
             self.max_inflight = self.pipeline_stages if pipelined else 1
         for name in ("max_batch_size", "max_num_batched_tokens", "block_size", "max_prompt_bytes",
                      "max_inflight", "iteration_timeout_seconds", "pipeline_stages", "tensor_parallel_size"):
@@ -99,6 +101,15 @@ class EngineConfig:
                   "its graph on the CPU, for checks)")
         _need(self.stage_transport in STAGE_TRANSPORTS, "stage_transport", self.stage_transport,
               f"one of {', '.join(STAGE_TRANSPORTS)}")
+        if self.executor == "stages" and self.stage_transport == "grpc":
+            _need(len(self.stage_url_list) == self.pipeline_stages, "stage_urls", self.stage_urls,
+                  f"{self.pipeline_stages} comma-separated gRPC URLs (host:port; empty: this server), "
+                  f"one per stage, with stage_transport 'grpc'")
+
+    @property
+    def stage_url_list(self) -> list[str]:
+        """Stage i's gRPC URL ("" for this server)."""
+        return [url.strip() for url in self.stage_urls.split(",")] if self.stage_urls.strip() else []
 
     @property
     def attention_backend(self) -> str:

@@ -3,11 +3,15 @@ model `<name>`, one instance each, on its own GPU or CPU cores), driven from the
 model, which hands the engine its factory. Only usable inside tritonserver;
 `python -m orca_backend.serving.stages.repository` writes such a repository.
 
-Two transports, both Triton's own machinery:
+Three transports, all Triton's own machinery:
 - `bls` (the default): one thread per stage here calls its stage model with BLS, in
   submission order, and hands the stage's `hidden` output on as the next stage's input. So
   stage 1 runs iteration k while stage 0 runs iteration k + 1: up to `max_inflight`
   iterations are in the pipeline.
+- `grpc`: the same, but a stage with a URL in `stage_urls` lives in another tritonserver
+  (another host) and is called with tritonclient over gRPC (`hops.py`); an empty URL is a
+  stage in this server, called with BLS. The deadlines and failure rules are the same; an
+  error names the stage and its URL.
 - `ensemble`: one call per iteration to the generated ensemble `<name>_pipeline`, which chains
   the stages inside Triton. Triton gives no order between concurrent calls (and every stage
   must see the iterations in order), so this transport keeps one iteration in flight.
@@ -41,7 +45,8 @@ from ...executors.base import Executor, IterationFailedError, RunnerDiedError, R
 from ...executors.stages import (StageCall, StagedFactory, StageTimes, check_layer_split, ensemble_model,
                                  stage_model, stage_name)
 from ...runner.spec import RunnerSpec
-from ..triton_io import string_tensor, tensor_text
+from ..triton_io import tensor_text
+from .hops import BlsHop, GrpcHop, HopError, HopReply
 
 log = logging.getLogger(__name__)
 WATCH_SECONDS = 0.25
@@ -58,9 +63,13 @@ class _Work:
 
 class TritonStagesExecutor(Executor):
     def __init__(self, spec: RunnerSpec, num_stages: int, transport: str = "bls",
-                 timeout: float = 600.0, pipeline: str = "orca", times: StageTimes | None = None) -> None:
+                 timeout: float = 600.0, pipeline: str = "orca", times: StageTimes | None = None,
+                 urls: list[str] | None = None) -> None:
         self.spec, self.transport, self.timeout = spec, transport, float(timeout)
         self.models = [stage_model(pipeline, i) for i in range(num_stages)]
+        urls = urls or [""] * num_stages
+        self.hops = [GrpcHop(model, url, self.timeout) if url else BlsHop(model)
+                     for model, url in zip(self.models, urls)]
         self.ensemble = ensemble_model(pipeline)
         self.layer_ranges: list[tuple[int, int]] | None = None  # known once configured
         self.times = times or StageTimes(num_stages)
@@ -69,9 +78,9 @@ class TritonStagesExecutor(Executor):
         self._calls: dict[int, tuple[float, int]] = {}  # stage -> (start, iteration) of its open call
         self._dead: str | None = None
         self._stopped = threading.Event()
-        lanes = num_stages if transport == "bls" else 1
+        lanes = 1 if transport == "ensemble" else num_stages
         self._inboxes: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(lanes)]
-        target = self._serve_stage if transport == "bls" else self._serve_ensemble
+        target = self._serve_ensemble if transport == "ensemble" else self._serve_stage
         self._threads = [threading.Thread(target=target, args=(i,), name=f"orca-stage-{i}", daemon=True)
                          for i in range(lanes)]
         self._threads.append(threading.Thread(target=self._watch, name="orca-stage-watch", daemon=True))
@@ -143,18 +152,22 @@ class TritonStagesExecutor(Executor):
     def _control(self, i: int, call: str) -> dict:
         """One control call, with the deadline run from here (a BLS call cannot be timed out)."""
         result: list = []
-        request = pb_utils.InferenceRequest(model_name=self.models[i], requested_output_names=["reply"],
-                                            inputs=[string_tensor("control", call)])
-        caller = threading.Thread(target=lambda: result.append(request.exec()), daemon=True)
+
+        def control():
+            try:
+                result.append(self.hops[i].control(call))
+            except Exception as e:
+                result.append(e)
+
+        caller = threading.Thread(target=control, daemon=True)
         caller.start()
         caller.join(self.timeout)
+        where = f"{self.stage_name(i)}{self.hops[i].where}"
         if not result:
-            self._unavailable(f"{self.stage_name(i)} did not answer its configure call within "
-                              f"{self.timeout:.0f} s")
-        response = result[0]
-        if response.has_error():
-            self._unavailable(f"{self.stage_name(i)} is unavailable: {response.error().message()}")
-        return json.loads(tensor_text(pb_utils.get_output_tensor_by_name(response, "reply")))
+            self._unavailable(f"{where} did not answer its configure call within {self.timeout:.0f} s")
+        if isinstance(result[0], Exception):
+            self._unavailable(f"{where} is unavailable: {result[0]}")
+        return result[0]
 
     def _unavailable(self, reason: str):
         with self._lock:
@@ -163,28 +176,20 @@ class TritonStagesExecutor(Executor):
 
     # -- the transports ---------------------------------------------------------------------
     def _serve_stage(self, i: int) -> None:
-        """BLS: this thread calls stage i, one iteration after the other."""
-        last = i == len(self.models) - 1
+        """BLS or gRPC: this thread calls stage i, one iteration after the other."""
+        last, hop = i == len(self.models) - 1, self.hops[i]
         while (work := self._inboxes[i].get()) is not None:
             if self._dead:
                 continue  # its future has failed already
-            inputs = [pb_utils.Tensor("message", work.message)]
-            if work.error:
-                inputs.append(string_tensor("error", work.error))
-            elif work.hidden is not None:
-                inputs.append(work.hidden)
-            request = pb_utils.InferenceRequest(
-                model_name=self.models[i], inputs=inputs,
-                requested_output_names=["output" if last else "hidden", "error", "stats"])
-            response = self._exec(i, work, request)
-            if response is None:
+            reply = self._exec(i, work, lambda: hop.run(work.message, work.hidden, work.error, last))
+            if reply is None:
                 continue
-            self._passed(i, response, "stats")
-            self._take_error(work, response)
+            self._passed(i, reply.stats)
+            self._take_error(work, reply.error)
             if last:
-                self._finish(work, response)
+                self._finish(work, reply.output)
             else:
-                work.hidden = None if work.error else pb_utils.get_output_tensor_by_name(response, "hidden")
+                work.hidden = None if work.error else reply.hidden
                 self._inboxes[i + 1].put(work)
 
     def _serve_ensemble(self, _: int) -> None:
@@ -193,55 +198,60 @@ class TritonStagesExecutor(Executor):
         while (work := self._inboxes[0].get()) is not None:
             if self._dead:
                 continue
-            request = pb_utils.InferenceRequest(
-                model_name=self.ensemble, inputs=[pb_utils.Tensor("message", work.message)],
-                requested_output_names=["output", "error", *(f"stats_{i}" for i in range(n))])
-            response = self._exec(0, work, request)
+            response = self._exec(0, work, lambda: self._call_ensemble(work, n))
             if response is None:
                 continue
+            out = lambda name: pb_utils.get_output_tensor_by_name(response, name)  # noqa: E731
             for i in range(n):
-                self._passed(i, response, f"stats_{i}")
-            self._take_error(work, response)
-            self._finish(work, response)
+                self._passed(i, out(f"stats_{i}").as_numpy())
+            self._take_error(work, tensor_text(out("error")))
+            self._finish(work, out("output").as_numpy().tobytes())
 
-    def _exec(self, i: int, work: _Work, request):
+    def _call_ensemble(self, work: _Work, num_stages: int):
+        request = pb_utils.InferenceRequest(
+            model_name=self.ensemble, inputs=[pb_utils.Tensor("message", work.message)],
+            requested_output_names=["output", "error", *(f"stats_{i}" for i in range(num_stages))])
+        response = request.exec()
+        if response.has_error():
+            raise HopError(response.error().message())
+        return response
+
+    def _exec(self, i: int, work: _Work, call) -> HopReply | None:
         """The call, watched by the deadline; None when the pipeline is down."""
         self._calls[i] = (time.monotonic(), work.iteration_id)
         try:
-            response = request.exec()
-        except Exception as e:
-            response = e
+            reply = call()
+        except Exception as e:  # HopError: the stage failed the call, or could not be reached
+            reply = e
         finally:
             self._calls.pop(i, None)
         if self._dead or self._stopped.is_set():
             return None  # a late answer to a pipeline given up on: its iteration has been failed
-        if isinstance(response, Exception) or response.has_error():
-            why = response if isinstance(response, Exception) else response.error().message()
-            self._die(f"{self._where(i)} failed iteration {work.iteration_id}: {why}")
+        if isinstance(reply, Exception):
+            self._die(f"{self._where(i)} failed iteration {work.iteration_id}: {reply}")
             return None
-        return response
+        return reply
 
     def _where(self, i: int) -> str:
-        return self.stage_name(i) if self.transport == "bls" else f"the ensemble {self.ensemble}"
+        if self.transport == "ensemble":
+            return f"the ensemble {self.ensemble}"
+        return f"{self.stage_name(i)}{self.hops[i].where}"
 
-    def _passed(self, i: int, response, stats_output: str) -> None:
+    def _passed(self, i: int, stats) -> None:
         """Count stage i's part of an iteration from the stats it answered with."""
-        values = pb_utils.get_output_tensor_by_name(response, stats_output).as_numpy()
-        self.times.passed(i, StageCall.from_values(values))
+        self.times.passed(i, StageCall.from_values(stats))
 
     @staticmethod
-    def _take_error(work: _Work, response) -> None:
-        error = tensor_text(pb_utils.get_output_tensor_by_name(response, "error"))
+    def _take_error(work: _Work, error: str) -> None:
         if error and not work.error:
             work.error = error  # the first stage that failed it; it fails once it has left the pipeline
 
-    def _finish(self, work: _Work, response) -> None:
+    def _finish(self, work: _Work, output: bytes | None) -> None:
         """The iteration has been through every stage (so the stages' counters include it)."""
         if work.error:
             self._settle(work, error=IterationFailedError(work.error))
         else:
-            data = pb_utils.get_output_tensor_by_name(response, "output").as_numpy().tobytes()
-            self._settle(work, result=RunnerOutput.from_wire(msgpack.unpackb(data, strict_map_key=False)))
+            self._settle(work, result=RunnerOutput.from_wire(msgpack.unpackb(output, strict_map_key=False)))
 
     @staticmethod
     def _settle(work: _Work, result=None, error: Exception | None = None) -> None:
@@ -287,6 +297,8 @@ class TritonStagesFactory(StagedFactory):
         super().__init__(config.pipeline_stages)
         self.transport, self.name = config.stage_transport, name
         self.timeout = float(config.iteration_timeout_seconds)
+        self.urls = config.stage_url_list if config.stage_transport == "grpc" else None
 
     def make(self, spec: RunnerSpec) -> TritonStagesExecutor:
-        return TritonStagesExecutor(spec, self.num_stages, self.transport, self.timeout, self.name, self.times)
+        return TritonStagesExecutor(spec, self.num_stages, self.transport, self.timeout, self.name,
+                                    self.times, self.urls)

@@ -45,6 +45,7 @@ class PipelineLayout:
     dtype: str | None = None  # None: bfloat16 on GPUs, float32 on the CPU ("auto")
     threads_per_stage: int = 0  # torch threads per CPU stage; 0: torch's default
     tensor_parallel_size: int = 1  # ranks of each stage (stage i on GPUs gpus[i] .. gpus[i] + T - 1)
+    hosts: list[str] | None = None  # host:grpc_port of each server; None: one server
     orca_parameters: dict[str, str] = field(default_factory=dict)  # more `orca` parameters
 
     def __post_init__(self) -> None:
@@ -60,10 +61,23 @@ class PipelineLayout:
             self.gpus = [i * self.tensor_parallel_size for i in range(self.num_stages)]
         if self.kind == "gpu" and len(self.gpus) != self.num_stages:
             raise ConfigError(f"--gpus names {len(self.gpus)} GPUs for {self.num_stages} stages")
+        if self.hosts is not None and not 1 <= len(self.hosts) <= self.num_stages:
+            raise ConfigError(f"--hosts names {len(self.hosts)} servers for {self.num_stages} stages "
+                              f"(each server needs at least one stage)")
+        for host in self.hosts or []:
+            if not re.fullmatch(r"[\w.\-\[\]:]+:\d+", host):
+                raise ConfigError(f"--hosts entries must be host:grpc_port, got {host!r}")
+
+    def host_of(self, stage: int) -> int:
+        """The server of each stage: consecutive stages share one, the first servers taking one
+        more when they do not divide."""
+        bounds = split_layers(self.num_stages, len(self.hosts or [""]))
+        return next(h for h, (start, stop) in enumerate(bounds) if start <= stage < stop)
 
 
 def write_repository(layout: PipelineLayout, output: Path) -> Path:
-    """Write the repository into `output` (created; its existing stage models are replaced)."""
+    """Write the repository into `output` (created; its existing stage models are replaced).
+    With `hosts`, one repository per server: `output/host<k>` (the serving model in host0)."""
     model_path = Path(layout.model).resolve() if layout.model else prepare_default_model()
     config = ModelConfig.from_folder(model_path)
     layers = layout.layers or split_layers(config.num_layers, layout.num_stages)
@@ -79,9 +93,14 @@ def write_repository(layout: PipelineLayout, output: Path) -> Path:
     config.check_tensor_parallel(tp)
     orca = {"model": str(model_path) if layout.model else "", "executor": "stages",
             "pipeline_stages": str(layout.num_stages), "dtype": layout.dtype,
-            "device": "cuda" if on_gpu else "cpu", "tensor_parallel_size": str(tp), **layout.orca_parameters}
+            "device": "cuda" if on_gpu else "cpu", "tensor_parallel_size": str(tp)}
+    folder = lambda stage: output / f"host{layout.host_of(stage)}" if layout.hosts else output  # noqa: E731
+    if layout.hosts:
+        urls = ["" if layout.host_of(i) == 0 else layout.hosts[layout.host_of(i)] for i in range(len(layers))]
+        orca |= {"stage_transport": "grpc", "stage_urls": ",".join(urls)}
+    orca |= layout.orca_parameters
     serving = set_parameters(TEMPLATE.read_text(), orca).replace('name: "orca"', f'name: "{layout.name}"', 1)
-    _write_model(output / layout.name, serving, "orca_backend.serving.triton_model")
+    _write_model(folder(0) / layout.name, serving, "orca_backend.serving.triton_model")
     hidden_type = _TRITON_TYPES[layout.dtype]
     for i, (start, stop) in enumerate(layers):
         last = i == len(layers) - 1
@@ -95,11 +114,28 @@ def write_repository(layout: PipelineLayout, output: Path) -> Path:
             last_output=('{ name: "output" data_type: TYPE_UINT8 dims: [ -1 ] }' if last else
                          f'{{ name: "hidden" data_type: {hidden_type} dims: [ -1, {config.hidden_size} ] }}'),
             instance=instance, parameters=_parameters(parameters), num_stats=NUM_STAGE_CALL_VALUES)
-        _write_model(output / stage_model(layout.name, i), text, "orca_backend.serving.stages.model")
-    ensemble = output / ensemble_model(layout.name)
+        _write_model(folder(i) / stage_model(layout.name, i), text, "orca_backend.serving.stages.model")
+    if layout.hosts:
+        (output / "START.md").write_text(start_commands(layout, output))
+        return output
+    ensemble = output / ensemble_model(layout.name)  # Triton chains it in one server only
     (ensemble / "1").mkdir(parents=True, exist_ok=True)
     (ensemble / "config.pbtxt").write_text(_ensemble(layout.name, len(layers)))
     return output
+
+
+def start_commands(layout: PipelineLayout, output: Path) -> str:
+    """What to start where: a tritonserver per host, the stages' servers first."""
+    lines = [f"# Start the servers of `{layout.name}` (written by orca_backend.serving.stages.repository)",
+             "", "Each host needs this package, the model at the same path (or the default model),",
+             "and the folder for it. Start the stage servers first; then send requests to host0.", ""]
+    for h in reversed(range(len(layout.hosts))):
+        stages = [str(i) for i in range(layout.num_stages) if layout.host_of(i) == h]
+        host, port = layout.hosts[h].rsplit(":", 1)
+        role = f"`{layout.name}` and stage(s) {', '.join(stages)}" if h == 0 else f"stage(s) {', '.join(stages)}"
+        lines += [f"- on {host} ({role}):", "",
+                  f"      tritonserver --model-repository {output / f'host{h}'} --grpc-port {port}", ""]
+    return "\n".join(lines)
 
 
 def _instance(on_gpu: bool, tensor_parallel_size: int, gpu: int, parameters: dict[str, str]) -> str:
@@ -212,14 +248,22 @@ def main(argv: list[str] | None = None) -> None:
                         help="torch threads of each CPU stage (default: torch's own choice)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="another parameter of the orca model, e.g. max_inflight=1")
+    parser.add_argument("--hosts", help="host:grpc_port of each server, e.g. 10.0.0.1:8001,10.0.0.2:8001: "
+                             "one repository per server, stages spread in order, the serving model "
+                             "on the first, stages on the others called over gRPC")
     parser.add_argument("--name", default="orca", help="the serving model's name (default: orca)")
     parser.add_argument("--output", type=Path, required=True)
     args = parser.parse_args(argv)
     extra = dict(item.split("=", 1) for item in args.set)
     layout = PipelineLayout(args.stages, args.name, args.kind, [int(g) for g in args.gpus.split(",")] if args.gpus else None,
                             args.model, parse_layers(args.layers) if args.layers else None, args.dtype,
-                            args.threads_per_stage, args.tp, {"stage_transport": args.transport, **extra})
+                            args.threads_per_stage, tensor_parallel_size=args.tp,
+                            hosts=args.hosts.split(",") if args.hosts else None,
+                            orca_parameters=({} if args.hosts else {"stage_transport": args.transport}) | extra)
     path = write_repository(layout, args.output)
+    if layout.hosts:
+        print((path / "START.md").read_text())
+        return
     names = [args.name, *(stage_model(args.name, i) for i in range(args.stages)), ensemble_model(args.name)]
     print(f"wrote {path}: {', '.join(names)}")
 
