@@ -54,6 +54,7 @@ class Sample:
     prefill_collective_share: float
     decode_collective_share: float
     decode_handoff_share: float
+    decode_seconds: float  # per decode iteration
 
 
 def write_model(folder: Path, num_layers: int) -> Path:
@@ -118,7 +119,8 @@ class Bench:
         while self.engine.has_unfinished_requests():
             self.engine.step()
         return Sample(batch * self.args.prompt_tokens / prefill, batch * self.args.decode_steps / decode,
-                      prefill_coll / prefill, decode_coll / decode, decode_handoff / decode)
+                      prefill_coll / prefill, decode_coll / decode, decode_handoff / decode,
+                      decode / self.args.decode_steps)
 
 
 def _echo(port: int, connection, rounds: int) -> None:
@@ -215,9 +217,12 @@ def report(args, samples, hops: dict[str, float], message_bytes: int, seconds: f
                      f"{_median(two, 'decode_tokens_per_s') / _median(one, 'decode_tokens_per_s'):.2f}x",
                      f"{100 * _median(two, 'prefill_collective_share'):.1f}%",
                      f"{100 * _median(two, 'decode_collective_share'):.1f}%",
-                     f"{100 * _median(two, 'decode_handoff_share'):.2f}%"])
+                     f"{100 * _median(two, 'decode_handoff_share'):.2f}%",
+                     f"{1e3 * _median(one, 'decode_seconds'):.0f}",
+                     f"{1e3 * _median(two, 'decode_seconds') * (1 - _median(two, 'decode_collective_share')):.0f}"])
     head = ["B", "prefill tok/s T=1", "T=2", "T=2 / T=1", "decode tok/s T=1", "T=2", "T=2 / T=1",
-            "collectives, prefill (T=2)", "collectives, decode (T=2)", "hand-off, decode (T=2)"]
+            "collectives, prefill (T=2)", "collectives, decode (T=2)", "hand-off, decode (T=2)",
+            "decode ms, T=1", "T=2 outside collectives"]
     return [
         "# Tensor parallelism on the CPU: 1 rank x 2 threads vs 2 ranks x 1 thread",
         "",

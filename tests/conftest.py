@@ -69,6 +69,23 @@ def tiny_models(tmp_path_factory, default_model) -> dict[str, Path]:
             for kind in ("llama", "qwen2", "gpt2")}
 
 
+@pytest.fixture(scope="session")
+def tiny_vocab_llama(tmp_path_factory, default_model):
+    """A tiny random Llama with the default model's vocabulary (49152, which 2 ranks split),
+    so that any text prompt is in range; its greedy text is nonsense, but reproducible."""
+    import torch
+    import transformers as tf
+
+    folder = tmp_path_factory.mktemp("tiny_vocab_llama")
+    config = tf.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                            initializer_range=0.2, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(config).save_pretrained(folder)
+    shutil.copy(default_model / "tokenizer.json", folder / "tokenizer.json")
+    return folder
+
+
 @pytest.fixture(scope="module")
 def engine(default_model):
     """The default model with a small K/V pool, one per test module."""

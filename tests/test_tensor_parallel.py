@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import wait_until
+
 from orca_backend import EngineConfig, LLMEngine, SamplingParams
 from orca_backend.checkpoint.config import ModelConfig
 from orca_backend.core.errors import ConfigError

@@ -2,9 +2,8 @@
 on 2 ranks) and `ptp` (2 pipeline stages as Triton models, each 2 ranks) give the text of
 `single` (1 rank), and a killed rank ends its requests with INTERNAL naming it.
 
-The model is a tiny random Llama with the default model's vocabulary (49152, which 2 ranks
-split), so that any text prompt is in range; its greedy text is nonsense, but exactly
-reproducible."""
+The model is a tiny random Llama with the default model's vocabulary (conftest's
+`tiny_vocab_llama`)."""
 from __future__ import annotations
 
 import os
@@ -12,9 +11,9 @@ import signal
 import time
 
 import pytest
+from helpers import assert_no_leak, wait_until
 
 from client.triton_client import StreamingClient
-from helpers import assert_no_leak, wait_until
 from orca_backend.serving.launch import Server
 from orca_backend.serving.stages.repository import TEMPLATE, PipelineLayout, set_parameters, write_repository
 
@@ -23,23 +22,6 @@ pytestmark = pytest.mark.server  # slow group: a real tritonserver
 PROMPTS = ["Once upon a time", "The capital of France is", "Write a story about a robot. " * 6,
            "1, 2, 3, 4,", "def fibonacci(n):"]
 MAX_TOKENS = [12, 7, 10, 16, 5]
-
-
-@pytest.fixture(scope="module")
-def tiny_vocab_llama(tmp_path_factory, default_model):
-    import shutil
-
-    import torch
-    import transformers as tf
-
-    folder = tmp_path_factory.mktemp("tiny_vocab_llama")
-    config = tf.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                            initializer_range=0.2, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    tf.LlamaForCausalLM(config).save_pretrained(folder)
-    shutil.copy(default_model / "tokenizer.json", folder / "tokenizer.json")
-    return folder
 
 
 def _serving_model(repo, name: str, parameters: dict[str, str]) -> None:
@@ -67,29 +49,29 @@ def server(tmp_path_factory, tiny_vocab_llama):
         s.stop()
 
 
-def _greedy(n: int) -> dict:
+def greedy(n: int) -> dict:
     return {"temperature": "0", "max_tokens": str(n), "ignore_eos": "true"}
 
 
-def _run(server, model: str, gap: float = 0.1) -> list:
+def run_prompts(server, model: str, gap: float = 0.1) -> list:
     with StreamingClient(server.grpc_url, model) as c:
         ids = []
         for prompt, n in zip(PROMPTS, MAX_TOKENS):
-            ids.append(c.send(prompt, sampling=_greedy(n)))
+            ids.append(c.send(prompt, sampling=greedy(n)))
             time.sleep(gap)
         return [c.wait(i, 300) for i in ids]
 
 
 @pytest.fixture(scope="module")
 def reference(server) -> list[str]:
-    results = _run(server, "single", gap=0)
+    results = run_prompts(server, "single", gap=0)
     assert all(r.error is None for r in results)
     return [r.text for r in results]
 
 
 @pytest.mark.parametrize("model", ["tp2", "ptp"])
 def test_tensor_parallel_models_give_the_single_rank_text(server, reference, model):
-    results = _run(server, model)
+    results = run_prompts(server, model)
     assert [r.error for r in results] == [None] * len(PROMPTS)
     assert [r.text for r in results] == reference
     assert_no_leak(server, model)
@@ -113,7 +95,7 @@ def test_a_killed_rank_ends_its_requests_with_internal_and_the_model_serves_on(s
     before = set(_rank_pids("orca_backend.runner.tp_rank"))
     assert len(before) == 3  # tp2's rank 1, and rank 1 of each of ptp's stages
     with StreamingClient(server.grpc_url, "tp2") as c:
-        victim = c.send(PROMPTS[2], sampling=_greedy(400))
+        victim = c.send(PROMPTS[2], sampling=greedy(400))
         wait_until(lambda: c._results[victim].responses, 60, "the long request to stream")
         # tp2's rank 1: the rank whose parent is the Python-backend stub of model tp2.
         pid = next(p for p in before if _parent_serves(p, "tp2"))
@@ -124,7 +106,7 @@ def test_a_killed_rank_ends_its_requests_with_internal_and_the_model_serves_on(s
                                    f"(pid {pid}) was killed by SIGKILL"), result.error
     assert result.error.endswith("the runner was restarted")
     assert_no_leak(server, "tp2")
-    results = _run(server, "tp2")
+    results = run_prompts(server, "tp2")
     assert [r.text for r in results] == reference
     assert server.metric("orca_runner_restarts_total", "tp2") == 1
 

@@ -94,8 +94,11 @@ class Server:
     """
 
     def __init__(self, work_dir: Path, model_repository: Path = REPO_ROOT / "model_repository",
-                 extra_args: list[str] = (), env: dict[str, str] | None = None) -> None:
-        self.http_port, self.grpc_port, self.metrics_port = free_ports(3)
+                 extra_args: list[str] = (), env: dict[str, str] | None = None,
+                 ports: tuple[int, int, int] | None = None) -> None:
+        """`ports`: (http, grpc, metrics), when they must be known before (a server another
+        server's repository points at); else free ones."""
+        self.http_port, self.grpc_port, self.metrics_port = ports or free_ports(3)
         argv, server_env = server_command(model_repository, work_dir, self.http_port, self.grpc_port,
                                           self.metrics_port, ["--log-verbose=0", *extra_args])
         server_env.update(env or {})

@@ -14,15 +14,15 @@ from ...checkpoint.config import ModelConfig
 from ...core.errors import ConfigError
 from .gpt2 import GPT2Model
 from .llama import LlamaModel
-from .parallel import Collectives, NoCollectives, Shard
+from .parallel import NO_COLLECTIVES, ONE_RANK, Collectives, Shard
 from .weights import Weights
 
 __all__ = ["load_model"]
 
 
 def load_model(folder: Path, dtype: torch.dtype, device: torch.device,
-               layer_range: range | None = None, shard: Shard = Shard(),
-               collectives: Collectives = NoCollectives()):
+               layer_range: range | None = None, shard: Shard = ONE_RANK,
+               collectives: Collectives = NO_COLLECTIVES):
     """The whole model, or a pipeline stage's `layer_range` of it (reading only those tensors);
     with a `shard`, only that rank's slices of them."""
     config = ModelConfig.from_folder(folder)

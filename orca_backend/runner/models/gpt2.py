@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from ...checkpoint.config import ModelConfig
 from .attention import AttentionPlan
-from .parallel import Collectives, NoCollectives, Shard
+from .parallel import NO_COLLECTIVES, ONE_RANK, Collectives, Shard
 from .weights import Weights
 
 
@@ -16,7 +16,7 @@ class GPT2Model:
     LAYER_PREFIX = "h."
 
     def __init__(self, config: ModelConfig, w: Weights, layer_range: range | None = None,
-                 shard: Shard = Shard(), collectives: Collectives = NoCollectives()) -> None:
+                 shard: Shard = ONE_RANK, collectives: Collectives = NO_COLLECTIVES) -> None:
         self.config, self.shard, self.collectives = config, shard, collectives
         self.layer_range = layer_range = range(config.num_layers) if layer_range is None else layer_range
         first, last = layer_range.start == 0, layer_range.stop == config.num_layers

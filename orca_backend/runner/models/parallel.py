@@ -71,3 +71,7 @@ class Shard:
         mine = (local >= 0) & (local < table.shape[0])
         h = table[local.clamp(0, table.shape[0] - 1)] * mine[:, None].to(table.dtype)
         return collectives.all_reduce(h)  # [num_tokens, hidden]
+
+
+ONE_RANK = Shard()  # the defaults of a model that is not sharded
+NO_COLLECTIVES = NoCollectives()

@@ -42,8 +42,15 @@ from ...core.config import EngineConfig
 from ...core.errors import ConfigError
 from ...core.messages import RunnerOutput, SchedulerOutput
 from ...executors.base import Executor, IterationFailedError, RunnerDiedError, RunnerUnavailableError
-from ...executors.stages import (StageCall, StagedFactory, StageTimes, check_layer_split, ensemble_model,
-                                 stage_model, stage_name)
+from ...executors.stages import (
+    StageCall,
+    StagedFactory,
+    StageTimes,
+    check_layer_split,
+    ensemble_model,
+    stage_model,
+    stage_name,
+)
 from ...runner.spec import RunnerSpec
 from ..triton_io import tensor_text
 from .hops import BlsHop, GrpcHop, HopError, HopReply
@@ -129,6 +136,8 @@ class TritonStagesExecutor(Executor):
             inbox.put(None)
         for t in self._threads:
             t.join(timeout=1.0)  # a thread blocked on a stage that hangs is left behind (daemon)
+        for hop in self.hops:
+            hop.close()
 
     def describe_wait(self) -> str:
         if not self._calls:
@@ -201,11 +210,10 @@ class TritonStagesExecutor(Executor):
             response = self._exec(0, work, lambda: self._call_ensemble(work, n))
             if response is None:
                 continue
-            out = lambda name: pb_utils.get_output_tensor_by_name(response, name)  # noqa: E731
             for i in range(n):
-                self._passed(i, out(f"stats_{i}").as_numpy())
-            self._take_error(work, tensor_text(out("error")))
-            self._finish(work, out("output").as_numpy().tobytes())
+                self._passed(i, _output(response, f"stats_{i}").as_numpy())
+            self._take_error(work, tensor_text(_output(response, "error")))
+            self._finish(work, _output(response, "output").as_numpy().tobytes())
 
     def _call_ensemble(self, work: _Work, num_stages: int):
         request = pb_utils.InferenceRequest(
@@ -288,6 +296,10 @@ class TritonStagesExecutor(Executor):
         log.error("%s", reason)
         for work in pending:
             self._settle(work, error=RunnerDiedError(reason))
+
+
+def _output(response, name: str):
+    return pb_utils.get_output_tensor_by_name(response, name)
 
 
 class TritonStagesFactory(StagedFactory):

@@ -19,6 +19,7 @@ import triton_python_backend_utils as pb_utils
 
 from ..triton_io import string_tensor, tensor_text
 
+
 class HopError(RuntimeError):
     """The call failed (the stage raised, or could not be reached); the message says why."""
 
@@ -39,6 +40,9 @@ class BlsHop:
     def __init__(self, model: str) -> None:
         self.model = model
         self.where = ""  # in this server
+
+    def close(self) -> None:
+        pass
 
     def control(self, call: str) -> dict:
         request = pb_utils.InferenceRequest(model_name=self.model, requested_output_names=["reply"],
@@ -74,7 +78,16 @@ class GrpcHop:
         self.model, self.url, self.timeout = model, url, timeout
         self.where = f" at {url}"
         self._grpc = grpcclient
-        self.client = grpcclient.InferenceServerClient(url)
+        # A channel of its own, not one from gRPC's process-wide pool: after the engine's
+        # restart a new executor connects afresh instead of inheriting the old connection's
+        # failure and its reconnect backoff.
+        size = grpcclient.MAX_GRPC_MESSAGE_SIZE
+        self.client = grpcclient.InferenceServerClient(url, channel_args=[
+            ("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size),
+            ("grpc.use_local_subchannel_pool", 1)])
+
+    def close(self) -> None:
+        self.client.close()
 
     def _infer(self, inputs: list, outputs: list[str]):
         from tritonclient.utils import InferenceServerException

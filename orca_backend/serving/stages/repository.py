@@ -24,8 +24,7 @@ from ...checkpoint.config import ModelConfig
 from ...checkpoint.store import prepare_default_model
 from ...core.config import STAGE_TRANSPORTS, auto_dtype
 from ...core.errors import ConfigError
-from ...executors.stages import (NUM_STAGE_CALL_VALUES, check_layer_split, ensemble_model, split_layers,
-                                 stage_model)
+from ...executors.stages import NUM_STAGE_CALL_VALUES, check_layer_split, ensemble_model, split_layers, stage_model
 from ..launch import REPO_ROOT
 
 TEMPLATE = REPO_ROOT / "model_repository" / "orca" / "config.pbtxt"

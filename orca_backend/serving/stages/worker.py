@@ -27,8 +27,8 @@ from pathlib import Path
 import msgpack
 import torch
 
-from ...checkpoint.store import prepare_default_model
 from ...checkpoint.config import ModelConfig
+from ...checkpoint.store import prepare_default_model
 from ...core.errors import ConfigError, RunnerDiedError
 from ...core.messages import RunnerOutput, SchedulerOutput
 from ...executors.stages import StageCall, stage_name
