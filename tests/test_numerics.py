@@ -219,3 +219,23 @@ def test_prefix_cache_hits_give_transformers_tokens_and_logits(variant, kind, ti
         assert tuple(cached[i] for i in range(len(prompts))) == SHARED_HITS
     if variant in ("preempt", "process"):
         assert engine.scheduler.num_preemptions > 0
+
+
+def test_default_model_at_three_ranks_equals_one(default_model):
+    """`LLM(tensor_parallel_size=3)`: SmolLM2-135M's 9 heads, 3 K/V heads, intermediate size
+    1536 and vocabulary 49152 all split 3 ways (2 do not: its 9 heads); the same greedy
+    tokens as one rank, and their log-probabilities within fp32 tolerance."""
+    from orca_backend import LLM
+
+    prompts = ["The capital of France is", "Write a haiku about the sea:", "def add(a, b):"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    runs = []
+    for size in (1, 3):
+        llm = LLM(str(default_model), tensor_parallel_size=size, max_num_batched_tokens=16)
+        runs.append(llm.generate(prompts, params))
+        llm.engine.shutdown()
+    for one, three in zip(*runs):
+        assert three.error is None and three.token_ids == one.token_ids
+        assert three.cumulative_logprob == pytest.approx(one.cumulative_logprob, abs=1e-3)
+    with pytest.raises(Exception, match="tensor_parallel_size 2 does not divide the model's attention heads 9"):
+        LLM(str(default_model), tensor_parallel_size=2)
