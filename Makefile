@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install model serve test test-fast bench bench-full bench-prefix bench-engine bench-executors bench-pipeline perf clean
+.PHONY: install model serve test test-fast bench bench-full bench-prefix bench-engine bench-executors bench-pipeline bench-tp perf clean
 
 install: $(STAMP)
 
@@ -53,6 +53,12 @@ bench-pipeline: model
 # (a system prompt; multi-turn chat); writes docs/benchmarks/prefix.*
 bench-prefix: model
 	$(PY) benchmarks/bench_prefix.py
+
+# 1 rank x 2 threads vs 2 ranks x 1 thread at batches 1, 8 and 32, then the grpc stage hop
+# against bls on loopback; writes docs/benchmarks/tensor_parallel.md (about 15 minutes)
+bench-tp: model
+	$(PY) benchmarks/bench_tp.py --markdown docs/benchmarks/tensor_parallel.md
+	$(PY) benchmarks/bench_stage_hop.py --markdown-append docs/benchmarks/tensor_parallel.md
 
 bench-engine: model
 	$(PY) benchmarks/bench_engine.py --markdown docs/benchmarks/engine.md
