@@ -124,8 +124,8 @@ def faulty(monkeypatch, tmp_path):
 
     def make(fault: str, folder, **options) -> LLMEngine:
         monkeypatch.setenv("ORCA_TEST_TP_FAULT", fault)
-        engine = LLMEngine(EngineConfig(model=str(folder), tensor_parallel_size=2,
-                                        iteration_timeout_seconds=30, **options))
+        options.setdefault("iteration_timeout_seconds", 30)
+        engine = LLMEngine(EngineConfig(model=str(folder), tensor_parallel_size=2, **options))
         monkeypatch.delenv("ORCA_TEST_TP_FAULT")  # the restarted group runs clean
         engines.append(engine)
         return engine
@@ -183,6 +183,20 @@ def test_a_rank_that_raises_is_named_and_the_group_restarts(faulty, tiny_models,
     engine.add_request("later", list(range(5, 15)), _greedy(4))
     tokens, errors = _drain(engine)
     assert not errors and len(tokens["later"]) == 4
+
+
+def test_a_hung_rank_is_named_when_the_collectives_time_out(faulty, tiny_models, tmp_path):
+    """Rank 1 sleeps inside iteration 2: rank 0's collective times out (half the iteration
+    deadline: 3 s) and the error names the rank that did not finish the iteration."""
+    engine = faulty(f"sleep:2:{tmp_path / 'marker'}", tiny_models["llama"], iteration_timeout_seconds=6)
+    engine.add_request("victim", list(range(5, 25)), _greedy(8))
+    tokens, errors = _drain(engine, timeout=60)
+    pid = int((tmp_path / "marker").read_text())
+    assert f"tensor-parallel rank 1 (pid {pid}) did not finish iteration 2 (rank 0: " in errors["victim"]
+    assert len(tokens["victim"]) == 2
+    engine.add_request("later", list(range(5, 25)), _greedy(3))
+    tokens, errors = _drain(engine)
+    assert not errors and len(tokens["later"]) == 3
 
 
 def test_shutdown_is_bounded_and_leaves_no_rank(tiny_models):

@@ -29,6 +29,7 @@ class InlineExecutor(Executor):
     def check_health(self) -> None:
         if self._dead:
             raise RunnerDiedError(self._dead)
+        self.runner.check_health()
 
     def shutdown(self) -> None:
         self.runner.shutdown()

@@ -45,7 +45,14 @@ class PipelineExecutor(Executor):
     def __init__(self, spec: RunnerSpec, num_stages: int, times: StageTimes | None = None) -> None:
         num_layers = ModelConfig.from_folder(spec.model_path).num_layers
         self.layer_ranges = split_layers(num_layers, num_stages)
-        self.runners = [build_runner(dataclasses.replace(spec, layer_range=r)) for r in self.layer_ranges]
+        self.runners = []
+        try:
+            for r in self.layer_ranges:
+                self.runners.append(build_runner(dataclasses.replace(spec, layer_range=r)))
+        except BaseException:  # the stages built so far may have ranks of their own
+            for runner in self.runners:
+                runner.shutdown()
+            raise
         self._inboxes: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in self.runners]
         self._threads = [threading.Thread(target=self._serve, args=(i,), name=f"orca-stage-{i}",
                                           daemon=True) for i in range(num_stages)]
@@ -71,6 +78,11 @@ class PipelineExecutor(Executor):
     def check_health(self) -> None:
         if self._dead:
             raise RunnerDiedError(self._dead)
+        for i, runner in enumerate(self.runners):
+            try:
+                runner.check_health()
+            except RunnerDiedError as e:
+                raise RunnerDiedError(f"{self.stage_name(i)}: {e}") from None
         for i, t in enumerate(self._threads):
             if not t.is_alive():
                 raise RunnerDiedError(f"the thread of {self.stage_name(i)} has stopped")

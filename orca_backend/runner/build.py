@@ -58,12 +58,14 @@ def _build_rank(spec: RunnerSpec, rank: int) -> ModelRunner:
     size = spec.tensor_parallel_size
     ModelConfig.from_folder(Path(spec.model_path)).check_tensor_parallel(size)
     device = _rank_device(spec.device, rank, size)
+    group = TensorParallelGroup(spec) if rank == 0 else None
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:  # the cores shared between the ranks: a rank per core rather than T fighting over all
+        if group is not None:
+            group.threads_before = torch.get_num_threads()  # rank 0's process: back at shutdown
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // size))
     collectives = GroupCollectives(rank, size, device)
-    group = TensorParallelGroup(spec) if rank == 0 else None
     try:
         layers = range(*spec.layer_range) if spec.layer_range else None
         model = load_model(Path(spec.model_path), getattr(torch, spec.dtype), device, layers,

@@ -80,6 +80,11 @@ class ModelRunner:
         except Exception as e:
             raise self.group.failed(e, message.iteration_id) from e
 
+    def check_health(self) -> None:
+        """Raise RunnerDiedError if one of its tensor-parallel ranks has failed (even idle)."""
+        if self.group is not None:
+            self.group.check()
+
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks, if any (bounded)."""
         if self.group is not None:

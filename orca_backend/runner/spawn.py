@@ -31,10 +31,12 @@ class Frame(enum.IntEnum):
     STOP = 2  # parent -> child
     READY = 3  # child -> parent: the runner is built
     OUTPUT = 4  # child -> parent: a RunnerOutput
-    FAILED = 5  # child -> parent: [iteration_id, message]
+    FAILED = 5  # child -> parent: [iteration_id, message] (a rank: its message, then it exits)
     FATAL = 6  # child -> parent: the runner could not be built
     DIED = 7  # child -> parent: the runner cannot go on (a tensor-parallel rank failed), then it exits
     APPLY = 8  # rank 0 -> rank: a SchedulerOutput to keep in step with, not to run
+    CONNECT = 9  # rank 0 -> rank: every rank is ready; join the group
+    DONE = 10  # rank -> rank 0: the iteration_id it has finished
 
 
 def frame(kind: Frame, body=None) -> bytes:

@@ -11,11 +11,14 @@ The group is built from the store and `ProcessGroupGloo` / `ProcessGroupNCCL` di
 with `init_process_group`: that makes one default group per process, and a pipeline of
 tensor-parallel stages in one process needs a group per stage.
 
-Faults: a watcher polls the ranks. A rank that exits, is killed, raises (it reports, then
-exits) or is stopped ends the group: the other ranks are killed, so a collective rank 0 waits
-in fails at once, and rank 0 raises `RunnerDiedError` naming the rank and how it ended; the
-executor then builds a new group. A rank that hangs while running is caught by the
-collectives' timeout, which the engine keeps under its iteration deadline.
+Faults: a reader thread per rank sees it exit, be killed or raise (it reports, then exits);
+a watcher sees it stopped. Any of these ends the group: the other ranks are killed, so a
+collective rank 0 waits in fails at once, and rank 0 raises `RunnerDiedError` naming the rank
+and how it ended; the executor then builds a new group. A rank that hangs while running is
+caught by the collectives' timeout, which the engine keeps under its iteration deadline; it
+is named as the rank that did not finish the iteration (each rank says DONE after each).
+On GPUs, `abort()` of the NCCL group is what makes a waiting collective fail (unverified:
+no two GPUs here).
 """
 from __future__ import annotations
 
@@ -111,6 +114,7 @@ class _Rank:
     outbox: Connection
     outgoing: queue.SimpleQueue  # frames for its writer thread; None stops it
     ready: threading.Event = dataclasses.field(default_factory=threading.Event)
+    last_done: int = -1  # the last iteration it finished
 
     @property
     def name(self) -> str:
@@ -127,6 +131,8 @@ class TensorParallelGroup:
         self.failure: str | None = None  # the first rank failure, named; the group is over
         self._closing = False
         self.handoff_seconds = 0.0  # rank 0 handing each iteration's message to the ranks
+        self.collectives: GroupCollectives | None = None
+        self.threads_before: int | None = None  # rank 0's torch threads before it took its share
         self.store = dist.TCPStore("127.0.0.1", 0, self.size, True,
                                    timeout=datetime.timedelta(seconds=self.timeout_seconds),
                                    wait_for_workers=False)
@@ -147,14 +153,21 @@ class TensorParallelGroup:
         self._watcher.start()
 
     def connect(self, collectives: GroupCollectives, start_timeout: float) -> None:
-        """Wait until every rank has loaded its shard, then form the group."""
+        """Wait until every rank has loaded its shard, then tell them to form the group."""
         deadline = time.monotonic() + start_timeout
         for rank in self.ranks:
             while not rank.ready.wait(0.2):
                 self.check()
                 if time.monotonic() > deadline:
                     raise RunnerDiedError(f"{rank.name} was not ready after {start_timeout:.0f} s")
-        collectives.connect(self.store.port, self.timeout_seconds, self.store)
+        self.check()
+        self.collectives = collectives
+        for rank in self.ranks:
+            rank.outgoing.put(frame(Frame.CONNECT))
+        try:
+            collectives.connect(self.store.port, self.timeout_seconds, self.store)
+        except Exception as e:
+            raise self.failed(e, None) from e
 
     def send(self, message: SchedulerOutput, run: bool = True) -> None:
         """Hand the iteration to every rank (their writer threads do the writing, so a rank
@@ -170,15 +183,20 @@ class TensorParallelGroup:
         if self.failure:
             raise RunnerDiedError(self.failure)
 
-    def failed(self, error: BaseException, iteration_id: int) -> RunnerDiedError:
-        """Rank 0's iteration raised: the group is over. The error names the rank that
-        caused it, if the watcher finds one in time."""
+    def failed(self, error: BaseException, iteration_id: int | None) -> RunnerDiedError:
+        """Rank 0's iteration (None: forming the group) raised: the group is over. The error
+        names the rank that caused it: one seen to fail, else the ranks that did not finish
+        the iteration (hung), else rank 0."""
         deadline = time.monotonic() + CAUSE_WAIT_SECONDS
         while not self.failure and time.monotonic() < deadline:
             time.sleep(0.02)
+        what = "forming the group" if iteration_id is None else f"iteration {iteration_id}"
+        late = [] if iteration_id is None else [r.name for r in self.ranks if r.last_done < iteration_id]
         with self._lock:
-            self.failure = self.failure or (f"tensor-parallel rank 0 failed iteration {iteration_id}: "
-                                            f"{type(error).__name__}: {error}")
+            if not self.failure and late:
+                self.failure = (f"{', '.join(late)} did not finish {what} (rank 0: "
+                                f"{type(error).__name__}: {error})")
+            self.failure = self.failure or f"tensor-parallel rank 0 failed {what}: {type(error).__name__}: {error}"
         self._kill_all()
         return RunnerDiedError(f"{self.failure} (the {self.size} tensor-parallel ranks were torn down)")
 
@@ -194,6 +212,12 @@ class TensorParallelGroup:
         for rank in self.ranks:
             if rank.process.poll() is None:
                 rank.process.kill()
+        group = self.collectives.group if self.collectives else None
+        if group is not None and self.collectives.device.type == "cuda":
+            try:  # an NCCL collective does not notice a dead peer; aborting makes it fail
+                group.abort()
+            except Exception:
+                log.exception("aborting the NCCL group failed")
 
     def _read(self, rank: _Rank) -> None:
         while True:
@@ -201,7 +225,9 @@ class TensorParallelGroup:
                 kind, body = read_frame(rank.outbox)
             except (EOFError, OSError):
                 break
-            if kind == Frame.READY:
+            if kind == Frame.DONE:
+                rank.last_done = body
+            elif kind == Frame.READY:
                 rank.ready.set()
             elif kind in (Frame.FAILED, Frame.FATAL):
                 self._fail(rank, f"raised: {body}" if kind == Frame.FAILED
@@ -221,13 +247,11 @@ class TensorParallelGroup:
                 return  # the reader sees it go
 
     def _watch(self) -> None:
-        """A stopped rank (SIGSTOP) would hold every collective until its timeout."""
+        """A stopped rank (SIGSTOP) would hold every collective until its timeout. (An exit
+        is the reader's to report: it reads what the rank said before it went.)"""
         while not self.failure and not self._closing:
             for rank in self.ranks:
-                code = rank.process.poll()
-                if code is not None:
-                    self._fail(rank, ending(code))
-                elif _is_stopped(rank.process.pid):
+                if _is_stopped(rank.process.pid):
                     self._fail(rank, "was stopped (it would hang every collective)")
             time.sleep(WATCH_SECONDS)
 
@@ -242,6 +266,8 @@ class TensorParallelGroup:
             stop_process(rank.process, max(0.1, deadline - time.monotonic()))
         for rank in self.ranks:
             rank.inbox.close()
+        if self.threads_before is not None:
+            torch.set_num_threads(self.threads_before)
 
 
 def _is_stopped(pid: int) -> bool:

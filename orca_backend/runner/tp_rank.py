@@ -1,9 +1,11 @@
 """Tensor-parallel rank k > 0: `python -m orca_backend.runner.tp_rank IN OUT PPID`, started by
 rank 0 (`tensor_parallel.TensorParallelGroup`).
 
-Reads [spec, rank, store port], loads its shard, says READY, joins the group, then runs its
-shard of every iteration it is sent (rank 0 samples; nothing is answered). If it raises, it
-says why and exits: the group is out of step, and rank 0 starts a new one.
+Reads [spec, rank, store port], loads its shard, says READY, joins the group when rank 0
+says CONNECT (every rank has loaded by then, so joining takes no longer than a collective),
+then runs its shard of every iteration it is sent and says DONE with its id (rank 0 samples
+and answers). If it raises, it says why and exits: the group is out of step, and rank 0
+starts a new one.
 """
 from __future__ import annotations
 
@@ -34,6 +36,8 @@ def main(inbox: Connection, outbox: Connection) -> None:
         return
     outbox.send_bytes(frame(Frame.READY))
     try:
+        if read_frame(inbox)[0] != Frame.CONNECT:
+            return  # STOP: the group is given up before it formed
         runner.collectives.connect(port, spec.collective_timeout_seconds)
         while True:
             kind, body = read_frame(inbox)
@@ -44,6 +48,7 @@ def main(inbox: Connection, outbox: Connection) -> None:
                 runner.apply_only(message)
             else:
                 runner.execute(message)
+                outbox.send_bytes(frame(Frame.DONE, message.iteration_id))
     except EOFError:
         return  # rank 0 is gone
     except Exception as e:

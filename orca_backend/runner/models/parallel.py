@@ -49,7 +49,10 @@ class Shard:
     size: int = 1
 
     def part(self, total: int) -> slice:
-        """This rank's indices of a dimension of `total` split evenly."""
+        """This rank's indices of a dimension of `total` split evenly (one rank: all of it,
+        even a table padded past `total`)."""
+        if self.size == 1:
+            return slice(None)
         n = total // self.size
         return slice(self.rank * n, (self.rank + 1) * n)
 

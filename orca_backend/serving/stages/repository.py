@@ -9,9 +9,12 @@
 
 The repository holds `orca` (the serving model, with the I/O of the single-process one, set
 to the `stages` executor), `orca_stage_<i>` (one Python-backend model per stage, exactly one
-instance, on GPU i of `--gpus` or on the CPU) and `orca_pipeline` (the ensemble that chains
-the stages, used when `stage_transport` is `ensemble`). Layers are split evenly unless
-`--layers` chooses, e.g. `--layers 0:20,20:30`.
+instance, on the i-th GPU of `--gpus` or on the CPU; with `--tp T` on GPUs a KIND_MODEL
+instance over T GPUs from there) and `orca_pipeline` (the ensemble that chains the stages,
+used when `stage_transport` is `ensemble`). Layers are split evenly unless `--layers`
+chooses, e.g. `--layers 0:20,20:30`. With `--hosts`, one repository per server (`host<k>`),
+the stages spread over the servers in order, called over gRPC, and `START.md` saying what
+to start where.
 """
 from __future__ import annotations
 
@@ -38,7 +41,8 @@ class PipelineLayout:
     num_stages: int
     name: str = "orca"  # the serving model; its stages are <name>_stage_<i>, the ensemble <name>_pipeline
     kind: str = "cpu"  # "cpu" or "gpu"
-    gpus: list[int] | None = None  # stage i on gpus[i]; default 0, 1, ...
+    gpus: list[int] | None = None  # stage i on gpus[i] (its first, with T ranks); default: each
+    # server's stages on its GPUs 0, T, 2T, ...
     model: str | None = None  # a Hugging Face-format folder; None: the default model
     layers: list[tuple[int, int]] | None = None  # None: an even split
     dtype: str | None = None  # None: bfloat16 on GPUs, float32 on the CPU ("auto")
@@ -56,16 +60,17 @@ class PipelineLayout:
             raise ConfigError(f"--dtype must be one of {', '.join(_TRITON_TYPES)}, got {self.dtype!r}")
         if self.kind == "cpu" and self.dtype != "float32":
             raise ConfigError("stages on the CPU run in float32")
-        if self.gpus is None:
-            self.gpus = [i * self.tensor_parallel_size for i in range(self.num_stages)]
-        if self.kind == "gpu" and len(self.gpus) != self.num_stages:
-            raise ConfigError(f"--gpus names {len(self.gpus)} GPUs for {self.num_stages} stages")
         if self.hosts is not None and not 1 <= len(self.hosts) <= self.num_stages:
             raise ConfigError(f"--hosts names {len(self.hosts)} servers for {self.num_stages} stages "
                               f"(each server needs at least one stage)")
         for host in self.hosts or []:
             if not re.fullmatch(r"[\w.\-\[\]:]+:\d+", host):
                 raise ConfigError(f"--hosts entries must be host:grpc_port, got {host!r}")
+        if self.gpus is None:  # numbered within each server: its stages from GPU 0, T apiece
+            first = {self.host_of(i): i for i in reversed(range(self.num_stages))}
+            self.gpus = [(i - first[self.host_of(i)]) * self.tensor_parallel_size for i in range(self.num_stages)]
+        if self.kind == "gpu" and len(self.gpus) != self.num_stages:
+            raise ConfigError(f"--gpus names {len(self.gpus)} GPUs for {self.num_stages} stages")
 
     def host_of(self, stage: int) -> int:
         """The server of each stage: consecutive stages share one, the first servers taking one
@@ -239,7 +244,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", help="Hugging Face-format folder (default: the default model)")
     parser.add_argument("--layers", help="each stage's layers, e.g. 0:15,15:30 (default: even)")
     parser.add_argument("--dtype", help="float32, bfloat16 or float16 (default: bfloat16 on GPUs)")
-    parser.add_argument("--transport", choices=STAGE_TRANSPORTS, default="bls")
+    parser.add_argument("--transport", choices=STAGE_TRANSPORTS,
+                        help="bls (the default) or ensemble; grpc, with --hosts")
     parser.add_argument("--tp", type=int, default=1,
                         help="tensor-parallel ranks of each stage (default 1; on GPUs stage i "
                              "takes T GPUs from the i-th of --gpus)")
@@ -254,11 +260,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output", type=Path, required=True)
     args = parser.parse_args(argv)
     extra = dict(item.split("=", 1) for item in args.set)
+    if args.hosts and args.transport not in (None, "grpc"):
+        raise ConfigError(f"--hosts calls the other servers' stages over gRPC: --transport "
+                          f"{args.transport} cannot be used with it")
     layout = PipelineLayout(args.stages, args.name, args.kind, [int(g) for g in args.gpus.split(",")] if args.gpus else None,
                             args.model, parse_layers(args.layers) if args.layers else None, args.dtype,
                             args.threads_per_stage, tensor_parallel_size=args.tp,
                             hosts=args.hosts.split(",") if args.hosts else None,
-                            orca_parameters=({} if args.hosts else {"stage_transport": args.transport}) | extra)
+                            orca_parameters=({} if args.hosts else {"stage_transport": args.transport or "bls"})
+                            | extra)
     path = write_repository(layout, args.output)
     if layout.hosts:
         print((path / "START.md").read_text())
