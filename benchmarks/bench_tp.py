@@ -13,10 +13,10 @@ the other rank) and in handing the message to the other rank. T = 1 and T = 2 ta
 `--repeats` times each, in one process (both engines stay loaded; the idle one's ranks wait
 on their pipes); the medians are reported.
 
-Last, how rank 0 should hand each iteration's message to the other ranks: the same encoded
-decode message (B = 32) sent to a second process over a pipe, and as a gloo broadcast (its
-size, then its bytes), each answered by a one-byte acknowledgement the same way; the median
-round trip of each.
+Last, round trips between two processes: how rank 0 should hand each iteration's message to
+the other ranks (the encoded decode message of B = 32 over a pipe, and as a gloo broadcast of
+its size, then its bytes), the same bytes over plain TCP on loopback, and gloo's allreduce
+and allgather of one token's hidden state on their own.
 
     python benchmarks/bench_tp.py --markdown docs/benchmarks/tensor_parallel.md
     python benchmarks/bench_tp.py --smoke       # a minute: does it run?
@@ -124,23 +124,47 @@ class Bench:
 
 
 def _echo(port: int, connection, rounds: int) -> None:
-    """The second process of the hand-off measurement: pipe round trips, then gloo ones."""
+    """The second process of the latency measurements: it answers what `latencies` sends."""
+    import socket
+
     from orca_backend.runner.tensor_parallel import GroupCollectives
 
     torch.set_num_threads(1)
     collectives = GroupCollectives(1, 2, torch.device("cpu"))
     collectives.connect(port, 60)
-    for _ in range(rounds):
-        connection.recv_bytes()
-        connection.send_bytes(b"k")
-    for _ in range(rounds):
+    for _ in range(rounds):  # the pipe
+        connection.send_bytes(connection.recv_bytes()[:1])
+    for _ in range(rounds):  # a gloo broadcast of the message
         size = collectives.broadcast(torch.zeros(1, dtype=torch.int64))
         collectives.broadcast(torch.empty(int(size), dtype=torch.uint8))
         collectives.all_reduce(torch.ones(1, dtype=torch.uint8))
+    hidden = torch.zeros(576)
+    for _ in range(rounds):
+        collectives.group.allreduce([hidden]).wait()
+    shares = [torch.empty(576) for _ in range(2)]
+    for _ in range(rounds):
+        collectives.group.allgather([shares], [hidden]).wait()
+    with socket.create_connection(("127.0.0.1", connection.recv())) as sock:  # plain TCP
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for _ in range(rounds):
+            sock.sendall(sock.recv(1 << 16)[:1])
 
 
-def handoff(message_bytes: bytes, rounds: int) -> dict[str, float]:
+def _median_seconds(rounds: int, once) -> float:
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        once()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def latencies(message_bytes: bytes, rounds: int) -> dict[str, float]:
+    """Median round trips between two processes on this machine: the message over a pipe, as
+    a gloo broadcast, and over plain TCP (each answered with one byte); and gloo's allreduce
+    and allgather of one token's hidden state (576 floats) on their own."""
     import datetime as dt
+    import socket
 
     import torch.distributed as dist
 
@@ -152,21 +176,27 @@ def handoff(message_bytes: bytes, rounds: int) -> dict[str, float]:
     child.start()
     collectives = GroupCollectives(0, 2, torch.device("cpu"))
     collectives.connect(store.port, 60, store)
-    pipe, gloo = [], []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        here.send_bytes(message_bytes)
-        here.recv_bytes()
-        pipe.append(time.perf_counter() - start)
+    out = {"message over a pipe": _median_seconds(rounds, lambda: (here.send_bytes(message_bytes),
+                                                                   here.recv_bytes()))}
     payload = torch.frombuffer(bytearray(message_bytes), dtype=torch.uint8)
-    for _ in range(rounds):
-        start = time.perf_counter()
-        collectives.broadcast(torch.tensor([len(message_bytes)], dtype=torch.int64))
-        collectives.broadcast(payload)
-        collectives.all_reduce(torch.ones(1, dtype=torch.uint8))
-        gloo.append(time.perf_counter() - start)
+    out["message as a gloo broadcast"] = _median_seconds(rounds, lambda: (
+        collectives.broadcast(torch.tensor([len(message_bytes)], dtype=torch.int64)),
+        collectives.broadcast(payload), collectives.all_reduce(torch.ones(1, dtype=torch.uint8))))
+    hidden = torch.ones(576)
+    out["gloo allreduce, 2 KiB"] = _median_seconds(rounds, lambda: collectives.group.allreduce([hidden]).wait())
+    shares = [torch.empty(576) for _ in range(2)]
+    out["gloo allgather, 2 KiB"] = _median_seconds(
+        rounds, lambda: collectives.group.allgather([shares], [hidden]).wait())
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        here.send(server.getsockname()[1])
+        sock, _ = server.accept()
+        with sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            out["message over TCP"] = _median_seconds(rounds, lambda: (sock.sendall(message_bytes), sock.recv(1)))
     child.join(30)
-    return {"pipe": statistics.median(pipe), "gloo broadcast": statistics.median(gloo)}
+    return out
 
 
 def main() -> None:
@@ -195,7 +225,7 @@ def main() -> None:
         message = encode(benches[2].last_message)
         for bench in benches.values():
             bench.engine.shutdown()
-    hops = handoff(message, 200)
+    hops = latencies(message, 200)
     lines = report(args, samples, hops, len(message), time.time() - started)
     print("\n".join(lines))
     if args.markdown:
@@ -239,9 +269,10 @@ def report(args, samples, hops: dict[str, float], message_bytes: int, seconds: f
         "",
         *table(head, rows),
         "",
-        f"Handing one decode message of B = {max(args.batches)} ({message_bytes} bytes encoded) "
-        "to a second process and getting a one-byte answer back, median of 200 round trips: "
-        + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in hops.items()) + ".",
+        f"Round trips between two processes, median of 200 (a decode message of B = "
+        f"{max(args.batches)} is {message_bytes} bytes encoded; each is answered with one byte):",
+        "",
+        *table(["what", "round trip (us)"], [[k, f"{v * 1e6:.0f}"] for k, v in hops.items()]),
     ]
 
 
