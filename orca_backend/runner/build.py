@@ -62,9 +62,11 @@ def _build_rank(spec: RunnerSpec, rank: int) -> ModelRunner:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:  # the cores shared between the ranks: a rank per core rather than T fighting over all
+        threads = max(1, len(os.sched_getaffinity(0)) // size)
         if group is not None:
-            group.threads_before = torch.get_num_threads()  # rank 0's process: back at shutdown
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // size))
+            group.take_threads(threads)  # given back when the group shuts down
+        else:
+            torch.set_num_threads(threads)
     collectives = GroupCollectives(rank, size, device)
     try:
         layers = range(*spec.layer_range) if spec.layer_range else None

@@ -132,7 +132,7 @@ class TensorParallelGroup:
         self._closing = False
         self.handoff_seconds = 0.0  # rank 0 handing each iteration's message to the ranks
         self.collectives: GroupCollectives | None = None
-        self.threads_before: int | None = None  # rank 0's torch threads before it took its share
+        self._holds_threads = False
         self.store = dist.TCPStore("127.0.0.1", 0, self.size, True,
                                    timeout=datetime.timedelta(seconds=self.timeout_seconds),
                                    wait_for_workers=False)
@@ -151,6 +151,16 @@ class TensorParallelGroup:
             raise
         self._watcher = threading.Thread(target=self._watch, name="orca-tp-watch", daemon=True)
         self._watcher.start()
+
+    def take_threads(self, num_threads: int) -> None:
+        """Rank 0's share of the cores: its whole process's torch setting, until the last
+        group of this process shuts down (a pipeline of stages holds several)."""
+        with _THREADS_LOCK:
+            if not _THREADS["groups"]:
+                _THREADS["before"] = torch.get_num_threads()
+            _THREADS["groups"] += 1
+            torch.set_num_threads(num_threads)
+        self._holds_threads = True
 
     def connect(self, collectives: GroupCollectives, start_timeout: float) -> None:
         """Wait until every rank has loaded its shard, then tell them to form the group."""
@@ -266,8 +276,19 @@ class TensorParallelGroup:
             stop_process(rank.process, max(0.1, deadline - time.monotonic()))
         for rank in self.ranks:
             rank.inbox.close()
-        if self.threads_before is not None:
-            torch.set_num_threads(self.threads_before)
+        if self._holds_threads:
+            _give_back_threads()
+
+
+_THREADS_LOCK = threading.Lock()
+_THREADS = {"groups": 0, "before": 0}  # rank-0 groups alive in this process, and the setting before
+
+
+def _give_back_threads() -> None:
+    with _THREADS_LOCK:
+        _THREADS["groups"] -= 1
+        if not _THREADS["groups"]:
+            torch.set_num_threads(_THREADS["before"])
 
 
 def _is_stopped(pid: int) -> bool:

@@ -55,7 +55,8 @@ class _GPT2Layer:
         # Transposed once, for F.linear.
         hidden = config.hidden_size
         heads = shard.part(hidden)  # this rank's heads' columns of each of q, k and v
-        qkv = [slice(i * hidden + heads.start, i * hidden + heads.stop) for i in range(3)]
+        qkv = heads if shard.size == 1 else [slice(i * hidden + heads.start, i * hidden + heads.stop)
+                                             for i in range(3)]
         c_attn = p + "attn.c_attn."
         self.qkv = w.take(c_attn + "weight", 1, qkv).t().contiguous()
         self.qkv_bias = w.take(c_attn + "bias", 0, qkv)
