@@ -59,15 +59,18 @@ def servers(tmp_path_factory, tiny_vocab_llama):
                                     tensor_parallel_size=2,
                                     orca_parameters={"kv_cache_tokens": "4096", "max_batch_size": "3"}), host0)
 
-    def start_second() -> Server:
+    def start_second(wait: bool = True) -> Server:
         s = Server(tmp_path_factory.mktemp("host1"), repo / "host1", ports=second)
-        s.wait_ready(300)
+        if wait:
+            s.wait_ready(300)
         return s
 
-    started = {"second": start_second()}
-    started["first"] = Server(tmp_path_factory.mktemp("host0"), host0, ["--exit-timeout-secs=20"], ports=first)
+    # Both at once: `orca` configures its stages with the first request, not at load.
+    started = {"second": start_second(wait=False),
+               "first": Server(tmp_path_factory.mktemp("host0"), host0, ["--exit-timeout-secs=20"], ports=first)}
     try:
-        started["first"].wait_ready(600)
+        for s in started.values():
+            s.wait_ready(600)
         yield started, start_second
     finally:
         for s in started.values():

@@ -74,7 +74,7 @@ def test_concurrent_streams_match_their_solo_text(server, local):
 
 def test_a_late_request_starts_before_the_running_ones_finish(server):
     with StreamingClient(server.grpc_url) as c:
-        long_ids = [c.send(f"Long story number {i}", sampling=greedy(120, ignore_eos=True)) for i in range(3)]
+        long_ids = [c.send(f"Long story number {i}", sampling=greedy(48, ignore_eos=True)) for i in range(3)]
         wait_until(lambda: all(c._results[i].responses for i in long_ids), what="first responses")
         late = c.send("Quick question:", sampling=greedy(2, ignore_eos=True))
         late_result = c.wait(late)

@@ -172,9 +172,10 @@ def test_a_rank_killed_or_stopped_mid_iteration_fails_that_iteration_and_restart
     reference.shutdown()
 
 
-@pytest.mark.parametrize("executor", ["inline", "process"])
-def test_a_rank_that_raises_is_named_and_the_group_restarts(faulty, tiny_models, executor):
-    engine = faulty("raise:2", tiny_models["gpt2"], executor=executor)
+def test_a_rank_that_raises_is_named_and_the_group_restarts(faulty, tiny_models):
+    """Behind the `process` executor: its child, rank 0, reports the rank's failure, then
+    exits; the engine starts a new child and group."""
+    engine = faulty("raise:2", tiny_models["gpt2"], executor="process")
     engine.add_request("victim", list(range(5, 15)), _greedy(6))
     tokens, errors = _drain(engine)
     assert "tensor-parallel rank 1 (pid" in errors["victim"]

@@ -79,9 +79,9 @@ class GroupCollectives:
         if self.device.type == "cuda":
             self._timed(lambda: self.group.allreduce([t]))
             return t
-        # gloo's allreduce takes twice its allgather on small tensors (2.0 vs 0.9 ms for 2 KiB
-        # on loopback, benchmarks/bench_tp.py): gather every share and add them here, in rank
-        # order, so every rank gets the same bits.
+        # gloo's allreduce takes longer than its allgather on small tensors (for 2 KiB on
+        # loopback, 601 against 379 us: benchmarks/bench_tp.py): gather every share and add
+        # them here, in rank order, so every rank gets the same bits.
         shares = [torch.empty_like(t) for _ in range(self.size)]
         self._timed(lambda: self.group.allgather([shares], [t.contiguous()]))
         if self.size == 2:
