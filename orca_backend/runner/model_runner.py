@@ -13,7 +13,7 @@ import torch
 
 from ..core.messages import RunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
 from .models.attention import AttentionBackend, BatchLayout, TorchPagedAttention
-from .models.parallel import Shard
+from .models.parallel import ONE_RANK
 from .sampler import Sampler, SamplerOutput
 from .state import RunnerRequest
 
@@ -32,7 +32,7 @@ class ModelRunner:
         (`tensor_parallel.TensorParallelGroup`); `model.shard` says which rank this is."""
         cfg = model.config
         self.model = model
-        self.shard = getattr(model, "shard", Shard())
+        self.shard = getattr(model, "shard", ONE_RANK)  # the TensorRT runner's model has none
         self.collectives = getattr(model, "collectives", None)
         self.group = group
         self.num_blocks = num_blocks

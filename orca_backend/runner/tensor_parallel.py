@@ -52,7 +52,6 @@ class GroupCollectives:
         self.rank, self.size, self.device = rank, size, device
         self.group = None
         self.seconds = 0.0
-        self.num_calls = 0
 
     def connect(self, port: int, timeout_seconds: float, store=None) -> None:
         """Join the group; rank 0 passes the store it serves."""
@@ -73,7 +72,6 @@ class GroupCollectives:
         start = time.perf_counter()
         work().wait()
         self.seconds += time.perf_counter() - start
-        self.num_calls += 1
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cuda":
