@@ -1,18 +1,15 @@
 """A small helper over `tritonclient.grpc` streaming, with our model's (vLLM-compatible) I/O."""
 from __future__ import annotations
 
-import json
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-OUTPUTS = ("text_output", "finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens",
-           "num_output_tokens", "num_cached_tokens")
+from orca_backend.serving.grpc_io import build_inputs, decode_outputs, requested_outputs
 
 
 @dataclass
@@ -26,46 +23,6 @@ class Result:
     @property
     def text(self) -> str:
         return "".join(r["text_output"] for r in self.responses)
-
-
-def build_inputs(prompt: str | bytes, sampling: dict | None = None, stream: bool = True,
-                 exclude_input: bool | None = None, flags: dict[str, bool] | None = None,
-                 batched: bool = False):
-    """Input tensors; `sampling` None sends no sampling_parameters tensor at all. `batched`:
-    for a model with max_batch_size > 0, every tensor gets a batch axis of 1 in front."""
-    raw = prompt if isinstance(prompt, bytes) else prompt.encode("utf-8")
-    tensors = [_tensor("text_input", np.array([raw], dtype=np.object_), "BYTES"),
-               _tensor("stream", np.array([stream]), "BOOL")]
-    if sampling is not None:
-        body = sampling if isinstance(sampling, (str, bytes)) else json.dumps(sampling)
-        body = body if isinstance(body, bytes) else body.encode("utf-8")
-        tensors.append(_tensor("sampling_parameters", np.array([body], dtype=np.object_), "BYTES"))
-    if exclude_input is not None:
-        tensors.append(_tensor("exclude_input_in_output", np.array([exclude_input]), "BOOL"))
-    for name, value in (flags or {}).items():
-        tensors.append(_tensor(name, np.array([value]), "BOOL"))
-    if batched:
-        for t in tensors:
-            t.set_shape([1, *t.shape()])
-    return tensors
-
-
-def _tensor(name, array, datatype):
-    t = grpcclient.InferInput(name, list(array.shape), datatype)
-    t.set_data_from_numpy(array)
-    return t
-
-
-def _decode(result) -> dict:
-    out = {}
-    for name in OUTPUTS:
-        value = result.as_numpy(name)
-        if value is None:
-            continue
-        item = value.reshape(-1)[0] if value.size else None
-        out[name] = item.decode("utf-8") if isinstance(item, bytes) else (
-            item.item() if hasattr(item, "item") else item)
-    return out
 
 
 def _batched(client, model: str) -> bool:
@@ -103,7 +60,7 @@ class StreamingClient:
             return
         response = result.get_response()
         r = self._results[response.id]
-        r.responses.append(_decode(result))
+        r.responses.append(decode_outputs(result))
         r.times.append(now)
         self.events.put((response.id, r.responses[-1]))
         if response.parameters["triton_final_response"].bool_param:
@@ -126,7 +83,7 @@ class StreamingClient:
         self._done[request_id] = threading.Event()
         inputs = build_inputs(prompt, batched=self.batched, **options)
         self.client.async_stream_infer(self.model, inputs, request_id=request_id,
-                                       outputs=[grpcclient.InferRequestedOutput(n) for n in OUTPUTS],
+                                       outputs=requested_outputs(),
                                        enable_empty_final_response=True)
         return request_id
 

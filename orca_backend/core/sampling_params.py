@@ -20,7 +20,8 @@ MAX_CACHE_SALT_CHARS = 1024
 class SamplingParams:
     """How one request samples and when it stops. Validated on construction."""
 
-    max_tokens: int = 16
+    # None: up to the model's context (and the K/V pool), resolved when the prompt is checked.
+    max_tokens: int | None = 16
     min_tokens: int = 0
     temperature: float = 1.0
     top_k: int = -1
@@ -43,9 +44,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             setattr(self, f.name, _coerce(f.name, getattr(self, f.name)))
-        _check(self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be >= 1")
+        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens,
+               "must be >= 1 (or null: up to the context)")
         _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be >= 0")
-        _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
                f"must be <= max_tokens ({self.max_tokens})")
         _check(self.temperature >= 0, "temperature", self.temperature, "must be >= 0")
         _check(self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k,
@@ -104,7 +106,7 @@ _TYPES: dict[str, type] = {
     "presence_penalty": float, "frequency_penalty": float,
     "ignore_eos": bool, "include_stop_str_in_output": bool, "skip_special_tokens": bool,
 }
-_OPTIONAL = {"seed", "logprobs", "cache_salt"}
+_OPTIONAL = {"max_tokens", "seed", "logprobs", "cache_salt"}
 
 
 def parse_json(text: str, what: str) -> Any:

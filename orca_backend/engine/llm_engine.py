@@ -133,7 +133,11 @@ class LLMEngine:
         """Tokenize and check a request against the model and the K/V pool; raises
         InvalidRequestError. Safe to call from any thread (it reads the tokenizer and limits
         only), so a server can tokenize long prompts without holding up iterations."""
+        open_ended = params.max_tokens is None
         token_ids = self.rules.prepare(prompt, params)
+        if open_ended:  # "up to the context" also means up to what the K/V pool can hold
+            room = self.kv.num_blocks * self.kv.block_size - len(token_ids) + 1
+            params.max_tokens = max(1, min(params.max_tokens, room))
         need = self.kv.blocks_for(len(token_ids) + params.max_tokens - 1)
         if need > self.kv.num_blocks:
             raise InvalidRequestError(

@@ -63,6 +63,8 @@ class RequestRules:
         if num_prompt_tokens >= limit:
             raise InvalidRequestError(f"prompt has {num_prompt_tokens} tokens, the model's context "
                                       f"is {limit} tokens (room is needed for one output token)")
+        if params.max_tokens is None:  # up to the context: the request's own params, resolved once
+            params.max_tokens = int(limit - num_prompt_tokens)
         if num_prompt_tokens + params.max_tokens > limit:
             raise InvalidRequestError(
                 f"max_tokens {params.max_tokens} plus the prompt's {num_prompt_tokens} tokens "

@@ -1,0 +1,66 @@
+"""The serving model's I/O as `tritonclient.grpc` tensors, for clients of it: the streaming
+CLI in `client/` and the OpenAI frontend (sync and asyncio clients take the same tensors)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+
+OUTPUTS = ("text_output", "finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens",
+           "num_output_tokens", "num_cached_tokens")
+# Inputs and outputs that make a Triton model one of ours (or one with Triton's vLLM backend I/O).
+LLM_INPUTS = ("text_input", "stream", "sampling_parameters")
+LLM_OUTPUTS = ("text_output",)
+
+
+def build_inputs(prompt: str | bytes, sampling: dict | str | bytes | None = None, stream: bool = True,
+                 exclude_input: bool | None = None, flags: dict[str, bool] | None = None,
+                 batched: bool = False) -> list[grpcclient.InferInput]:
+    """Input tensors; `sampling` None sends no sampling_parameters tensor at all. `batched`:
+    for a model with max_batch_size > 0, every tensor gets a batch axis of 1 in front."""
+    raw = prompt if isinstance(prompt, bytes) else prompt.encode("utf-8")
+    tensors = [_tensor("text_input", np.array([raw], dtype=np.object_), "BYTES"),
+               _tensor("stream", np.array([stream]), "BOOL")]
+    if sampling is not None:
+        body = sampling if isinstance(sampling, (str, bytes)) else json.dumps(sampling)
+        body = body if isinstance(body, bytes) else body.encode("utf-8")
+        tensors.append(_tensor("sampling_parameters", np.array([body], dtype=np.object_), "BYTES"))
+    if exclude_input is not None:
+        tensors.append(_tensor("exclude_input_in_output", np.array([exclude_input]), "BOOL"))
+    for name, value in (flags or {}).items():
+        tensors.append(_tensor(name, np.array([value]), "BOOL"))
+    if batched:
+        for t in tensors:
+            t.set_shape([1, *t.shape()])
+    return tensors
+
+
+def requested_outputs() -> list[grpcclient.InferRequestedOutput]:
+    return [grpcclient.InferRequestedOutput(name) for name in OUTPUTS]
+
+
+def _tensor(name: str, array: np.ndarray, datatype: str) -> grpcclient.InferInput:
+    t = grpcclient.InferInput(name, list(array.shape), datatype)
+    t.set_data_from_numpy(array)
+    return t
+
+
+def decode_outputs(result) -> dict:
+    """The outputs present in one response (an InferResult), as Python values."""
+    out = {}
+    for name in OUTPUTS:
+        value = result.as_numpy(name)
+        if value is None:
+            continue
+        item = value.reshape(-1)[0] if value.size else None
+        out[name] = item.decode("utf-8") if isinstance(item, bytes) else (
+            item.item() if hasattr(item, "item") else item)
+    return out
+
+
+def is_llm_config(config: dict) -> bool:
+    """Whether a model's configuration (as JSON) has the serving model's I/O."""
+    inputs = {i["name"] for i in config.get("input", [])}
+    outputs = {o["name"] for o in config.get("output", [])}
+    return set(LLM_INPUTS) <= inputs and set(LLM_OUTPUTS) <= outputs

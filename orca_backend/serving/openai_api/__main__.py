@@ -1,0 +1,45 @@
+"""Serve the OpenAI-compatible API in front of a running tritonserver.
+
+    python -m orca_backend.serving.openai_api --url localhost:8001 [--port 9000] [--model orca]
+
+The API key comes from --api-key or ORCA_API_KEY (never logged); without one the API is open.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+import uvicorn
+
+from .app import create_app
+from .backend import Backend
+
+DEFAULT_PORT = 9000  # Triton's own OpenAI frontend's
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--url", default="localhost:8001", help="tritonserver's gRPC address")
+    p.add_argument("--model", action="append", metavar="NAME",
+                   help="serve this Triton model (repeatable); default: every ready model with our I/O")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    p.add_argument("--port", type=int, default=int(os.environ.get("OPENAI_PORT", DEFAULT_PORT)),
+                   help="port to listen on (default: OPENAI_PORT, else 9000)")
+    p.add_argument("--api-key", default=os.environ.get("ORCA_API_KEY") or None,
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: ORCA_API_KEY)")
+    p.add_argument("--tokenizer", type=Path, metavar="FOLDER",
+                   help="tokenizer files for the chat template (default: each model's checkpoint folder)")
+    p.add_argument("--log-level", default="info")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    backend = Backend(args.url, args.model, args.tokenizer)
+    logging.getLogger(__name__).info("OpenAI API on %s:%d for tritonserver at %s (API key %s)", args.host,
+                                     args.port, args.url, "required" if args.api_key else "not required")
+    uvicorn.run(create_app(backend, args.api_key), host=args.host, port=args.port,
+                log_level=args.log_level, timeout_graceful_shutdown=5)
+
+
+if __name__ == "__main__":
+    main()

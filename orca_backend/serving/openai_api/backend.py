@@ -1,0 +1,166 @@
+"""The serving models behind the API: which there are, and one request's responses, over
+tritonclient's asyncio gRPC streaming (one stream per request, all on one channel)."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import tritonclient.grpc.aio as grpcclient_aio
+from tritonclient.utils import InferenceServerException
+
+from ..grpc_io import build_inputs, decode_outputs, is_llm_config, requested_outputs
+from .errors import APIError, from_grpc, unknown_model
+
+log = logging.getLogger(__name__)
+# Every output the frontend reads, asked for on every request.
+_FLAGS = {name: True for name in ("return_finish_reason", "return_logprobs", "return_num_input_tokens",
+                                  "return_num_output_tokens", "return_num_cached_tokens")}
+# Triton then ends a stream with the request's gRPC status (INVALID_ARGUMENT, UNAVAILABLE...)
+# instead of an error message without a code.
+_HEADERS = {"triton_grpc_error": "true"}
+_INDEX_SECONDS = 2.0  # how long the list of ready models is trusted
+
+
+@dataclass(slots=True)
+class ServedModel:
+    name: str
+    batched: bool  # max_batch_size > 0: tensors carry a batch axis
+    decoupled: bool  # streams; a model that is not answers once
+    tokenizer: Path | None  # the folder of its tokenizer files, for the chat template
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+@dataclass(slots=True)
+class Piece:
+    """One response of the model: new text, and its counts."""
+
+    text: str
+    finish_reason: str | None  # None until the last response
+    num_input_tokens: int
+    num_output_tokens: int  # in this response
+    num_cached_tokens: int
+    logprobs: list[dict] | None  # per token {token_id: {logprob, rank, decoded_token}}, sampled first
+
+
+class Backend:
+    def __init__(self, url: str, models: list[str] | None = None, tokenizer: Path | None = None) -> None:
+        self.url = url
+        self.client: grpcclient_aio.InferenceServerClient | None = None  # made in the event loop
+        self._only = set(models or ())  # the models to serve; empty: every LLM model that is ready
+        self._tokenizer = tokenizer
+        self._models: dict[str, ServedModel] = {}  # every LLM model seen, ready or not
+        self._ready: set[str] = set()
+        self._index_time = -float("inf")
+
+    async def open(self) -> None:
+        """Connect: one gRPC channel for every request, made on the loop that serves them."""
+        self.client = grpcclient_aio.InferenceServerClient(self.url)
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+
+    async def server_ready(self) -> bool:
+        try:
+            return await self.client.is_server_ready()
+        except (InferenceServerException, grpc.RpcError):
+            return False
+
+    async def models(self, refresh: bool = False) -> list[ServedModel]:
+        """The LLM models the server has ready (all of them, or those asked for)."""
+        if refresh or time.monotonic() - self._index_time > _INDEX_SECONDS:
+            await self._read_index()
+        return [self._models[n] for n in sorted(self._ready)]
+
+    async def model(self, name: str) -> ServedModel:
+        """The model a request names: 404 if the server has no such LLM model, 503 if it has
+        one that is not ready."""
+        ready = {m.name for m in await self.models()}
+        if name not in ready:
+            ready = {m.name for m in await self.models(refresh=True)}
+        if name in ready:
+            return self._models[name]
+        if name in self._models:
+            raise APIError(503, f"the model '{name}' is not ready")
+        raise unknown_model(name)
+
+    async def _read_index(self) -> None:
+        try:
+            index = await self.client.get_model_repository_index(as_json=True)
+        except InferenceServerException as e:
+            log.warning("reading the model repository index failed: %s", e.message())
+            raise APIError(503, "the inference server cannot be reached") from None
+        ready = set()
+        for entry in index.get("models", []):
+            name = entry.get("name")
+            if self._only and name not in self._only:
+                continue
+            if entry.get("state") != "READY":
+                continue
+            if name not in self._models:
+                model = await self._describe(name)
+                if model is None:
+                    continue
+                self._models[name] = model
+            ready.add(name)
+        self._ready, self._index_time = ready, time.monotonic()
+
+    async def _describe(self, name: str) -> ServedModel | None:
+        try:
+            config = (await self.client.get_model_config(name, as_json=True))["config"]
+        except InferenceServerException:
+            return None
+        if not is_llm_config(config):
+            return None
+        return ServedModel(name, int(config.get("max_batch_size", 0)) > 0,
+                           bool(config.get("model_transaction_policy", {}).get("decoupled")),
+                           self._tokenizer or _tokenizer_folder(config))
+
+    async def generate(self, model: ServedModel, prompt: str, sampling: dict,
+                       stream: bool) -> AsyncIterator[Piece]:
+        """The model's responses to one request; raises APIError. Closing the iterator early
+        (the HTTP client went away) cancels the gRPC stream, and the model drops the request."""
+        stream = stream and model.decoupled
+        inputs = build_inputs(prompt, sampling, stream=stream, exclude_input=True, flags=_FLAGS,
+                              batched=model.batched)
+        request = {"model_name": model.name, "inputs": inputs, "outputs": requested_outputs(),
+                   "request_id": uuid.uuid4().hex}
+
+        async def requests():
+            yield request
+
+        responses = self.client.stream_infer(requests(), headers=_HEADERS)
+        try:
+            async for result, error in responses:
+                if error is not None:  # a server that ignores the header: no code to go by
+                    raise APIError(500, error.message())
+                yield _piece(decode_outputs(result))
+        except grpc.aio.AioRpcError as e:
+            raise from_grpc(e.code(), e.details() or "") from None
+        finally:
+            responses.cancel()
+
+
+def _piece(out: dict) -> Piece:
+    reason = out.get("finish_reason")
+    logprobs = out.get("logprobs")
+    return Piece(out.get("text_output", ""), None if reason in (None, "None") else reason,
+                 int(out.get("num_input_tokens", 0)), int(out.get("num_output_tokens", 0)),
+                 int(out.get("num_cached_tokens", 0)),
+                 None if logprobs in (None, "null") else json.loads(logprobs))
+
+
+def _tokenizer_folder(config: dict) -> Path | None:
+    """The model's checkpoint folder from its `model` parameter; empty means the default model."""
+    value = config.get("parameters", {}).get("model", {}).get("string_value", "")
+    if value:
+        return Path(value)
+    from ...checkpoint.store import default_model_path
+
+    return default_model_path()

@@ -1,0 +1,53 @@
+"""Errors as OpenAI's API sends them: an HTTP status and {"error": {message, type, param, code}}."""
+from __future__ import annotations
+
+import grpc
+
+
+class APIError(Exception):
+    """A request's failure, as the client is to see it; `message` never holds a traceback or
+    a path of this machine."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param, code)
+
+
+def unknown_model(name: str) -> APIError:
+    return APIError(404, f"the model '{name}' does not exist", "model", "model_not_found")
+
+
+def unauthorized() -> APIError:
+    return APIError(401, "missing or incorrect API key: send it as 'Authorization: Bearer KEY'",
+                    code="invalid_api_key")
+
+
+# Triton's gRPC status (its request errors with the `triton_grpc_error` header) -> HTTP status.
+_GRPC_TO_HTTP = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 503,
+    grpc.StatusCode.CANCELLED: 499,  # the client went away; nobody reads the answer
+}
+
+
+def from_grpc(code: grpc.StatusCode, details: str, param: str | None = None) -> APIError:
+    status = _GRPC_TO_HTTP.get(code, 500)
+    if code == grpc.StatusCode.UNAVAILABLE and "failed to connect" in details.lower():
+        details = "the inference server cannot be reached"  # gRPC's text names addresses and files
+    return APIError(status, details or f"the inference server answered {code.name}",
+                    param if status == 400 else None)

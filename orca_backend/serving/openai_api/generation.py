@@ -1,0 +1,95 @@
+"""One API request's generations: a gRPC request per choice (each prompt times n), run at once
+and merged in arrival order. An error before any choice has produced text is the request's
+HTTP error; after that it ends the stream."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+from .backend import Backend, Piece, ServedModel
+from .errors import APIError
+from .formats import Choice
+
+log = logging.getLogger(__name__)
+_END = object()  # a choice's last item on the queue
+
+
+class Generation:
+    def __init__(self, backend: Backend, model: ServedModel, prompts: list[str], sampling: dict,
+                 n: int, stream: bool) -> None:
+        self.n = n
+        self.choices = [Choice(i * n + j, prompt) for i, prompt in enumerate(prompts) for j in range(n)]
+        self._streams = [backend.generate(model, c.prompt, _nth(sampling, c.index % n), stream)
+                         for c in self.choices]
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+        self._early: list[tuple[Choice, Piece]] = []  # read while waiting for every first piece
+        self._open = len(self.choices)
+
+    async def start(self) -> None:
+        """Send every request and wait for each one's first response; raises APIError if
+        one fails first (and cancels the rest)."""
+        self._tasks = [asyncio.create_task(self._pump(c, s)) for c, s in zip(self.choices, self._streams)]
+        waiting = set(range(len(self.choices)))
+        try:
+            while waiting:
+                choice, item = await self._queue.get()
+                if isinstance(item, APIError):
+                    raise item
+                waiting.discard(choice.index)
+                if item is _END:
+                    self._open -= 1
+                else:
+                    self._early.append((choice, item))
+        except BaseException:
+            self.cancel()
+            raise
+
+    async def pieces(self) -> AsyncIterator[tuple[Choice, Piece]]:
+        """Every response after start(), each added to its choice; raises APIError."""
+        try:
+            for choice, piece in self._early:
+                choice.add(piece)
+                yield choice, piece
+            self._early = []
+            while self._open:
+                choice, item = await self._queue.get()
+                if isinstance(item, APIError):
+                    raise item
+                if item is _END:
+                    self._open -= 1
+                    continue
+                choice.add(item)
+                yield choice, item
+        finally:
+            self.cancel()
+
+    async def collect(self) -> list[Choice]:
+        await self.start()
+        async for _ in self.pieces():
+            pass
+        return self.choices
+
+    def cancel(self) -> None:
+        """Cancel every request still open (their gRPC streams are cancelled)."""
+        for task in self._tasks:
+            task.cancel()
+
+    async def _pump(self, choice: Choice, stream: AsyncIterator[Piece]) -> None:
+        try:
+            async for piece in stream:
+                self._queue.put_nowait((choice, piece))
+            self._queue.put_nowait((choice, _END))
+        except APIError as e:
+            self._queue.put_nowait((choice, e))
+        except Exception:  # a bug here must end the request, not leave it waiting
+            log.exception("a generation failed")
+            self._queue.put_nowait((choice, APIError(500, "internal error")))
+
+
+def _nth(sampling: dict, i: int) -> dict:
+    """The i-th sample of a prompt: with a seed, seed + i, so that n samples differ yet repeat."""
+    if i == 0 or sampling.get("seed") is None:
+        return sampling
+    return {**sampling, "seed": sampling["seed"] + i}

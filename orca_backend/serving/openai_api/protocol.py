@@ -1,0 +1,204 @@
+"""The requests the API takes, checked up front: OpenAI's fields, vLLM's sampling extensions,
+and a clear 400 for anything we cannot honour (never silently ignored).
+
+Each request becomes the serving model's `sampling_parameters`, checked here with the
+model's own `SamplingParams` so that an error names the field the client sent.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ...core.errors import InvalidRequestError
+from ...core.sampling_params import SamplingParams
+from .errors import APIError, invalid
+
+# Sampling fields passed to the model as they are (OpenAI's, then vLLM's extensions).
+_PASSED = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+           "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+           "include_stop_str_in_output", "skip_special_tokens", "cache_salt")
+# Fields we cannot honour, accepted only with a value that asks for nothing.
+_NO_OP = {
+    "logit_bias": lambda v: not v,
+    "tools": lambda v: not v,
+    "tool_choice": lambda v: v in (None, "none"),
+    "parallel_tool_calls": lambda v: True,  # meaningless without tools
+    "functions": lambda v: not v,
+    "function_call": lambda v: v in (None, "none"),
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+    "modalities": lambda v: v in (None, ["text"]),
+    "audio": lambda v: v is None,
+    "prediction": lambda v: v is None,
+    "store": lambda v: not v,
+    "metadata": lambda v: not v,
+    "service_tier": lambda v: v in (None, "auto", "default"),
+    "reasoning_effort": lambda v: v is None,
+    "web_search_options": lambda v: v is None,
+    "suffix": lambda v: not v,
+    "best_of": lambda v: v in (None, 1),
+}
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    stream: bool = False
+    stream_options: dict | None = None
+    max_tokens: int | None = None
+    n: int = Field(1, ge=1, le=128)
+    stop: str | list[str] | None = None
+    user: str | None = None  # accepted and not used, as OpenAI's docs allow
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    cache_salt: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+    def _check_common(self) -> None:
+        for name, value in (self.model_extra or {}).items():
+            if name not in _NO_OP:
+                raise invalid(f"unknown field '{name}'", name)
+            if not _NO_OP[name](value):
+                raise invalid(f"'{name}' is not supported by this server (got {_show(value)})", name)
+        if self.stream_options is not None:
+            if not self.stream:
+                raise invalid("stream_options is only allowed with stream: true", "stream_options")
+            unknown = set(self.stream_options) - {"include_usage"}
+            if unknown:
+                raise invalid(f"stream_options: unknown option '{sorted(unknown)[0]}'", "stream_options")
+
+    def _sampling(self, max_tokens: int | None, logprobs: int | None) -> dict:
+        sampling: dict[str, Any] = {"max_tokens": max_tokens}
+        sampling.update({k: getattr(self, k) for k in _PASSED if getattr(self, k) is not None})
+        if self.stop is not None:
+            sampling["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
+        if logprobs is not None:
+            sampling["logprobs"] = logprobs
+        return sampling
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str]
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=5)
+
+    def prompts(self) -> list[str]:
+        prompts = [self.prompt] if isinstance(self.prompt, str) else self.prompt
+        if not prompts:
+            raise invalid("prompt must not be empty", "prompt")
+        return prompts
+
+    def sampling(self) -> dict:
+        self._check_common()
+        if self.echo and self.logprobs is not None:
+            raise invalid("echo with logprobs needs the prompt's logprobs, which this server does not "
+                          "compute", "echo")
+        # OpenAI's default for completions is 16 tokens.
+        sampling = self._sampling(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
+        return check_sampling(sampling, {})
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict]
+    name: str | None = None
+
+    def as_template_input(self) -> dict:
+        """The message as a chat template takes it (text only; a developer message is a system one)."""
+        role = "system" if self.role == "developer" else self.role
+        message = {"role": role, "content": _text(self.content)}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatRequest(_Request):
+    messages: list[dict]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def template_messages(self) -> list[dict]:
+        if not self.messages:
+            raise invalid("messages must not be empty", "messages")
+        out = []
+        for i, raw in enumerate(self.messages):
+            try:
+                out.append(ChatMessage.model_validate(raw).as_template_input())
+            except ValidationError as e:
+                raise from_validation(e, f"messages[{i}]") from None
+        return out
+
+    def sampling(self) -> dict:
+        self._check_common()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        # No max_tokens: up to the model's context, as OpenAI's chat does.
+        sampling = self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        names = {"logprobs": "top_logprobs" if self.top_logprobs is not None else "logprobs",
+                 "max_tokens": "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"}
+        return check_sampling(sampling, names)
+
+
+def _text(content: str | list[dict]) -> str:
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise invalid(f"message content parts must be text (got type {_show(part.get('type'))})",
+                          "messages")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def check_sampling(sampling: dict, names: dict[str, str]) -> dict:
+    """The model's own checks, run here so that the error names the request's field
+    (`names`: our sampling parameter -> the field a client set it with, where they differ)."""
+    try:
+        SamplingParams.from_dict(dict(sampling))
+    except (InvalidRequestError, ValueError) as e:
+        message = str(e)
+        param = next((k for k in sampling if f"'{k}'" in message or message.startswith(k)), None)
+        raise invalid(message, names.get(param, param)) from None
+    return sampling
+
+
+def from_validation(error: ValidationError, prefix: str = "") -> APIError:
+    """Pydantic's first complaint, as one 400 naming the field."""
+    first = error.errors()[0]
+    location = ".".join(str(p) for p in first["loc"])
+    param = f"{prefix}.{location}".strip(".") if location else (prefix or None)
+    return invalid(f"{param}: {first['msg']}" if param else first["msg"], param)
+
+
+def parse(model: type[_Request], body: Any) -> _Request:
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise from_validation(e) from None
+
+
+def _show(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
