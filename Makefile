@@ -22,9 +22,11 @@ $(STAMP): requirements.txt pyproject.toml
 model: install
 	$(PY) -m orca_backend.checkpoint.prepare
 
-# HTTP_PORT, GRPC_PORT and METRICS_PORT choose the ports (8000, 8001, 8002).
+# HTTP_PORT, GRPC_PORT and METRICS_PORT choose tritonserver's ports (8000, 8001, 8002), OPENAI_PORT
+# the OpenAI-compatible API's (9000); ORCA_API_KEY makes that API ask for a key. SERVE_ARGS go to
+# orca_backend.serving.launch (--triton-address 127.0.0.1, --no-openai, tritonserver's own options).
 serve: model
-	$(PY) -m orca_backend.serving.launch --model-repository model_repository
+	$(PY) -m orca_backend.serving.launch --model-repository model_repository $(SERVE_ARGS)
 
 test: model
 	$(PY) -m pytest -q

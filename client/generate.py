@@ -15,18 +15,22 @@ from pathlib import Path
 from .triton_client import StreamingClient
 
 
-def chat_prompt(text: str, folder: str | Path) -> str:
-    """`text` as a single user message, rendered with the chat template of the tokenizer in `folder`."""
+def chat_prompt(text: str, folder: str | Path, system: str | None = None) -> str:
+    """`text` as a user message (after a system message, if one is given), rendered with the
+    chat template of the tokenizer in `folder`."""
     from transformers import AutoTokenizer  # slow to import; only --chat needs it
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    return tokenizer.apply_chat_template([*messages, {"role": "user", "content": text}], tokenize=False,
                                          add_generation_prompt=True)
 
 
 def _prompt(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
     """The text to send: the prompt as given, or with --chat in the chat template."""
     if not args.chat:
+        if args.system is not None:
+            parser.error("--system needs --chat")
         return args.prompt
     if args.tokenizer is None:
         from orca_backend.checkpoint.store import default_model_path  # only --chat needs it
@@ -36,7 +40,7 @@ def _prompt(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
     if not folder.is_dir():  # else transformers would take the path for a model hub name
         parser.error(f"--chat: no tokenizer folder at {folder}; pass --tokenizer FOLDER or run `make model`")
     try:
-        return chat_prompt(args.prompt, folder)
+        return chat_prompt(args.prompt, folder, args.system)
     except (OSError, ValueError) as e:  # no tokenizer files, or a tokenizer without a chat template
         parser.error(f"--chat: cannot render the chat template of {folder}: {e}")
 
@@ -45,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("prompt")
     p.add_argument("--chat", action="store_true", help="send the prompt in the model's chat template")
+    p.add_argument("--system", metavar="TEXT", help="with --chat: a system message before the prompt")
     p.add_argument("--tokenizer", metavar="FOLDER",
                    help="tokenizer folder whose chat template --chat uses (default: the default model's)")
     p.add_argument("--url", default="localhost:8001", help="gRPC address of tritonserver")

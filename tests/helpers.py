@@ -20,3 +20,15 @@ def assert_no_leak(server, model: str = "orca", timeout: float = 10.0) -> None:
         time.sleep(0.05)
     assert server.metric("orca_kv_blocks_used", model) == 0
     assert server.metric("orca_requests_running", model) == 0
+
+
+def metric_lines(server) -> dict[str, float]:
+    """Every sample on the server's /metrics, by its name and labels as written there
+    ('vllm:request_success_total{finished_reason="stop",model="orca",version="1"}')."""
+    _, text = server.http("/metrics", port=server.metrics_port)
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            samples[key] = float(value)
+    return samples

@@ -204,8 +204,11 @@ class _RecordingMetrics:
     def on_tokens(self, num_tokens, first, seconds_since_last):
         pass
 
-    def on_finish(self, num_prompt_tokens, num_output_tokens, seconds):
+    def on_finish(self, num_prompt_tokens, num_output_tokens, seconds, finish_reason):
         self.num_finished += 1
+
+    def on_failed(self, kind):
+        pass
 
     def on_rejected(self):
         pass

@@ -5,9 +5,11 @@ shipped in the `nvidia-pytriton` wheel: a writable copy of the wheel's backends/
 backend stub for the running Python, and the environment lets that stub find the wheel's
 libraries, libpython, and our package with its dependencies.
 
-    python -m orca_backend.serving.launch [--model-repository model_repository]
-Ports come from HTTP_PORT, GRPC_PORT and METRICS_PORT (defaults 8000, 8001, 8002).
-`Server` runs one as a child process on free ports, for tests and benchmarks.
+    python -m orca_backend.serving.launch [--model-repository model_repository] [--triton-address A]
+Ports come from HTTP_PORT, GRPC_PORT and METRICS_PORT (defaults 8000, 8001, 8002); the
+OpenAI-compatible API starts beside it on OPENAI_PORT (9000) unless --no-openai. Options it
+does not know go to tritonserver (--grpc-restricted-protocol, --http-restricted-api, ...).
+`Server` and `Frontend` run each as a child process on free ports, for tests and benchmarks.
 """
 from __future__ import annotations
 
@@ -161,18 +163,94 @@ class Server:
         self._log.close()
 
 
+class Frontend:
+    """The OpenAI-compatible API as a child process, in front of a tritonserver's gRPC port.
+
+    `api_key` reaches it through ORCA_API_KEY, never its command line; `args` are more options."""
+
+    def __init__(self, work_dir: Path, grpc_url: str, port: int | None = None, api_key: str | None = None,
+                 args: list[str] = (), host: str = "127.0.0.1") -> None:
+        self.port = port or free_ports(1)[0]
+        env = dict(os.environ)
+        env.pop("ORCA_API_KEY", None)
+        if api_key:
+            env["ORCA_API_KEY"] = api_key
+        self.log_path = work_dir / f"openai-{self.port}.log"
+        self._log = open(self.log_path, "wb")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "orca_backend.serving.openai_api", "--url", grpc_url, "--host", host,
+             "--port", str(self.port), *args], env=env, cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def status(self, path: str = "/health/ready") -> int:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=10) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+        except OSError:
+            return 0
+
+    def wait_ready(self, timeout: float = 120, listening_only: bool = False) -> None:
+        """Until /health/ready answers 200 (or anything at all, with `listening_only`)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the frontend exited; log:\n{self.log_path.read_text(errors='replace')[-3000:]}")
+            status = self.status()
+            if status == 200 or (listening_only and status):
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"the frontend was not ready in {timeout} s")
+
+    def stop(self, timeout: float = 20) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-repository", type=Path, default=REPO_ROOT / "model_repository")
     parser.add_argument("--work-dir", type=Path, default=REPO_ROOT / "build" / "triton")
+    parser.add_argument("--triton-address", metavar="ADDRESS",
+                        help="bind tritonserver's HTTP, gRPC and metrics ports to ADDRESS only (127.0.0.1: "
+                             "reachable from this host alone, the OpenAI API the one door from outside)")
+    parser.add_argument("--no-openai", action="store_true", help="do not start the OpenAI-compatible API")
+    parser.add_argument("--openai-host", default="0.0.0.0", help="address the OpenAI API listens on")
     args, extra = parser.parse_known_args()
     args.work_dir.mkdir(parents=True, exist_ok=True)
+    if args.triton_address:
+        extra = [f"--{kind}-address={args.triton_address}" for kind in ("http", "grpc", "metrics")] + extra
+    grpc_port = int(os.environ.get("GRPC_PORT", 8001))
     argv, env = server_command(
         args.model_repository.resolve(), args.work_dir.resolve(),
-        int(os.environ.get("HTTP_PORT", 8000)), int(os.environ.get("GRPC_PORT", 8001)),
-        int(os.environ.get("METRICS_PORT", 8002)), extra)
+        int(os.environ.get("HTTP_PORT", 8000)), grpc_port, int(os.environ.get("METRICS_PORT", 8002)), extra)
     print(" ".join(argv), flush=True)
-    os.execve(argv[0], argv, env)
+    if args.no_openai:
+        os.execve(argv[0], argv, env)
+    # OPENAI_PORT and ORCA_API_KEY reach the frontend through the environment.
+    grpc_host = "127.0.0.1" if args.triton_address in (None, "0.0.0.0") else args.triton_address
+    frontend = subprocess.Popen([sys.executable, "-m", "orca_backend.serving.openai_api",
+                                 "--url", f"{grpc_host}:{grpc_port}", "--host", args.openai_host], cwd=REPO_ROOT)
+    server = subprocess.Popen(argv, env=env)
+    # Ctrl+C reaches every process of the group: tritonserver and the frontend stop themselves.
+    # A SIGTERM to this process alone is passed on.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: [p.send_signal(signal.SIGTERM) for p in (server, frontend)])
+    code = server.wait()
+    if frontend.poll() is None:
+        frontend.terminate()
+    frontend.wait()
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """The serving model's metrics on Triton's /metrics endpoint (`orca_*`, labelled with the
-model's name; a pipeline's per-stage ones labelled with the stage too)."""
+model's name; a pipeline's per-stage ones labelled with the stage too), and the same facts
+under vLLM's names (`vllm_metrics.py`)."""
 from __future__ import annotations
 
 import triton_python_backend_utils as pb_utils
 
-from .sender import Stats
+from .sender import ErrorKind, Stats
+from .vllm_metrics import VllmMetrics
 
 _SECONDS_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
 _BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -23,8 +25,10 @@ _STAGE_GAUGES = ("iterations_in_flight", "kv_blocks_used")
 class TritonMetrics:
     """Custom metrics on the server's /metrics endpoint, labelled with the model's name."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, version: str = "1", max_model_len: int | None = None) -> None:
+        """`max_model_len` (the top of the token-count buckets) turns the vLLM names on."""
         labels = {"model": model}
+        self.vllm = VllmMetrics(model, version, max_model_len) if max_model_len else None
         G, C, H = pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.HISTOGRAM
 
         self._families = []  # a family must outlive its metrics
@@ -64,6 +68,7 @@ class TritonMetrics:
                           "num_prefix_queried_tokens": self.prefix_queries,
                           "num_prefix_hit_tokens": self.prefix_hits, "num_evictions": self.evictions}
         self._seen = dict.fromkeys([*self._counters, "num_engine_restarts"], 0)
+        self._seen.update(dict.fromkeys([f"vllm{key}" for key in self.vllm.counters] if self.vllm else [], 0))
         self._labels = labels
         self._stages: list[dict] = []  # per pipeline stage: its metrics, made on first report
         self._stage_seen: list[dict] = []  # per stage: the counters' values already counted
@@ -93,6 +98,10 @@ class TritonMetrics:
         self.blocks_total.set(s.num_blocks)
         for key, counter in self._counters.items():
             self._count(counter, key, getattr(s, key))
+        if self.vllm is not None:
+            self.vllm.on_iteration(s)
+            for key, counter in self.vllm.counters.items():
+                self._count(counter, key, getattr(s, key), "vllm")
         self._count(self.restarts, "num_engine_restarts", stats.num_engine_restarts)
         if stats.batch_size:
             self.batch_size.observe(stats.batch_size)
@@ -106,8 +115,9 @@ class TritonMetrics:
                     metric.increment(value - seen[field])
                     seen[field] = value
 
-    def _count(self, counter, key: str, value: int) -> None:
+    def _count(self, counter, key: str, value: int, prefix: str = "") -> None:
         """A counter follows a total that only grows."""
+        key = prefix + key
         if value > self._seen[key]:
             counter.increment(value - self._seen[key])
             self._seen[key] = value
@@ -115,10 +125,20 @@ class TritonMetrics:
     def on_tokens(self, num_tokens: int, first: bool, seconds_since_last: float) -> None:
         (self.ttft if first else self.itl).observe(seconds_since_last)
         self.generated_tokens.increment(num_tokens)
+        if self.vllm is not None:
+            self.vllm.on_tokens(num_tokens, first, seconds_since_last)
 
     def on_rejected(self) -> None:
         self.rejected.increment(1)
 
-    def on_finish(self, num_prompt_tokens: int, num_output_tokens: int, seconds: float) -> None:
+    def on_finish(self, num_prompt_tokens: int, num_output_tokens: int, seconds: float,
+                  finish_reason: str) -> None:
         self.e2e.observe(seconds)
         self.prompt_tokens.increment(num_prompt_tokens)
+        if self.vllm is not None:
+            self.vllm.on_finish(num_prompt_tokens, num_output_tokens, seconds, finish_reason)
+
+    def on_failed(self, kind: ErrorKind) -> None:
+        """A request the engine had taken ended without finishing: cancelled, or failed inside."""
+        if self.vllm is not None and kind in (ErrorKind.CANCELLED, ErrorKind.INTERNAL):
+            self.vllm.on_ended_early("abort" if kind == ErrorKind.CANCELLED else "error")

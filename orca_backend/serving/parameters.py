@@ -43,14 +43,18 @@ class ServingOptions:
 
     iteration_trace: str | None = None
     max_queue_size: int | None = None  # None: unbounded
+    vllm_metrics: bool = True  # the same facts under vLLM's metric names too
 
 
 def serving_options(parameters: dict[str, str]) -> ServingOptions:
     """Take the serving loop's parameters out of `parameters`; empty means unset."""
     trace = parameters.pop("iteration_trace", "").strip() or None
+    vllm = parameters.pop("vllm_metrics", "").strip().lower() or "true"
+    if vllm not in ("true", "false"):
+        raise ConfigError(f"model parameter 'vllm_metrics' must be true or false, got {vllm!r}")
     raw = parameters.pop("max_queue_size", "").strip()
     if raw in ("", "auto"):
-        return ServingOptions(trace, None)
+        return ServingOptions(trace, None, vllm == "true")
     try:
         size = int(raw)
     except ValueError:
@@ -58,7 +62,7 @@ def serving_options(parameters: dict[str, str]) -> ServingOptions:
     if size < 1:
         raise ConfigError(f"model parameter 'max_queue_size' must be an integer >= 1 or empty "
                           f"(unbounded), got {raw!r}")
-    return ServingOptions(trace, size)
+    return ServingOptions(trace, size, vllm == "true")
 
 
 def engine_config_from_parameters(parameters: dict[str, str], instance_device: str = "cpu") -> EngineConfig:

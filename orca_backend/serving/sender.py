@@ -53,7 +53,9 @@ class ResponseSink(Protocol):
 class Metrics(Protocol):
     def on_iteration(self, stats: Stats) -> None: ...
     def on_tokens(self, num_tokens: int, first: bool, seconds_since_last: float) -> None: ...
-    def on_finish(self, num_prompt_tokens: int, num_output_tokens: int, seconds: float) -> None: ...
+    def on_finish(self, num_prompt_tokens: int, num_output_tokens: int, seconds: float,
+                  finish_reason: str) -> None: ...
+    def on_failed(self, kind: ErrorKind) -> None: ...
     def on_rejected(self) -> None: ...
 
 
@@ -168,7 +170,7 @@ class Sender:
     def _fail_all(self, message: str) -> None:
         streams, self._streams = self._streams, {}
         for request_id, stream in streams.items():
-            _safe(lambda: stream.sink.fail(message, ErrorKind.INTERNAL))
+            self._failed(stream, message, ErrorKind.INTERNAL)
             self._abort(request_id)
 
     def _handle(self, message) -> None:
@@ -177,7 +179,7 @@ class Sender:
         elif isinstance(message, Fail):
             stream = self._streams.pop(message.request_id, None)
             if stream is not None:
-                _safe(lambda: stream.sink.fail(message.message, message.kind))
+                self._failed(stream, message.message, message.kind)
         elif isinstance(message, FailAll):
             self._fail_all(message.message)
         elif isinstance(message, Deltas):
@@ -195,15 +197,14 @@ class Sender:
                 continue
             if delta.error is not None:
                 del self._streams[delta.request_id]
-                _safe(lambda: stream.sink.fail(delta.error, ErrorKind.INTERNAL))
+                self._failed(stream, delta.error, ErrorKind.INTERNAL)
                 continue
             try:
                 self._deliver(stream, delta, now)
                 done = delta.finished
             except Exception:  # a bug in formatting one request's response ends that request
                 log.exception("building a response failed")
-                _safe(lambda: stream.sink.fail("internal error while building the response",
-                                               ErrorKind.INTERNAL))
+                self._failed(stream, "internal error while building the response", ErrorKind.INTERNAL)
                 self._abort(delta.request_id)
                 done = True
             if done:
@@ -222,12 +223,17 @@ class Sender:
         stream.text.append(delta.text)
         if delta.finished and self.metrics is not None:  # counted before the client hears of it
             _safe(lambda: self.metrics.on_finish(delta.num_prompt_tokens, delta.num_output_tokens,
-                                                 now - stream.arrival))
+                                                 now - stream.arrival, delta.finish_reason))
         if req.stream and (delta.text or delta.finished):
             self._send(stream, delta, delta.text)
         elif delta.finished:
             text = "".join(stream.text)
             self._send(stream, delta, text if req.exclude_input_in_output else req.prompt + text)
+
+    def _failed(self, stream: Stream, message: str, kind: ErrorKind) -> None:
+        if self.metrics is not None:
+            _safe(lambda: self.metrics.on_failed(kind))
+        _safe(lambda: stream.sink.fail(message, kind))
 
     def _send(self, stream: Stream, delta: RequestDelta, text: str) -> None:
         if stream.request.stream:

@@ -41,7 +41,9 @@ class TritonPythonModel:
                    else executor_factory_for(engine_config))
         self.engine = LLMEngine(engine_config, factory)
         stage_stats = factory.stage_stats if isinstance(factory, StagedFactory) else None
-        self.loop = EngineLoop(self.engine, TritonMetrics(name), trace_path(options.iteration_trace, name),
+        metrics = TritonMetrics(name, args.get("model_version", "1"),
+                                self.engine.rules.max_model_len if options.vllm_metrics else None)
+        self.loop = EngineLoop(self.engine, metrics, trace_path(options.iteration_trace, name),
                                options.max_queue_size, stage_stats)
         self.loop.start()
         _close_on_interrupt(self.loop)

@@ -31,10 +31,15 @@ def main(argv: list[str] | None = None) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1 (default: ORCA_API_KEY)")
     p.add_argument("--tokenizer", type=Path, metavar="FOLDER",
                    help="tokenizer files for the chat template (default: each model's checkpoint folder)")
+    p.add_argument("--grpc-header", action="append", default=[], metavar="KEY=VALUE",
+                   help="send this header on every gRPC call (tritonserver's --grpc-restricted-protocol key)")
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
+    headers = dict(h.partition("=")[::2] for h in args.grpc_header)
+    if any(not k for k in headers):
+        p.error("--grpc-header takes KEY=VALUE")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    backend = Backend(args.url, args.model, args.tokenizer)
+    backend = Backend(args.url, args.model, args.tokenizer, headers)
     logging.getLogger(__name__).info("OpenAI API on %s:%d for tritonserver at %s (API key %s)", args.host,
                                      args.port, args.url, "required" if args.api_key else "not required")
     uvicorn.run(create_app(backend, args.api_key), host=args.host, port=args.port,

@@ -49,8 +49,11 @@ class Piece:
 
 
 class Backend:
-    def __init__(self, url: str, models: list[str] | None = None, tokenizer: Path | None = None) -> None:
+    def __init__(self, url: str, models: list[str] | None = None, tokenizer: Path | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        """`headers` go with every gRPC call (the key of tritonserver's --grpc-restricted-protocol)."""
         self.url = url
+        self._headers = dict(headers or {})
         self.client: grpcclient_aio.InferenceServerClient | None = None  # made in the event loop
         self._only = set(models or ())  # the models to serve; empty: every LLM model that is ready
         self._tokenizer = tokenizer
@@ -68,7 +71,7 @@ class Backend:
 
     async def server_ready(self) -> bool:
         try:
-            return await self.client.is_server_ready()
+            return await self.client.is_server_ready(headers=self._headers)
         except (InferenceServerException, grpc.RpcError):
             return False
 
@@ -92,7 +95,7 @@ class Backend:
 
     async def _read_index(self) -> None:
         try:
-            index = await self.client.get_model_repository_index(as_json=True)
+            index = await self.client.get_model_repository_index(headers=self._headers, as_json=True)
         except InferenceServerException as e:
             log.warning("reading the model repository index failed: %s", e.message())
             raise APIError(503, "the inference server cannot be reached") from None
@@ -113,7 +116,7 @@ class Backend:
 
     async def _describe(self, name: str) -> ServedModel | None:
         try:
-            config = (await self.client.get_model_config(name, as_json=True))["config"]
+            config = (await self.client.get_model_config(name, headers=self._headers, as_json=True))["config"]
         except InferenceServerException:
             return None
         if not is_llm_config(config):
@@ -135,7 +138,7 @@ class Backend:
         async def requests():
             yield request
 
-        responses = self.client.stream_infer(requests(), headers=_HEADERS)
+        responses = self.client.stream_infer(requests(), headers={**self._headers, **_HEADERS})
         try:
             async for result, error in responses:
                 if error is not None:  # a server that ignores the header: no code to go by
