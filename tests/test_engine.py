@@ -189,6 +189,22 @@ def test_a_request_larger_than_the_pool_is_refused(default_model):
         engine.add_request("x", "hello", SamplingParams(max_tokens=70))
 
 
+def test_max_tokens_none_runs_up_to_the_context_or_the_pool(default_model):
+    engine = LLMEngine(EngineConfig(model=str(default_model), kv_cache_tokens=64, block_size=16,
+                                    max_model_len=40))
+    short = engine.add_request("a", "hello", SamplingParams(max_tokens=None, ignore_eos=True))
+    assert short.params.max_tokens == 40 - short.num_prompt_tokens  # the context's room
+    engine.abort_request("a")
+    roomy = LLMEngine(EngineConfig(model=str(default_model), kv_cache_tokens=64, block_size=16))
+    req = roomy.add_request("b", "hello", SamplingParams(max_tokens=None, ignore_eos=True))
+    assert req.params.max_tokens == 64 - req.num_prompt_tokens + 1  # what the pool holds
+    deltas = []
+    while roomy.has_unfinished_requests():
+        deltas += roomy.step()
+    assert deltas[-1].finished, deltas[-1]
+    assert (deltas[-1].finish_reason, deltas[-1].num_output_tokens) == ("length", req.params.max_tokens)
+
+
 def test_duplicate_request_id_is_refused(llm):
     engine = llm.engine
     engine.add_request("dup", "Hi", SamplingParams(max_tokens=1))

@@ -13,9 +13,9 @@ import threading
 import pytest
 
 from client.triton_client import StreamingClient
-from orca_backend.serving.launch import REPO_ROOT, Server
+from orca_backend.serving.launch import REPO_ROOT, Frontend, Server
 
-from helpers import assert_no_leak, wait_until
+from helpers import assert_no_leak, metric_lines, wait_until
 
 pytestmark = pytest.mark.server  # slow group: a real tritonserver
 
@@ -60,7 +60,7 @@ def hostile(tmp_path_factory, default_model):
     repository = root / "models"
     repository.mkdir()
     _model(repository, "orca_small_queue", {"max_batch_size": "1", "max_queue_size": "2",
-                                            "kv_cache_tokens": "2048"})
+                                            "kv_cache_tokens": "2048", "vllm_metrics": "false"})
     _model(repository, "orca_faulty", {"kv_cache_tokens": "2048"}, FAULTY_MODEL_PY)
     _model(repository, "orca_process", {"executor": "process", "max_inflight": "2",
                                         "kv_cache_tokens": "2048"})
@@ -225,3 +225,38 @@ def test_the_kernel_backends_serve_the_same_tokens_end_to_end(hostile, model):
     assert texts[model] == texts["orca_small_queue"]
     assert hostile.metric("orca_iterations_total", model) >= 4
     assert_no_leak(hostile, model)
+
+
+def test_the_openai_api_answers_a_full_queue_with_503_and_an_engine_fault_with_500(hostile, tmp_path):
+    import httpx2
+
+    frontend = Frontend(tmp_path, hostile.grpc_url)
+    model = "orca_small_queue"
+
+    def complete(model, **extra):  # completions: no chat template to load while the queue is full
+        r = httpx2.post(frontend.url + "/v1/completions", timeout=120, json={
+            "model": model, "prompt": "Hi", "max_tokens": 3, **extra})
+        return r.status_code, r.json()
+
+    try:
+        frontend.wait_ready()
+        with StreamingClient(hostile.grpc_url, model=model) as c:
+            running = c.send("Tell me a long story", sampling={"max_tokens": 60, **GREEDY})
+            wait_until(lambda: c._results[running].responses, 120, "the first request to run")
+            queued = [c.send(f"Queued {i}", sampling={"max_tokens": 3, **GREEDY}) for i in range(2)]
+            wait_until(lambda: hostile.metric("orca_requests_waiting", model) == 2, 30, "two waiting")
+            full = complete(model)
+            results = [c.wait(i, timeout=120) for i in [running, *queued]]
+        assert full[0] == 503 and full[1]["error"]["type"] == "server_error"
+        assert full[1]["error"]["message"].startswith("the queue is full")
+        assert [r.error for r in results] == [None] * 3
+        crashed = complete("orca_faulty", stop=["CRASH-ENGINE"])
+        assert crashed[0] == 500 and "injected engine-thread fault" in crashed[1]["error"]["message"]
+        assert "Traceback" not in crashed[1]["error"]["message"]
+        assert complete("orca_faulty")[0] == 200  # and the model serves on
+    finally:
+        frontend.stop()
+    # vllm_metrics false: no vLLM names for that model, and the others keep theirs.
+    names = {key.partition("{")[0] for key in metric_lines(hostile) if f'model="{model}"' in key}
+    assert "orca_requests_running" in names and not any(n.startswith("vllm:") for n in names)
+    assert 'vllm:num_requests_running{model="orca_faulty",version="1"}' in metric_lines(hostile)

@@ -24,15 +24,18 @@ log = logging.getLogger(__name__)
 
 def create_app(backend: Backend, api_key: str | None = None) -> FastAPI:
     """The API over `backend`; with `api_key`, every /v1 route needs 'Authorization: Bearer KEY'."""
+    templates = ChatTemplates()
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await backend.open()
+        warm = asyncio.create_task(_load_templates(backend, templates))
         yield
+        warm.cancel()
         await backend.close()
 
     app = FastAPI(title="orca OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)
-    templates = ChatTemplates()
     expected = api_key.encode("utf-8") if api_key else None
 
     def check_key(request: Request) -> None:
@@ -118,6 +121,17 @@ def create_app(backend: Backend, api_key: str | None = None) -> FastAPI:
 
     app.include_router(v1)
     return app
+
+
+async def _load_templates(backend: Backend, templates: ChatTemplates) -> None:
+    """Load the served models' chat templates at start-up, so that no first chat waits for them."""
+    for _ in range(600):  # tritonserver may still be loading its models
+        models = await _models_or_none(backend)
+        if models:
+            for model in models:
+                await templates.load(model)
+            return
+        await asyncio.sleep(1)
 
 
 def _model_card(model) -> dict:

@@ -19,6 +19,13 @@ class ChatTemplates:
     async def render(self, model: ServedModel, messages: list[dict]) -> str:
         return await asyncio.to_thread(self._render, model, messages)
 
+    async def load(self, model: ServedModel) -> None:
+        """Load a model's template ahead of its first chat; a model without one is left to fail then."""
+        try:
+            await asyncio.to_thread(self._tokenizer, model)
+        except APIError:
+            pass
+
     def _render(self, model: ServedModel, messages: list[dict]) -> str:
         tokenizer = self._tokenizer(model)
         try:

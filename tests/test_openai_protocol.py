@@ -1,0 +1,119 @@
+"""The OpenAI API's pure parts: requests to sampling parameters, refusals naming their field,
+and the response formats built from hand-made model outputs."""
+from __future__ import annotations
+
+import pytest
+
+from orca_backend.serving.openai_api.errors import APIError
+from orca_backend.serving.openai_api.formats import Choice, chat_logprobs, completion_logprobs, usage
+from orca_backend.serving.openai_api.generation import _nth
+from orca_backend.serving.openai_api.protocol import ChatRequest, CompletionRequest, parse
+
+USER = [{"role": "user", "content": "Hi"}]
+
+
+def chat(**fields) -> ChatRequest:
+    return parse(ChatRequest, {"model": "m", "messages": USER, **fields})
+
+
+def refusal(make, **fields) -> APIError:
+    with pytest.raises(APIError) as e:
+        make(**fields).sampling()
+    return e.value
+
+
+def test_chat_sampling_follows_openai_names_and_defaults():
+    assert chat().sampling() == {"max_tokens": None}  # up to the context, as OpenAI's chat
+    assert chat(max_tokens=5, max_completion_tokens=7).sampling()["max_tokens"] == 7
+    s = chat(max_tokens=5, temperature=0, top_p=0.5, seed=3, stop="x", presence_penalty=1,
+             frequency_penalty=-1, logprobs=True, top_logprobs=4, top_k=3, ignore_eos=True, user="u").sampling()
+    assert s == {"max_tokens": 5, "temperature": 0, "top_p": 0.5, "seed": 3, "stop": ["x"],
+                 "presence_penalty": 1, "frequency_penalty": -1, "logprobs": 4, "top_k": 3, "ignore_eos": True}
+    assert chat(logprobs=True).sampling()["logprobs"] == 0  # the sampled token's only
+    assert "logprobs" not in chat(logprobs=False).sampling()
+
+
+def test_completion_sampling_defaults_to_16_tokens():
+    req = parse(CompletionRequest, {"model": "m", "prompt": ["a", "b"], "logprobs": 2})
+    assert req.sampling() == {"max_tokens": 16, "logprobs": 2} and req.prompts() == ["a", "b"]
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"tools": [{"type": "function"}]}, "tools"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"logit_bias": {"1": 1}}, "logit_bias"),
+    ({"store": True}, "store"),
+    ({"whatever": 1}, "whatever"),
+    ({"temperature": -0.5}, "temperature"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_completion_tokens": -1}, "max_completion_tokens"),
+    ({"top_logprobs": 1}, "top_logprobs"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options"),
+    ({"seed": 1 << 70}, "seed"),
+])
+def test_chat_refusals_name_their_field(fields, param):
+    e = refusal(chat, **fields)
+    assert (e.status, e.param) == (400, param) and e.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_no_op_values_of_unsupported_fields_are_accepted():
+    chat(tools=[], tool_choice="none", response_format={"type": "text"}, logit_bias={}, store=False,
+         parallel_tool_calls=True, service_tier="auto").sampling()
+
+
+def test_messages_become_template_input():
+    req = chat(messages=[{"role": "developer", "content": "Be kind."},
+                         {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "you"}],
+                          "name": "ann"}])
+    assert req.template_messages() == [{"role": "system", "content": "Be kind."},
+                                       {"role": "user", "content": "Hi you", "name": "ann"}]
+    for bad, param in (([{"role": "tool", "content": "x"}], "messages[0].role"),
+                       ([{"role": "user", "content": "x", "tool_calls": []}], "messages[0].tool_calls"),
+                       ([{"role": "user", "content": [{"type": "input_audio"}]}], "messages")):
+        with pytest.raises(APIError) as e:
+            chat(messages=bad).template_messages()
+        assert e.value.param == param
+
+
+def test_type_errors_name_the_field():
+    with pytest.raises(APIError) as e:
+        parse(ChatRequest, {"model": "m", "messages": USER, "n": "many"})
+    assert (e.value.status, e.value.param) == (400, "n")
+    with pytest.raises(APIError) as e:
+        parse(CompletionRequest, {"model": "m", "prompt": "x", "echo": True, "logprobs": 1}).sampling()
+    assert e.value.param == "echo"
+
+
+# The model's entries: the sampled token first with its rank, then the top N.
+ENTRIES = [{"7": {"logprob": -0.1, "rank": 1, "decoded_token": "Hi"},
+            "9": {"logprob": -2.5, "rank": 2, "decoded_token": "Yo"}},
+           {"4": {"logprob": -3.0, "rank": 3, "decoded_token": " é"},  # sampled, not in the top 2
+            "5": {"logprob": -0.5, "rank": 1, "decoded_token": " a"},
+            "6": {"logprob": -1.0, "rank": 2, "decoded_token": " b"}}]
+
+
+def test_chat_logprobs_put_the_sampled_token_first_and_the_top_n_by_rank():
+    content = chat_logprobs(ENTRIES, 2)["content"]
+    assert [(t["token"], t["logprob"]) for t in content] == [("Hi", -0.1), (" é", -3.0)]
+    assert [t["token"] for t in content[1]["top_logprobs"]] == [" a", " b"]
+    assert content[1]["bytes"] == list(" é".encode())
+    assert chat_logprobs(ENTRIES, 0)["content"][0]["top_logprobs"] == []
+
+
+def test_completion_logprobs_columns_and_offsets():
+    out = completion_logprobs(ENTRIES, 2, offset=10)
+    assert out == {"tokens": ["Hi", " é"], "token_logprobs": [-0.1, -3.0],
+                   "top_logprobs": [{"Hi": -0.1, "Yo": -2.5}, {" a": -0.5, " b": -1.0}], "text_offset": [10, 12]}
+
+
+def test_usage_counts_each_prompt_once_and_every_sample():
+    choices = [Choice(i, "p", num_input_tokens=5, num_output_tokens=3, num_cached_tokens=4) for i in range(4)]
+    assert usage(choices, n=2) == {"prompt_tokens": 10, "completion_tokens": 12, "total_tokens": 22,
+                                   "prompt_tokens_details": {"cached_tokens": 8}}
+
+
+def test_the_ith_sample_of_a_seeded_prompt_has_seed_plus_i():
+    assert _nth({"seed": 5}, 0) == {"seed": 5} and _nth({"seed": 5}, 2) == {"seed": 7}
+    assert _nth({"temperature": 1}, 3) == {"temperature": 1}
