@@ -70,10 +70,13 @@ bench-executors: model
 	$(PY) benchmarks/bench_engine.py --executors-only --quick --markdown docs/benchmarks/executors.md
 
 # perf_analyzer and genai-perf in build/perf-tools, then both and our load generator on one
-# workload; writes docs/benchmarks/perf.md and docs/benchmarks/perf/.
+# workload; writes docs/benchmarks/perf.md and docs/benchmarks/perf/. Then the OpenAI frontend's
+# added latency (alone, and genai-perf chat beside genai-perf over Triton's protocol at 16
+# streams); writes docs/benchmarks/openai.md.
 perf: model
 	bash benchmarks/install_perf_tools.sh build/perf-tools $(PYTHON)
 	$(PY) benchmarks/bench_perf.py --tools build/perf-tools
+	$(PY) benchmarks/bench_openai.py --tools build/perf-tools --markdown docs/benchmarks/openai.md
 
 clean:
 	rm -rf $(VENV)

@@ -18,8 +18,8 @@ from ..grpc_io import build_inputs, decode_outputs, is_llm_config, requested_out
 from .errors import APIError, from_grpc, unknown_model
 
 log = logging.getLogger(__name__)
-# Every output the frontend reads, asked for on every request.
-_FLAGS = {name: True for name in ("return_finish_reason", "return_logprobs", "return_num_input_tokens",
+# The outputs the frontend reads (logprobs only when a request asks for them).
+_FLAGS = {name: True for name in ("return_finish_reason", "return_num_input_tokens",
                                   "return_num_output_tokens", "return_num_cached_tokens")}
 # Triton then ends a stream with the request's gRPC status (INVALID_ARGUMENT, UNAVAILABLE...)
 # instead of an error message without a code.
@@ -130,7 +130,8 @@ class Backend:
         """The model's responses to one request; raises APIError. Closing the iterator early
         (the HTTP client went away) cancels the gRPC stream, and the model drops the request."""
         stream = stream and model.decoupled
-        inputs = build_inputs(prompt, sampling, stream=stream, exclude_input=True, flags=_FLAGS,
+        flags = {**_FLAGS, "return_logprobs": True} if sampling.get("logprobs") is not None else _FLAGS
+        inputs = build_inputs(prompt, sampling, stream=stream, exclude_input=True, flags=flags,
                               batched=model.batched)
         request = {"model_name": model.name, "inputs": inputs, "outputs": requested_outputs(),
                    "request_id": uuid.uuid4().hex}

@@ -30,6 +30,12 @@ class Generation:
     async def start(self) -> None:
         """Send every request and wait for each one's first response; raises APIError if
         one fails first (and cancels the rest)."""
+        if len(self.choices) == 1:  # one choice: its stream is read here, no task in between
+            try:
+                self._early.append((self.choices[0], await anext(self._streams[0])))
+            except StopAsyncIteration:
+                self._open = 0
+            return
         self._tasks = [asyncio.create_task(self._pump(c, s)) for c, s in zip(self.choices, self._streams)]
         waiting = set(range(len(self.choices)))
         try:
@@ -53,6 +59,11 @@ class Generation:
                 choice.add(piece)
                 yield choice, piece
             self._early = []
+            if len(self.choices) == 1 and self._open:
+                async for piece in self._streams[0]:
+                    self.choices[0].add(piece)
+                    yield self.choices[0], piece
+                return
             while self._open:
                 choice, item = await self._queue.get()
                 if isinstance(item, APIError):
@@ -64,6 +75,8 @@ class Generation:
                 yield choice, item
         finally:
             self.cancel()
+            if len(self.choices) == 1:
+                await self._streams[0].aclose()  # its gRPC stream is cancelled if still open
 
     async def collect(self) -> list[Choice]:
         await self.start()
