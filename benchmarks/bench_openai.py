@@ -162,12 +162,14 @@ def overhead_rows(runs: dict) -> list[list[str]]:
 
 # -- 2. with the model: genai-perf, chat through the frontend vs Triton's protocol --------------
 def _genai_perf(args, kind: str, url: str, inputs: Path, artifacts: Path) -> dict:
-    endpoint = (["--endpoint-type", "chat", "-u", url] if kind == "chat"
-                else ["--backend", "vllm", "--endpoint-type", "kserve", "-u", url])
+    # Exactly `tokens` output tokens: min_tokens = max_tokens over Triton's protocol (genai-perf's
+    # "deterministic"), ignore_eos through the OpenAI API (genai-perf allows the former only there).
+    endpoint = (["--endpoint-type", "chat", "-u", url, "--extra-inputs", "ignore_eos:true"] if kind == "chat"
+                else ["--backend", "vllm", "--endpoint-type", "kserve", "-u", url,
+                      "--output-tokens-mean-deterministic"])
     run_tool([str(args.tools / "bin" / "genai-perf"), "profile", "-m", "orca", *endpoint, "--streaming",
               "--input-file", str(inputs), "--tokenizer", str(prepare_default_model()),
-              "--output-tokens-mean", str(args.tokens), "--output-tokens-stddev", "0",
-              "--output-tokens-mean-deterministic", "--random-seed", "0",
+              "--output-tokens-mean", str(args.tokens), "--output-tokens-stddev", "0", "--random-seed", "0",
               "--concurrency", str(args.concurrency), "--request-count", str(args.genai_requests),
               "--warmup-request-count", str(args.concurrency), "--stability-percentage", "50",
               "--artifact-dir", str(artifacts)],
@@ -184,13 +186,20 @@ def with_model(args, work: Path) -> dict:
     from client.trace import load_tokenizer
 
     tokenizer = load_tokenizer()
-    rng = random.Random(0)
-    vocab = [t for t in range(1000, 20000)]
-    questions = [tokenizer.decode([rng.choice(vocab) for _ in range(args.input_tokens)]) for _ in range(64)]
     folder = prepare_default_model()
-    chat_in, text_in = work / "chat.jsonl", work / "text.jsonl"
-    chat_in.write_text("".join(json.dumps({"text": q}) + "\n" for q in questions))
-    text_in.write_text("".join(json.dumps({"text": chat_prompt(q, folder)}) + "\n" for q in questions))
+    vocab = range(1000, 20000)
+    count = args.genai_requests + 2 * args.concurrency
+
+    def inputs(kind: str, i: int) -> Path:
+        """Prompts of their own for each run (else a run would hit the prefix cache of the run
+        before), drawn alike for both kinds."""
+        rng = random.Random(f"{kind}-{i}")
+        questions = [tokenizer.decode([rng.choice(vocab) for _ in range(args.input_tokens)]) for _ in range(count)]
+        texts = questions if kind == "chat" else [chat_prompt(q, folder) for q in questions]
+        path = work / f"{kind}_{i}.jsonl"
+        path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+        return path
+
     server = Server(work, extra_args=["--model-control-mode=explicit", "--load-model=orca"])
     frontend = None
     try:
@@ -202,8 +211,7 @@ def with_model(args, work: Path) -> dict:
             for kind in ("triton", "chat"):
                 log(f"  genai-perf round {i + 1}: {kind}")
                 url = frontend.url if kind == "chat" else server.grpc_url
-                results[kind].append(_genai_perf(args, kind, url, chat_in if kind == "chat" else text_in,
-                                                 work / f"genai_{kind}_{i}"))
+                results[kind].append(_genai_perf(args, kind, url, inputs(kind, i), work / f"genai_{kind}_{i}"))
         return results
     finally:
         if frontend is not None:
@@ -254,7 +262,7 @@ def main() -> None:
             "## 2. With the model", "",
             f"tritonserver with `orca` (default parameters, SmolLM2-135M-Instruct on the CPU) and the frontend; "
             f"genai-perf 0.0.16, {args.concurrency} concurrent streams, {args.genai_requests} measured requests "
-            f"per run, prompts of {args.input_tokens} random tokens in the chat template, {args.tokens} output "
+            f"per run, prompts of {args.input_tokens} random tokens in the chat template (each run its own, drawn alike), {args.tokens} output "
             "tokens; two runs of each, alternating (values: run 1 / run 2).", "",
             *table(["metric", "Triton protocol (kserve, streaming gRPC)", "OpenAI chat (frontend)",
                     "chat - Triton (mean)"], model_rows(results)), ""]
