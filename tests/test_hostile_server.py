@@ -40,6 +40,11 @@ class TritonPythonModel(_Served):
 '''
 
 
+RESTRICTED = "orca-admin=s3cret"  # --grpc-restricted-protocol's KEY=VALUE
+# What a gRPC client then sends: tritonserver prefixes the key.
+RESTRICTED_HEADER = "triton-grpc-protocol-" + RESTRICTED
+
+
 def _model(repository, name, parameters: dict[str, str], model_py: str | None = None) -> None:
     source = REPO_ROOT / "model_repository" / "orca"
     folder = repository / name
@@ -69,7 +74,10 @@ def hostile(tmp_path_factory, default_model):
     # engine: tensorrt, its graph evaluated with torch and our plugin's entry interpreted.
     _model(repository, "orca_tensorrt_graph", {"engine": "tensorrt", "tensorrt_runtime": "torch",
                                                "kv_cache_tokens": "2048"})
-    server = Server(root, model_repository=repository)
+    # Listing the repository over gRPC needs a header (tritonserver's restricted protocols);
+    # of this server's clients only the OpenAI API lists it.
+    server = Server(root, model_repository=repository,
+                    extra_args=[f"--grpc-restricted-protocol=model-repository:{RESTRICTED}"])
     try:
         server.wait_ready()
         yield server
@@ -230,7 +238,8 @@ def test_the_kernel_backends_serve_the_same_tokens_end_to_end(hostile, model):
 def test_the_openai_api_answers_a_full_queue_with_503_and_an_engine_fault_with_500(hostile, tmp_path):
     import httpx2
 
-    frontend = Frontend(tmp_path, hostile.grpc_url)
+    frontend = Frontend(tmp_path, hostile.grpc_url, args=["--grpc-header", RESTRICTED_HEADER])
+    headless = Frontend(tmp_path, hostile.grpc_url)  # without the header tritonserver asks for
     model = "orca_small_queue"
 
     def complete(model, **extra):  # completions: no chat template to load while the queue is full
@@ -240,6 +249,8 @@ def test_the_openai_api_answers_a_full_queue_with_503_and_an_engine_fault_with_5
 
     try:
         frontend.wait_ready()
+        headless.wait_ready(listening_only=True)
+        assert headless.status() == 503 and headless.status("/v1/models") == 503
         with StreamingClient(hostile.grpc_url, model=model) as c:
             running = c.send("Tell me a long story", sampling={"max_tokens": 60, **GREEDY})
             wait_until(lambda: c._results[running].responses, 120, "the first request to run")
@@ -256,6 +267,7 @@ def test_the_openai_api_answers_a_full_queue_with_503_and_an_engine_fault_with_5
         assert complete("orca_faulty")[0] == 200  # and the model serves on
     finally:
         frontend.stop()
+        headless.stop()
     # vllm_metrics false: no vLLM names for that model, and the others keep theirs.
     names = {key.partition("{")[0] for key in metric_lines(hostile) if f'model="{model}"' in key}
     assert "orca_requests_running" in names and not any(n.startswith("vllm:") for n in names)

@@ -117,3 +117,11 @@ def test_usage_counts_each_prompt_once_and_every_sample():
 def test_the_ith_sample_of_a_seeded_prompt_has_seed_plus_i():
     assert _nth({"seed": 5}, 0) == {"seed": 5} and _nth({"seed": 5}, 2) == {"seed": 7}
     assert _nth({"temperature": 1}, 3) == {"temperature": 1}
+
+
+def test_launch_gives_the_frontend_the_header_of_tritonservers_restricted_protocols():
+    from orca_backend.serving.launch import restricted_headers
+
+    assert restricted_headers(["--grpc-restricted-protocol=inference,model-config:k=v", "--allow-http=false"]) == [
+        "--grpc-header", "triton-grpc-protocol-k=v"]
+    assert restricted_headers(["--http-restricted-api=inference:k=v"]) == []

@@ -217,6 +217,17 @@ class Frontend:
         self._log.close()
 
 
+def restricted_headers(triton_args: list[str]) -> list[str]:
+    """The frontend's --grpc-header options for tritonserver's --grpc-restricted-protocol ones,
+    so that the frontend may make the calls they restrict (the server prefixes each key)."""
+    out = []
+    for arg in triton_args:
+        if arg.startswith("--grpc-restricted-protocol="):
+            key_value = arg.partition("=")[2].rpartition(":")[2]
+            out += ["--grpc-header", f"triton-grpc-protocol-{key_value}"]
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-repository", type=Path, default=REPO_ROOT / "model_repository")
@@ -240,7 +251,8 @@ def main() -> None:
     # OPENAI_PORT and ORCA_API_KEY reach the frontend through the environment.
     grpc_host = "127.0.0.1" if args.triton_address in (None, "0.0.0.0") else args.triton_address
     frontend = subprocess.Popen([sys.executable, "-m", "orca_backend.serving.openai_api",
-                                 "--url", f"{grpc_host}:{grpc_port}", "--host", args.openai_host], cwd=REPO_ROOT)
+                                 "--url", f"{grpc_host}:{grpc_port}", "--host", args.openai_host,
+                                 *restricted_headers(extra)], cwd=REPO_ROOT)
     server = subprocess.Popen(argv, env=env)
     # Ctrl+C reaches every process of the group: tritonserver and the frontend stop themselves.
     # A SIGTERM to this process alone is passed on.

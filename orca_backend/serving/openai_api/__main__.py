@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokenizer", type=Path, metavar="FOLDER",
                    help="tokenizer files for the chat template (default: each model's checkpoint folder)")
     p.add_argument("--grpc-header", action="append", default=[], metavar="KEY=VALUE",
-                   help="send this header on every gRPC call (tritonserver's --grpc-restricted-protocol key)")
+                   help="send this header on every gRPC call: triton-grpc-protocol-K=V for tritonserver's "
+                        "--grpc-restricted-protocol=...:K=V")
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
     headers = dict(h.partition("=")[::2] for h in args.grpc_header)
