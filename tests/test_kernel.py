@@ -51,7 +51,8 @@ def test_mixed_batch_16_bit(dtype):
 
 
 @pytest.mark.parametrize("heads,dtype", [((9, 3, 64), torch.float32), ((9, 3, 64), torch.bfloat16),
-                                         ((32, 8, 128), torch.float16)])
+                                         ((32, 8, 128), torch.float16),
+                                         ((4, 4, 16), torch.float32)])  # no GQA, as GPT-2
 def test_head_configs(heads, dtype):
     num_heads, num_kv_heads, head_dim = heads
     check(make_paged_batch(query_lens=[1, 3], context_lens=[18, 2], num_heads=num_heads,

@@ -106,7 +106,7 @@ PREEMPTING = ("preempt", "process", "kernel-preempt", "pipeline-preempt", "tenso
 # The interpreter is slow: preemption under the kernel, and the TensorRT graph (which
 # test_trt_engine.py checks on Qwen2 too), run on llama alone; so do the costlier rank layouts.
 KINDS = {"kernel-preempt": ["llama"], "tensorrt-graph": ["llama"], "pipeline-tp2": ["llama"],
-         "tp4": ["llama"], "kernel": ["llama", "gpt2"]}  # Qwen2's biases do not reach attention
+         "tp4": ["llama"], "kernel": ["llama"]}  # one head per K/V head (GPT-2's): test_kernel.py
 NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -162,7 +162,7 @@ def test_default_model_matches_transformers(variant, default_model, default_refe
 def test_kernel_backend_matches_sdpa_backend(tiny_models):
     """The two attention backends on the same engine settings: equal greedy tokens, and
     logits closer to each other than either is to transformers' (fp32 on both)."""
-    prompts = _prompts(512)[:4]
+    prompts = _prompts(512)[:3]
     runs = {}
     for attention in ("torch", "triton"):
         engine = LLMEngine(EngineConfig(model=str(tiny_models["llama"]), keep_logits=True,

@@ -214,12 +214,12 @@ REFUSALS = [  # (path, body, HTTP status, param)
 
 
 def test_every_refusal_is_an_openai_error_and_harms_a_healthy_stream_not(api, frontend, server):
-    expected = api.chat.completions.create(model="orca", messages=MESSAGES, temperature=0, max_tokens=40,
+    expected = api.chat.completions.create(model="orca", messages=MESSAGES, temperature=0, max_tokens=24,
                                            extra_body={"ignore_eos": True}).choices[0].message.content
     healthy: list[str] = []
 
     def stream():
-        for chunk in api.chat.completions.create(model="orca", messages=MESSAGES, temperature=0, max_tokens=40,
+        for chunk in api.chat.completions.create(model="orca", messages=MESSAGES, temperature=0, max_tokens=24,
                                                  stream=True, extra_body={"ignore_eos": True}):
             healthy.append(chunk.choices[0].delta.content or "")
 

@@ -73,12 +73,12 @@ def test_a_models_args_give_its_parameters_and_device():
 
 
 def test_the_documented_parameters_are_the_ones_read():
-    """Every EngineConfig field that is a model parameter, and the serving loop's two: the
+    """Every EngineConfig field that is a model parameter, and the serving loop's three: the
     table of docs/configuration.md and model_repository/orca/config.pbtxt name exactly these
     (the other served models a part of them)."""
     from orca_backend.serving.launch import REPO_ROOT
 
-    read = set(ENGINE_PARAMETERS) | {"max_queue_size", "iteration_trace"}
+    read = set(ENGINE_PARAMETERS) | {"max_queue_size", "iteration_trace", "vllm_metrics"}
     table = (REPO_ROOT / "docs" / "configuration.md").read_text()
     documented = set(re.findall(r"^\| `(\w+)` \|", table, re.M))
     assert documented == read
@@ -166,3 +166,13 @@ def test_iteration_trace_records_each_iteration(engine, tmp_path):
                              "num_decode_requests", "num_used_blocks", "num_waiting"}
     assert sum(line["num_decode_requests"] for line in lines) == 2 * 3  # 4 tokens: 1 prefill + 3 decodes
     assert max(line["num_requests"] for line in lines) == 2
+
+
+def test_vllm_metrics_is_a_boolean_parameter_on_by_default():
+    from orca_backend.core.errors import ConfigError
+    from orca_backend.serving.parameters import serving_options
+
+    assert serving_options({}).vllm_metrics is True
+    assert serving_options({"vllm_metrics": "False", "max_queue_size": "3"}).vllm_metrics is False
+    with pytest.raises(ConfigError, match="'vllm_metrics' must be true or false, got 'maybe'"):
+        serving_options({"vllm_metrics": "maybe"})
