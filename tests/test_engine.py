@@ -205,6 +205,17 @@ def test_max_tokens_none_runs_up_to_the_context_or_the_pool(default_model):
     assert (deltas[-1].finish_reason, deltas[-1].num_output_tokens) == ("length", req.params.max_tokens)
 
 
+def test_max_tokens_none_shared_by_prompts_of_other_lengths(default_model):
+    """One SamplingParams for every prompt (as LLM.generate takes it): each prompt gets its own
+    room, and the caller's object is left as it was."""
+    llm = LLM(str(default_model), kv_cache_tokens=256, block_size=16, max_model_len=48)
+    params = SamplingParams(max_tokens=None, temperature=0, ignore_eos=True)
+    short, long = llm.generate(["Hi", "Tell me a story about a dragon and a knight"], params)
+    assert params.max_tokens is None
+    assert len(short.prompt_token_ids) + len(short.token_ids) == 48
+    assert len(long.prompt_token_ids) + len(long.token_ids) == 48
+
+
 def test_duplicate_request_id_is_refused(llm):
     engine = llm.engine
     engine.add_request("dup", "Hi", SamplingParams(max_tokens=1))

@@ -225,17 +225,17 @@ def test_the_kernel_backends_serve_the_same_tokens_end_to_end(hostile, model):
     batches through the padded CUDA-graph path, run eagerly on the CPU) and inside the
     TensorRT engine's graph (engine tensorrt, evaluated with torch): two prompts stream the
     same greedy text as the SDPA backend, and every K/V block comes back."""
-    prompts, sampling = ["Once upon a time", "The capital of France is"], {"max_tokens": 3, **GREEDY}
+    prompts, sampling = ["Once upon a time", "The capital of France is"], {"max_tokens": 2, **GREEDY}
     for name in ("orca_small_queue", model):  # both the default model; the SDPA texts once
         if name in _KERNEL_TEXTS:
             continue
         with _stream(hostile, name) as c:
             ids = [c.send(p, sampling=sampling) for p in prompts]
             results = [c.wait(i, timeout=240) for i in ids]
-        assert all(r.error is None and len(r.responses) == 3 for r in results), results
+        assert all(r.error is None and len(r.responses) == 2 for r in results), results
         _KERNEL_TEXTS[name] = [r.text for r in results]
     assert _KERNEL_TEXTS[model] == _KERNEL_TEXTS["orca_small_queue"]
-    assert hostile.metric("orca_iterations_total", model) >= 3
+    assert hostile.metric("orca_iterations_total", model) >= 2
     assert_no_leak(hostile, model)
 
 

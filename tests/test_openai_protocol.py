@@ -120,8 +120,20 @@ def test_the_ith_sample_of_a_seeded_prompt_has_seed_plus_i():
 
 
 def test_launch_gives_the_frontend_the_header_of_tritonservers_restricted_protocols():
-    from orca_backend.serving.launch import restricted_headers
+    from orca_backend.serving.launch import restricted_headers, shown
 
-    assert restricted_headers(["--grpc-restricted-protocol=inference,model-config:k=v", "--allow-http=false"]) == [
-        "--grpc-header", "triton-grpc-protocol-k=v"]
+    assert restricted_headers(["--grpc-restricted-protocol=inference,model-config:k=v:w", "--allow-http=false"]) == [
+        "--grpc-header", "triton-grpc-protocol-k=v:w"]
+    assert restricted_headers(["--grpc-restricted-protocol", "health:k=v"]) == ["--grpc-header", "triton-grpc-protocol-k=v"]
     assert restricted_headers(["--http-restricted-api=inference:k=v"]) == []
+    assert shown(["tritonserver", "--grpc-restricted-protocol=health:k=s3cret", "--http-restricted-api",
+                  "inference:h=pw"]) == "tritonserver --grpc-restricted-protocol=health:k=*** --http-restricted-api inference:h=***"
+
+
+def test_explicit_nulls_are_defaults_and_fan_out_is_bounded():
+    assert chat(stream=None, n=None, logprobs=None, max_tokens=None, stop=None, tools=None).sampling() == {
+        "max_tokens": None}
+    with pytest.raises(APIError) as e:
+        parse(CompletionRequest, {"model": "m", "prompt": ["a"] * 65, "n": 2}).prompts()
+    assert e.value.param == "n"
+    assert refusal(chat, seed=(1 << 64) - 2, n=3).param == "seed"  # sample 2 would have seed 2^64

@@ -137,7 +137,7 @@ def test_logprobs_in_both_formats(api):
 
 def test_a_seed_repeats_a_sample_and_n_fans_out(api):
     def sample(seed, n=1):
-        return api.completions.create(model="orca", prompt="My favourite colour is", max_tokens=12, temperature=1,
+        return api.completions.create(model="orca", prompt="My favourite colour is", max_tokens=8, temperature=1,
                                       seed=seed, n=n, extra_body={"ignore_eos": True})
 
     first, again, other = sample(7), sample(7), sample(8)
@@ -146,7 +146,7 @@ def test_a_seed_repeats_a_sample_and_n_fans_out(api):
     assert [c.index for c in both.choices] == [0, 1]
     assert both.choices[0].text == first.choices[0].text  # sample i has seed + i
     assert both.choices[1].text == other.choices[0].text
-    assert both.usage.completion_tokens == 24 and both.usage.prompt_tokens == first.usage.prompt_tokens
+    assert both.usage.completion_tokens == 16 and both.usage.prompt_tokens == first.usage.prompt_tokens
 
 
 def test_32_concurrent_streams(frontend, server):
@@ -250,10 +250,8 @@ def test_a_client_that_goes_away_mid_stream_frees_its_kv(frontend, server):
     wait_until(lambda: server.metric("orca_kv_blocks_used") == 0, 5, "its blocks freed")
     assert time.monotonic() - gone < 1.0
     assert server.metric("orca_requests_running") == 0
-    after = metric_lines(server)
     abort = 'vllm:request_success_total{finished_reason="abort",model="orca",version="1"}'
     wait_until(lambda: metric_lines(server)[abort] == before[abort] + 1, 5, "the abort counted")
-    assert after[abort] >= before[abort]
 
 
 def test_an_unreachable_server_is_a_503(tmp_path):

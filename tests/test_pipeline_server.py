@@ -28,7 +28,7 @@ pytestmark = pytest.mark.server  # slow group: a real tritonserver
 # `pf`: stage 1 sleeps through iteration 1 once, past the deadline (which restarts the
 # engine's iteration count); then stage 0 fails iteration 2, which only tells the stages that
 # a request has ended, and stage 1 fails iteration 5, the third of a request's iterations.
-DEADLINE_SECONDS, STALL_SECONDS = 4, 10
+DEADLINE_SECONDS, STALL_SECONDS = 4, 7
 FAIL_AT = {0: 2, 1: 5}
 PROMPTS = [  # mixed lengths, sent staggered
     "Once upon a time",

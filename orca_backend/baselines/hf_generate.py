@@ -143,7 +143,8 @@ class HFBatchGenerator:
         return results, record
 
     def _generate(self, items: list[tuple[SamplingParams, list[int]]], record: BatchRecord) -> list[Finished]:
-        rows = [_Row(params, prompt, self.rules.detokenizer(prompt, params)) for params, prompt in items]
+        rows = [_Row(params, prompt, self.rules.detokenizer(prompt, params))
+                for params, prompt in ((self.rules.resolved(p, len(t)), t) for p, t in items)]
         width = max(len(r.prompt) for r in rows)
         input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         attention = torch.zeros((len(rows), width), dtype=torch.long)

@@ -124,6 +124,7 @@ class LLMEngine:
         if request_id in self._tracked:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         token_ids = self.prepare(prompt, params)
+        params = self._resolved(params, len(token_ids))
         req = Request(request_id, token_ids, params, track_logprob=track_logprob)
         self._tracked[request_id] = _Tracked(req, self.rules.detokenizer(token_ids, params))
         self.scheduler.add(req)
@@ -133,16 +134,17 @@ class LLMEngine:
         """Tokenize and check a request against the model and the K/V pool; raises
         InvalidRequestError. Safe to call from any thread (it reads the tokenizer and limits
         only), so a server can tokenize long prompts without holding up iterations."""
-        open_ended = params.max_tokens is None
         token_ids = self.rules.prepare(prompt, params)
-        if open_ended:  # "up to the context" also means up to what the K/V pool can hold
-            room = self.kv.num_blocks * self.kv.block_size - len(token_ids) + 1
-            params.max_tokens = max(1, min(params.max_tokens, room))
-        need = self.kv.blocks_for(len(token_ids) + params.max_tokens - 1)
+        need = self.kv.blocks_for(len(token_ids) + self._resolved(params, len(token_ids)).max_tokens - 1)
         if need > self.kv.num_blocks:
             raise InvalidRequestError(
                 f"prompt plus max_tokens needs {need} K/V blocks, the pool has {self.kv.num_blocks}")
         return token_ids
+
+    def _resolved(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
+        """max_tokens None: up to the context and to what the K/V pool can hold."""
+        return self.rules.resolved(params, num_prompt_tokens,
+                                   room=self.kv.num_blocks * self.kv.block_size - num_prompt_tokens + 1)
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a request and free its K/V blocks (when its iteration returns, if one is in

@@ -6,6 +6,7 @@ both accept, refuse and end a request alike.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -63,12 +64,18 @@ class RequestRules:
         if num_prompt_tokens >= limit:
             raise InvalidRequestError(f"prompt has {num_prompt_tokens} tokens, the model's context "
                                       f"is {limit} tokens (room is needed for one output token)")
-        if params.max_tokens is None:  # up to the context: the request's own params, resolved once
-            params.max_tokens = int(limit - num_prompt_tokens)
-        if num_prompt_tokens + params.max_tokens > limit:
+        if params.max_tokens is not None and num_prompt_tokens + params.max_tokens > limit:
             raise InvalidRequestError(
                 f"max_tokens {params.max_tokens} plus the prompt's {num_prompt_tokens} tokens "
                 f"exceed the model's context of {limit} tokens")
+
+    def resolved(self, params: SamplingParams, num_prompt_tokens: int, room: float = math.inf) -> SamplingParams:
+        """`params` itself, or for max_tokens None ("up to the context") a copy with the
+        tokens left in the context, and at most `room`; the caller's object is never changed."""
+        if params.max_tokens is not None:
+            return params
+        left = min(self.max_model_len - num_prompt_tokens, room)
+        return dataclasses.replace(params, max_tokens=max(1, int(left)))
 
     def detokenizer(self, prompt_token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)

@@ -217,15 +217,36 @@ class Frontend:
         self._log.close()
 
 
+_RESTRICTED = ("--grpc-restricted-protocol", "--http-restricted-api")  # VALUE: <protocols>:<key>=<value>
+
+
+def _restricted(argv: list[str]) -> list[tuple[int, str, str]]:
+    """(index of the value, flag, value) of each restricted-protocol option, in either form."""
+    found = []
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if flag in _RESTRICTED and eq:
+            found.append((i, flag, value))
+        elif arg in _RESTRICTED and i + 1 < len(argv):
+            found.append((i + 1, arg, argv[i + 1]))
+    return found
+
+
 def restricted_headers(triton_args: list[str]) -> list[str]:
     """The frontend's --grpc-header options for tritonserver's --grpc-restricted-protocol ones,
     so that the frontend may make the calls they restrict (the server prefixes each key)."""
-    out = []
-    for arg in triton_args:
-        if arg.startswith("--grpc-restricted-protocol="):
-            key_value = arg.partition("=")[2].rpartition(":")[2]
-            out += ["--grpc-header", f"triton-grpc-protocol-{key_value}"]
-    return out
+    return [part for _, flag, value in _restricted(triton_args) if flag == "--grpc-restricted-protocol"
+            for part in ("--grpc-header", f"triton-grpc-protocol-{value.partition(':')[2]}")]
+
+
+def shown(argv: list[str]) -> str:
+    """The command line to print, the restricted protocols' values hidden."""
+    shown = list(argv)
+    for i, _, value in _restricted(argv):
+        secret = value.partition(":")[2].partition("=")[2]
+        if secret:
+            shown[i] = shown[i][:len(shown[i]) - len(secret)] + "***"
+    return " ".join(shown)
 
 
 def main() -> None:
@@ -245,25 +266,42 @@ def main() -> None:
     argv, env = server_command(
         args.model_repository.resolve(), args.work_dir.resolve(),
         int(os.environ.get("HTTP_PORT", 8000)), grpc_port, int(os.environ.get("METRICS_PORT", 8002)), extra)
-    print(" ".join(argv), flush=True)
+    print(shown(argv), flush=True)
     if args.no_openai:
         os.execve(argv[0], argv, env)
     # OPENAI_PORT and ORCA_API_KEY reach the frontend through the environment.
     grpc_host = "127.0.0.1" if args.triton_address in (None, "0.0.0.0") else args.triton_address
     frontend = subprocess.Popen([sys.executable, "-m", "orca_backend.serving.openai_api",
                                  "--url", f"{grpc_host}:{grpc_port}", "--host", args.openai_host,
-                                 *restricted_headers(extra)], cwd=REPO_ROOT)
-    server = subprocess.Popen(argv, env=env)
-    # Ctrl+C reaches every process of the group: tritonserver and the frontend stop themselves.
-    # A SIGTERM to this process alone is passed on.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: [p.send_signal(signal.SIGTERM) for p in (server, frontend)])
-    code = server.wait()
-    if frontend.poll() is None:
-        frontend.terminate()
-    frontend.wait()
-    sys.exit(code)
+                                 *restricted_headers(extra)], cwd=REPO_ROOT, start_new_session=True)
+    server = subprocess.Popen(argv, env=env, start_new_session=True)
+    sys.exit(_supervise(server, frontend))
 
+
+def _supervise(server: subprocess.Popen, frontend: subprocess.Popen) -> int:
+    """Wait for both; Ctrl+C or SIGTERM here stops both as Ctrl+C in their own terminals would
+    (SIGINT to tritonserver's process group: its models end their open streams). If one of
+    them exits (the frontend's port taken...), the other is stopped too."""
+    def stop(*_) -> None:
+        for process in (server, frontend):
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGINT)
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    while server.poll() is None and frontend.poll() is None:
+        time.sleep(0.5)
+    if server.poll() is None or frontend.poll() is None:
+        which = "the OpenAI API" if frontend.poll() is not None else "tritonserver"
+        print(f"{which} exited; stopping the other", file=sys.stderr, flush=True)
+        stop()
+    for process in (server, frontend):
+        try:
+            process.wait(90)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    return server.returncode or frontend.returncode
 
 if __name__ == "__main__":
     main()

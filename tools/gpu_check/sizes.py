@@ -56,4 +56,4 @@ SMOKE = Sizes(
     prompt_tokens=8, warmup_steps=1, timed_steps=2, trace_requests=4, trace_max_output=4,
     trace_batch_size=2, prefill=(2, 24), decode_requests=3, decode_contexts=(40,),
     attention_heads=(4, 2, 16), reps=2, pipeline_prompts=tuple(n for n, _ in SMOKE_PARITY_SHAPES),
-    pipeline_max_tokens=4, transfer_tokens=(8, 32))
+    pipeline_max_tokens=2, transfer_tokens=(8, 32))

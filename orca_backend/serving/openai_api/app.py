@@ -14,113 +14,117 @@ from starlette.exceptions import HTTPException
 
 from .backend import Backend
 from .errors import APIError, invalid, unauthorized
-from .formats import Choice, chat_logprobs, completion_logprobs, envelope, new_id, usage
+from .formats import chat_choice, chat_delta, completion_choice, completion_delta, envelope, new_id, usage
 from .generation import Generation
 from .protocol import ChatRequest, CompletionRequest, parse
 from .templates import ChatTemplates
 
 log = logging.getLogger(__name__)
+MAX_BODY_BYTES = 16 << 20  # a request body beyond it is refused before it is parsed
+
+
+def _too_large() -> APIError:
+    return APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
 
 
 def create_app(backend: Backend, api_key: str | None = None) -> FastAPI:
     """The API over `backend`; with `api_key`, every /v1 route needs 'Authorization: Bearer KEY'."""
-    templates = ChatTemplates()
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        await backend.open()
-        warm = asyncio.create_task(_load_templates(backend, templates))
-        yield
-        warm.cancel()
-        await backend.close()
-
     app = FastAPI(title="orca OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None,
-                  lifespan=lifespan)
-    expected = api_key.encode("utf-8") if api_key else None
-
-    def check_key(request: Request) -> None:
-        if expected is None:
-            return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        # compare_digest takes time that does not depend on where the strings differ.
-        if not (scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("utf-8"), expected)):
-            raise unauthorized()
-
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
-
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
-        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, e: Exception) -> JSONResponse:
-        log.exception("request %s %s failed", request.method, request.url.path)
-        return JSONResponse(APIError(500, "internal error").body(), status_code=500)
-
-    @app.get("/health/ready")
-    async def ready() -> Response:
-        ok = await backend.server_ready() and bool(await _models_or_none(backend))
-        return Response(status_code=200 if ok else 503)
-
-    @v1.get("/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [_model_card(m) for m in await backend.models(refresh=True)]}
-
-    @v1.get("/models/{name:path}")
-    async def model(name: str) -> dict:
-        return _model_card(await backend.model(name))
-
-    @v1.post("/completions")
-    async def completions(request: Request):
-        req = parse(CompletionRequest, await _body(request))
-        sampling, prompts = req.sampling(), req.prompts()
-        served = await backend.model(req.model)
-        generation = Generation(backend, served, prompts, sampling, req.n, req.stream)
-        head = envelope("text_completion", new_id("cmpl"), req.model)
-        top_n = req.logprobs
-        if req.stream:
-            return await _stream(generation, lambda choice, piece, first: {
-                "index": choice.index, "text": (choice.prompt if req.echo and first else "") + piece.text,
-                "logprobs": None if top_n is None else completion_logprobs(
-                    piece.logprobs or [], top_n, len(choice.text) - len(piece.text)),  # echo: no logprobs
-                "finish_reason": piece.finish_reason}, head, req.include_usage)
-        choices = await _unless_disconnected(request, generation.collect())
-        return {**head, "choices": [{
-            "index": c.index, "text": (c.prompt if req.echo else "") + c.text,
-            "logprobs": None if top_n is None else completion_logprobs(c.entries, top_n, 0),
-            "finish_reason": c.finish_reason} for c in choices], "usage": usage(choices, req.n)}
-
-    @v1.post("/chat/completions")
-    async def chat(request: Request):
-        req = parse(ChatRequest, await _body(request))
-        sampling, messages = req.sampling(), req.template_messages()
-        served = await backend.model(req.model)
-        prompt = await templates.render(served, messages)
-        generation = Generation(backend, served, [prompt], sampling, req.n, req.stream)
-        top_n = req.top_logprobs or 0
-
-        def logprobs(entries):
-            return chat_logprobs(entries, top_n) if req.logprobs else None
-
-        if req.stream:
-            head = envelope("chat.completion.chunk", new_id("chatcmpl"), req.model)
-            return await _stream(generation, lambda choice, piece, first: {
-                "index": choice.index,
-                "delta": {"role": "assistant", "content": piece.text} if first else {"content": piece.text},
-                "logprobs": logprobs(piece.logprobs or []), "finish_reason": piece.finish_reason},
-                head, req.include_usage)
-        choices = await _unless_disconnected(request, generation.collect())
-        return {**envelope("chat.completion", new_id("chatcmpl"), req.model), "choices": [{
-            "index": c.index, "message": {"role": "assistant", "content": c.text},
-            "logprobs": logprobs(c.entries), "finish_reason": c.finish_reason} for c in choices],
-            "usage": usage(choices, req.n)}
-
+                  lifespan=_lifespan)
+    app.state.backend, app.state.templates = backend, ChatTemplates()
+    app.state.api_key = api_key.encode("utf-8") if api_key else None
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
+    app.add_api_route("/health/ready", _ready, methods=["GET"])
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_check_key)])
+    v1.add_api_route("/models", _models, methods=["GET"])
+    v1.add_api_route("/models/{name:path}", _model, methods=["GET"])
+    v1.add_api_route("/completions", _completions, methods=["POST"])
+    v1.add_api_route("/chat/completions", _chat, methods=["POST"])
     app.include_router(v1)
     return app
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI):
+    backend: Backend = app.state.backend
+    await backend.open()
+    warm = asyncio.create_task(_load_templates(backend, app.state.templates))
+    yield
+    warm.cancel()
+    await backend.close()
+
+
+async def _check_key(request: Request) -> None:  # async: FastAPI would run a plain def on a thread
+    expected = request.app.state.api_key
+    if expected is None:
+        return
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    # compare_digest takes time that does not depend on where the strings differ.
+    if not (scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("utf-8"), expected)):
+        raise unauthorized()
+
+
+async def _api_error(request: Request, e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
+    return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code,
+                        headers=getattr(e, "headers", None))
+
+
+async def _internal_error(request: Request, e: Exception) -> JSONResponse:
+    log.exception("request %s %s failed", request.method, request.url.path)
+    return JSONResponse(APIError(500, "internal error").body(), status_code=500)
+
+
+async def _ready(request: Request) -> Response:
+    backend: Backend = request.app.state.backend
+    ok = await backend.server_ready() and bool(await _models_or_none(backend))
+    return Response(status_code=200 if ok else 503)
+
+
+async def _models(request: Request) -> dict:
+    models = await request.app.state.backend.models(refresh=True)
+    return {"object": "list", "data": [_model_card(m) for m in models]}
+
+
+async def _model(request: Request, name: str) -> dict:
+    return _model_card(await request.app.state.backend.model(name))
+
+
+async def _completions(request: Request):
+    req = parse(CompletionRequest, await _body(request))
+    sampling, prompts = req.sampling(), req.prompts()
+    backend: Backend = request.app.state.backend
+    generation = Generation(backend, await backend.model(req.model), prompts, sampling, req.n, req.stream)
+    if req.stream:
+        head = envelope("text_completion", new_id("cmpl"), req.model)
+        return await _stream(request, generation,
+                             lambda c, p, first: completion_delta(c, p, first, req.echo, req.logprobs),
+                             head, req.include_usage)
+    choices = await _unless_disconnected(request, generation.collect())
+    return {**envelope("text_completion", new_id("cmpl"), req.model),
+            "choices": [completion_choice(c, req.echo, req.logprobs) for c in choices], "usage": usage(choices, req.n)}
+
+
+async def _chat(request: Request):
+    req = parse(ChatRequest, await _body(request))
+    sampling, messages = req.sampling(), req.template_messages()
+    backend: Backend = request.app.state.backend
+    served = await backend.model(req.model)
+    prompt = await request.app.state.templates.render(served, messages)
+    generation = Generation(backend, served, [prompt], sampling, req.n, req.stream)
+    top_n = (req.top_logprobs or 0) if req.logprobs else None
+    if req.stream:
+        head = envelope("chat.completion.chunk", new_id("chatcmpl"), req.model)
+        return await _stream(request, generation, lambda c, p, first: chat_delta(c, p, first, top_n), head,
+                             req.include_usage)
+    choices = await _unless_disconnected(request, generation.collect())
+    return {**envelope("chat.completion", new_id("chatcmpl"), req.model),
+            "choices": [chat_choice(c, top_n) for c in choices], "usage": usage(choices, req.n)}
 
 
 async def _load_templates(backend: Backend, templates: ChatTemplates) -> None:
@@ -129,7 +133,10 @@ async def _load_templates(backend: Backend, templates: ChatTemplates) -> None:
         models = await _models_or_none(backend)
         if models:
             for model in models:
-                await templates.load(model)
+                try:
+                    await templates.load(model)
+                except Exception:  # that model's first chat says what is wrong
+                    log.exception("loading the chat template of model %s failed", model.name)
             return
         await asyncio.sleep(1)
 
@@ -146,16 +153,26 @@ async def _models_or_none(backend: Backend):
 
 
 async def _body(request: Request):
-    raw = await request.body()
+    """The request's JSON, read up to MAX_BODY_BYTES."""
+    if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+        raise _too_large()
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise _too_large()
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         raise invalid("the request body is not valid JSON") from None
 
 
-async def _stream(generation: Generation, choice_body, head: dict, include_usage: bool) -> StreamingResponse:
+async def _stream(request: Request, generation: Generation, choice_body, head: dict,
+                  include_usage: bool) -> StreamingResponse:
     """Server-Sent Events, once every choice has answered (an earlier error is the HTTP error)."""
-    await generation.start()
+    await _unless_disconnected(request, generation.start())
 
     async def events() -> AsyncIterator[str]:
         started: set[int] = set()
@@ -171,14 +188,29 @@ async def _stream(generation: Generation, choice_body, head: dict, include_usage
             yield _event(e.body())
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return _EventStream(generation, events())
+
+
+class _EventStream(StreamingResponse):
+    """SSE that closes its generation however the response ends: Starlette may cancel the
+    response while a chunk is being sent, leaving the event generator unfinished."""
+
+    def __init__(self, generation: Generation, events: AsyncIterator[str]) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self._generation = generation
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._generation.aclose()
 
 
 def _event(body: dict) -> str:
     return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
 
-async def _unless_disconnected(request: Request, work) -> list[Choice]:
+async def _unless_disconnected(request: Request, work):
     """Await `work`, but cancel it (and so its gRPC streams) if the client goes away first."""
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_disconnected(request))

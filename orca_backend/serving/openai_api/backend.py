@@ -15,7 +15,7 @@ import tritonclient.grpc.aio as grpcclient_aio
 from tritonclient.utils import InferenceServerException
 
 from ..grpc_io import build_inputs, decode_outputs, is_llm_config, requested_outputs
-from .errors import APIError, from_grpc, unknown_model
+from .errors import APIError, from_grpc, server_message, unknown_model
 
 log = logging.getLogger(__name__)
 # The outputs the frontend reads (logprobs only when a request asks for them).
@@ -143,7 +143,7 @@ class Backend:
         try:
             async for result, error in responses:
                 if error is not None:  # a server that ignores the header: no code to go by
-                    raise APIError(500, error.message())
+                    raise APIError(500, server_message(error.message()))
                 yield _piece(decode_outputs(result))
         except grpc.aio.AioRpcError as e:
             raise from_grpc(e.code(), e.details() or "") from None

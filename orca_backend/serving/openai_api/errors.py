@@ -1,6 +1,8 @@
 """Errors as OpenAI's API sends them: an HTTP status and {"error": {message, type, param, code}}."""
 from __future__ import annotations
 
+import re
+
 import grpc
 
 
@@ -49,5 +51,17 @@ def from_grpc(code: grpc.StatusCode, details: str, param: str | None = None) -> 
     status = _GRPC_TO_HTTP.get(code, 500)
     if code == grpc.StatusCode.UNAVAILABLE and "failed to connect" in details.lower():
         details = "the inference server cannot be reached"  # gRPC's text names addresses and files
+    elif status >= 500:
+        details = server_message(details)
     return APIError(status, details or f"the inference server answered {code.name}",
                     param if status == 400 else None)
+
+
+def server_message(text: str) -> str:
+    """A server-side error as a client may read it: its first line, no file paths (Triton's
+    text of a Python exception carries a traceback: 'At:', then paths and line numbers)."""
+    first = (text.strip().splitlines() or [""])[0]
+    return _PATH.sub("<path>", first)
+
+
+_PATH = re.compile(r"(?:[A-Za-z]:)?(?:/[\w.@+-]+){2,}/?")

@@ -85,3 +85,31 @@ def completion_logprobs(entries: list[dict], top_n: int, offset: int) -> dict:
         out["text_offset"].append(offset)
         offset += len(sampled["decoded_token"])
     return out
+
+
+def completion_choice(c: Choice, echo: bool, top_n: int | None) -> dict:
+    return {"index": c.index, "text": (c.prompt if echo else "") + c.text,
+            "logprobs": None if top_n is None else completion_logprobs(c.entries, top_n, 0),
+            "finish_reason": c.finish_reason}
+
+
+def completion_delta(c: Choice, piece: Piece, first: bool, echo: bool, top_n: int | None) -> dict:
+    """One streamed response of a choice (already added to it); with echo the prompt comes first."""
+    offset = len(c.text) - len(piece.text)  # where the piece starts (echo refuses logprobs)
+    return {"index": c.index, "text": (c.prompt if echo and first else "") + piece.text,
+            "logprobs": None if top_n is None else completion_logprobs(piece.logprobs or [], top_n, offset),
+            "finish_reason": piece.finish_reason}
+
+
+def chat_choice(c: Choice, top_n: int | None) -> dict:
+    """`top_n` None: no logprobs asked for."""
+    return {"index": c.index, "message": {"role": "assistant", "content": c.text},
+            "logprobs": None if top_n is None else chat_logprobs(c.entries, top_n),
+            "finish_reason": c.finish_reason}
+
+
+def chat_delta(c: Choice, piece: Piece, first: bool, top_n: int | None) -> dict:
+    delta = {"role": "assistant", "content": piece.text} if first else {"content": piece.text}
+    return {"index": c.index, "delta": delta,
+            "logprobs": None if top_n is None else chat_logprobs(piece.logprobs or [], top_n),
+            "finish_reason": piece.finish_reason}

@@ -74,9 +74,7 @@ class Generation:
                 choice.add(item)
                 yield choice, item
         finally:
-            self.cancel()
-            if len(self.choices) == 1:
-                await self._streams[0].aclose()  # its gRPC stream is cancelled if still open
+            await self.aclose()
 
     async def collect(self) -> list[Choice]:
         await self.start()
@@ -88,6 +86,16 @@ class Generation:
         """Cancel every request still open (their gRPC streams are cancelled)."""
         for task in self._tasks:
             task.cancel()
+
+    async def aclose(self) -> None:
+        """Cancel and close every request: a stream that has been read from, and is not read
+        any more, cancels its gRPC stream when closed."""
+        self.cancel()
+        for stream in self._streams:
+            try:
+                await stream.aclose()
+            except RuntimeError:  # a pump task is still inside it, being cancelled: it closes itself
+                pass
 
     async def _pump(self, choice: Choice, stream: AsyncIterator[Piece]) -> None:
         try:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ...core.errors import InvalidRequestError
 from ...core.sampling_params import SamplingParams
@@ -40,8 +40,17 @@ _NO_OP = {
 }
 
 
+MAX_CHOICES = 128  # prompts times n, per request: each is a request to the model
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        """An explicit null asks for the default, as OpenAI's clients send it."""
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
     model: str
     stream: bool = False
@@ -89,6 +98,8 @@ class _Request(BaseModel):
             sampling["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
         if logprobs is not None:
             sampling["logprobs"] = logprobs
+        if self.seed is not None and self.n > 1:  # sample i has seed + i: the last must be a seed too
+            check_sampling({**sampling, "seed": self.seed + self.n - 1}, {})
         return sampling
 
 
@@ -101,6 +112,8 @@ class CompletionRequest(_Request):
         prompts = [self.prompt] if isinstance(self.prompt, str) else self.prompt
         if not prompts:
             raise invalid("prompt must not be empty", "prompt")
+        if len(prompts) * self.n > MAX_CHOICES:
+            raise invalid(f"{len(prompts)} prompts times n = {self.n} is more than {MAX_CHOICES} choices", "n")
         return prompts
 
     def sampling(self) -> dict:

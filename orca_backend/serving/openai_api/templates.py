@@ -19,7 +19,7 @@ class ChatTemplates:
 
     async def render(self, model: ServedModel, messages: list[dict]) -> str:
         # A short conversation renders in tens of microseconds, less than a hop to a thread.
-        if sum(len(m["content"]) for m in messages) < _INLINE_CHARS and model.tokenizer in self._tokenizers:
+        if sum(len(m["content"]) for m in messages) < _INLINE_CHARS and self._tokenizers.get(model.tokenizer):
             return self._render(model, messages)
         return await asyncio.to_thread(self._render, model, messages)
 
@@ -52,9 +52,11 @@ class ChatTemplates:
             if tokenizer is None or not getattr(tokenizer, "chat_template", None):
                 log.warning("model %s has no chat template (tokenizer folder %s); pass --tokenizer",
                             model.name, folder)
-                raise APIError(500, f"the model '{model.name}' has no chat template here: start the "
-                               "frontend with --tokenizer FOLDER")
+                tokenizer = None  # remembered: the folder is not read again for every chat
             self._tokenizers[folder] = tokenizer
+        if self._tokenizers[folder] is None:
+            raise APIError(500, f"the model '{model.name}' has no chat template here: start the "
+                           "frontend with --tokenizer FOLDER")
         return self._tokenizers[folder]
 
 
