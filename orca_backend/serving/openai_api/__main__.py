@@ -34,13 +34,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--grpc-header", action="append", default=[], metavar="KEY=VALUE",
                    help="send this header on every gRPC call: triton-grpc-protocol-K=V for tritonserver's "
                         "--grpc-restricted-protocol=...:K=V")
+    p.add_argument("--grpc-status-codes", action="store_true",
+                   help="ask tritonserver for errors as gRPC status codes (its triton_grpc_error header; "
+                        "newer servers than the PyPI build's 2.51)")
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
     headers = dict(h.partition("=")[::2] for h in args.grpc_header)
     if any(not k for k in headers):
         p.error("--grpc-header takes KEY=VALUE")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    backend = Backend(args.url, args.model, args.tokenizer, headers)
+    backend = Backend(args.url, args.model, args.tokenizer, headers, args.grpc_status_codes)
     logging.getLogger(__name__).info("OpenAI API on %s:%d for tritonserver at %s (API key %s)", args.host,
                                      args.port, args.url, "required" if args.api_key else "not required")
     uvicorn.run(create_app(backend, args.api_key), host=args.host, port=args.port,

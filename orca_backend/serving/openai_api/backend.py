@@ -15,15 +15,17 @@ import tritonclient.grpc.aio as grpcclient_aio
 from tritonclient.utils import InferenceServerException
 
 from ..grpc_io import build_inputs, decode_outputs, is_llm_config, requested_outputs
-from .errors import APIError, from_grpc, server_message, unknown_model
+from .errors import APIError, from_grpc, from_model_message, unknown_model
 
 log = logging.getLogger(__name__)
 # The outputs the frontend reads (logprobs only when a request asks for them).
 _FLAGS = {name: True for name in ("return_finish_reason", "return_num_input_tokens",
                                   "return_num_output_tokens", "return_num_cached_tokens")}
-# Triton then ends a stream with the request's gRPC status (INVALID_ARGUMENT, UNAVAILABLE...)
-# instead of an error message without a code.
-_HEADERS = {"triton_grpc_error": "true"}
+# With this header Triton ends a stream with the request's gRPC status (INVALID_ARGUMENT,
+# UNAVAILABLE...) instead of an error message without a code; tritonserver 2.51 (the PyPI
+# build) crashed once on that path in our tests, so it is used only when asked for
+# (--grpc-status-codes, for newer servers) and the model's messages are read otherwise.
+STATUS_CODE_HEADERS = {"triton_grpc_error": "true"}
 _INDEX_SECONDS = 2.0  # how long the list of ready models is trusted
 
 
@@ -50,10 +52,12 @@ class Piece:
 
 class Backend:
     def __init__(self, url: str, models: list[str] | None = None, tokenizer: Path | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        """`headers` go with every gRPC call (the key of tritonserver's --grpc-restricted-protocol)."""
+                 headers: dict[str, str] | None = None, status_codes: bool = False) -> None:
+        """`headers` go with every gRPC call (the key of tritonserver's --grpc-restricted-protocol);
+        `status_codes`: ask Triton for errors as gRPC status codes."""
         self.url = url
         self._headers = dict(headers or {})
+        self._stream_headers = {**self._headers, **(STATUS_CODE_HEADERS if status_codes else {})}
         self.client: grpcclient_aio.InferenceServerClient | None = None  # made in the event loop
         self._only = set(models or ())  # the models to serve; empty: every LLM model that is ready
         self._tokenizer = tokenizer
@@ -139,16 +143,22 @@ class Backend:
         async def requests():
             yield request
 
-        responses = self.client.stream_infer(requests(), headers={**self._headers, **_HEADERS})
+        responses = self.client.stream_infer(requests(), headers=self._stream_headers)
+        ended = False
         try:
             async for result, error in responses:
-                if error is not None:  # a server that ignores the header: no code to go by
-                    raise APIError(500, server_message(error.message()))
-                yield _piece(decode_outputs(result))
+                if error is not None:  # the request's error, as a message without a code
+                    ended = True
+                    raise from_model_message(error.message())
+                piece = _piece(decode_outputs(result))
+                ended = piece.finish_reason is not None
+                yield piece
         except grpc.aio.AioRpcError as e:
+            ended = True
             raise from_grpc(e.code(), e.details() or "") from None
         finally:
-            responses.cancel()
+            if not ended:  # the client went away: the model drops the request
+                responses.cancel()
 
 
 def _piece(out: dict) -> Piece:

@@ -57,6 +57,24 @@ def from_grpc(code: grpc.StatusCode, details: str, param: str | None = None) -> 
                     param if status == 400 else None)
 
 
+# The serving model's errors by what they say: over Triton 2.51's gRPC stream an error
+# response is a message without its status code (see backend.py), and these are its words.
+_UNAVAILABLE = ("the queue is full", "the server is shutting down", "the engine could not be restarted")
+_INVALID = ("prompt ", "max_tokens ", "sampling parameter ", "unknown sampling parameter", "input '",
+            "exclude_input_in_output", "parameter '", "request parameters", "sampling_parameters ",
+            "request id ")
+
+
+def from_model_message(text: str) -> APIError:
+    """An error the model sent in its stream: 400 for bad input, 503 for a full queue or a
+    server going away, else 500 (the first line, no paths)."""
+    if text.startswith(_UNAVAILABLE):
+        return APIError(503, server_message(text))
+    if text.startswith(_INVALID) or " is not supported by model " in text or "does not stream" in text:
+        return APIError(400, text)
+    return APIError(500, server_message(text))
+
+
 def server_message(text: str) -> str:
     """A server-side error as a client may read it: its first line, no file paths (Triton's
     text of a Python exception carries a traceback: 'At:', then paths and line numbers)."""
