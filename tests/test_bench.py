@@ -164,12 +164,14 @@ def test_cli_no_stream_serves_a_model_that_does_not_stream(server):
 def test_a_failed_request_is_the_one_counted(server):
     # The empty prompt fails while request 0 is still streaming: the error callback cannot
     # say which request it was, yet only request 1 may end up failed.
-    trace = [TraceRequest(0, 0.0, "Once upon a time", 4, 12), TraceRequest(1, 0.2, "", 1, 3),
-             TraceRequest(2, 0.3, "The harbour town", 3, 3)]
+    # Request 0 runs long enough to have streamed before request 1 goes out (the client blames
+    # an error on the oldest open request without a response: a slow first token made it r0's).
+    trace = [TraceRequest(0, 0.0, "Once upon a time", 4, 40), TraceRequest(1, 0.8, "", 1, 3),
+             TraceRequest(2, 0.9, "The harbour town", 3, 3)]
     records = run_trace(server.grpc_url, "orca", trace)
     assert [r.error is not None for r in records] == [False, True, False]
     assert "empty" in records[1].error
-    assert [r.output_tokens for r in records] == [12, 0, 3]
+    assert [r.output_tokens for r in records] == [40, 0, 3]
     assert summarize(records).errors == 1
 
 
