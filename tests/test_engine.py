@@ -8,6 +8,7 @@ from test_numerics import ENGINE_VARIANTS
 
 from orca_backend import LLM, ConfigError, EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
 from orca_backend.core.request import RequestStatus
+from orca_backend.runner.models.linear import cpu_supports_bfloat16
 
 GREEDY = dict(temperature=0)
 
@@ -253,11 +254,20 @@ def test_unsupported_architecture_lists_the_supported(tmp_path):
 @pytest.mark.parametrize("options, name", [
     (dict(dtype="int8"), "dtype"), (dict(device="tpu"), "device"), (dict(block_size=0), "block_size"),
     (dict(policy="lifo"), "policy"), (dict(batching="static"), "batching"),
-    (dict(dtype="bfloat16"), "dtype"), (dict(kv_cache_tokens=0), "kv_cache_tokens"),
-    (dict(attention="flash"), "attention"), (dict(cuda_graphs="no"), "cuda_graphs")])
+    (dict(dtype="float16"), "dtype"), (dict(kv_cache_tokens=0), "kv_cache_tokens"),
+    (dict(attention="flash"), "attention"), (dict(cuda_graphs="no"), "cuda_graphs"),
+    (dict(linear="mkl"), "linear"), (dict(quantization="int4"), "quantization"),
+    (dict(quantization="int8", device="cuda"), "quantization"),
+    (dict(quantization="int8", engine="tensorrt", tensorrt_runtime="torch"), "quantization")])
 def test_bad_engine_options_name_the_option(options, name):
     with pytest.raises(ConfigError, match=name):
         EngineConfig(**options)
+
+
+@pytest.mark.skipif(cpu_supports_bfloat16(), reason="this CPU has a bfloat16 GEMM")
+def test_bfloat16_is_refused_on_a_cpu_without_a_bfloat16_gemm(tiny_models):
+    with pytest.raises(ConfigError, match="dtype 'bfloat16' on the CPU needs .*AVX512-BF16"):
+        LLM(str(tiny_models["llama"]), dtype="bfloat16", kv_cache_tokens=256)
 
 
 def test_text_beyond_the_models_vocabulary_is_refused(tiny_models):

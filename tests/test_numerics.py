@@ -69,7 +69,8 @@ def _check(engine, prompts, refs, shapes=SHAPES, cached: dict | None = None):
 
 
 ENGINE_VARIANTS = {
-    "iteration": dict(),
+    "iteration": dict(),  # the projections through oneDNN (linear "auto" on the CPU)
+    "torch-linear": dict(linear="torch"),  # through F.linear (MKL on the CPU)
     "chunked": dict(max_num_batched_tokens=16),
     "preempt": dict(kv_cache_tokens=96, block_size=4, max_num_batched_tokens=32),
     "reserve": dict(kv_cache_tokens=160, block_size=8, policy="reserve"),
@@ -185,7 +186,8 @@ def test_kernel_backend_matches_sdpa_backend(tiny_models):
 SHARED_MAX_TOKENS = (6, 5, 7, 8, 3, 9, 5, 4)
 SHARED_HITS = (0, 0, 16, 16, 16, 12, 24, 4)  # cached tokens of each, staggered, nothing evicted
 PREFIX_VARIANTS = {
-    "iteration": dict(),
+    "iteration": dict(),  # the projections through oneDNN (linear "auto" on the CPU)
+    "torch-linear": dict(linear="torch"),  # through F.linear (MKL on the CPU)
     "chunked": dict(max_num_batched_tokens=8),
     "preempt": dict(kv_cache_tokens=48, max_num_batched_tokens=16),
     "inflight": dict(max_inflight=2, max_batch_size=3, max_num_batched_tokens=16),

@@ -166,22 +166,22 @@ def define_llama(net: Network, model, shapes: EngineShapes, block_size: int) -> 
     for i in model.layer_range:
         layer = model.layers[i]
         x = g.rms_norm(h, layer.in_norm, layer.eps)
-        weights = layer.qkv.split([q_size, kv_size, kv_size])
-        biases = layer.qkv_bias.split([q_size, kv_size, kv_size]) if layer.qkv_bias is not None else (None,) * 3
+        weights = layer.qkv.weight.split([q_size, kv_size, kv_size])
+        biases = layer.qkv.bias.split([q_size, kv_size, kv_size]) if layer.qkv.bias is not None else (None,) * 3
         q, k, v = (g.linear(x, w, b) for w, b in zip(weights, biases))
         q = g.rotate(q, cfg.num_heads, head_dim, rope)
         k = g.rotate(k, cfg.num_kv_heads, head_dim, rope)
         fields = plugin_fields(cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, head_dim,
                                block_size, i, layer.scale)
         attn = net.plugin(PLUGIN_ID, [q, k, v, *metadata], fields)  # [T, Hq * D]
-        h = net.elementwise("sum", h, g.linear(attn, layer.o, layer.o_bias))
+        h = net.elementwise("sum", h, g.linear(attn, layer.o.weight, layer.o_bias))
         x = g.rms_norm(h, layer.post_norm, layer.eps)
-        gate_w, up_w = layer.gate_up.chunk(2)
+        gate_w, up_w = layer.gate_up.weight.chunk(2)
         gate, up = g.linear(x, gate_w), g.linear(x, up_w)
         act = net.elementwise("prod", net.elementwise("prod", gate, net.sigmoid(gate)), up)  # silu(gate) * up
-        h = net.elementwise("sum", h, g.linear(act, layer.down))
+        h = net.elementwise("sum", h, g.linear(act, layer.down.weight))
     last = net.gather(h, inputs["logit_rows"], axis=0)  # [S, hidden]: the LM head on sampled rows only
-    logits = g.linear(g.rms_norm(last, model.norm, cfg.norm_eps), model.lm_head)
+    logits = g.linear(g.rms_norm(last, model.norm, cfg.norm_eps), model.lm_head.weight)
     net.output(ENGINE_OUTPUT, logits if g.dtype == "float32" else net.cast(logits, "float32"))
 
 

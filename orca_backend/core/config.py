@@ -21,6 +21,10 @@ DEFAULT_MAX_PROMPT_BYTES = 1 << 20
 # only under the Triton interpreter, for tests).
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 ENGINES = ("torch", "tensorrt")
+# The projections' GEMM: "auto" is oneDNN with prepacked weights on the CPU, torch's own
+# elsewhere (runner/models/linear.py). Quantization "int8": int8 weights on the CPU (fbgemm).
+LINEARS = ("auto", "onednn", "torch")
+QUANTIZATIONS = ("none", "int8")
 TENSORRT_RUNTIMES = ("tensorrt", "torch")
 # Fields of EngineConfig that a served model's config.pbtxt does not set.
 _NOT_A_PARAMETER = {"parameter": False}
@@ -62,13 +66,23 @@ class EngineConfig:
     # Ranks of the runner (and of each pipeline stage), each holding 1/T of every layer:
     # processes on the CPU (gloo), one GPU each from the instance's first (NCCL).
     tensor_parallel_size: int = 1
+    linear: str = "auto"  # the projections' GEMM: one of LINEARS
+    quantization: str = "none"  # "int8": weights quantized per channel, activations per batch (CPU)
 
     def __post_init__(self) -> None:
         _need(self.dtype in DTYPE_SIZES, "dtype", self.dtype, f"one of {', '.join(DTYPE_SIZES)}")
         _need(self.device == "cpu" or self.device.startswith("cuda"), "device", self.device,
               "'cpu' or 'cuda[:N]'")
-        if self.device == "cpu" and self.dtype != "float32":
-            raise ConfigError(f"dtype {self.dtype!r} is for GPUs; use 'float32' on cpu")
+        if self.device == "cpu" and self.dtype == "float16":
+            raise ConfigError("dtype 'float16' is for GPUs; use 'float32' on cpu (or 'bfloat16' "
+                              "where the processor has a bfloat16 GEMM)")
+        _need(self.linear in LINEARS, "linear", self.linear, f"one of {', '.join(LINEARS)}")
+        _need(self.quantization in QUANTIZATIONS, "quantization", self.quantization,
+              f"one of {', '.join(QUANTIZATIONS)}")
+        if self.quantization == "int8":
+            _need(self.device == "cpu" and self.dtype == "float32" and self.engine == "torch",
+                  "quantization", self.quantization, "'none' except on the CPU with dtype float32 "
+                  "and engine 'torch' ('int8' is fbgemm's CPU GEMM)")
         if self.max_inflight is None:
             pipelined = self.executor == "pipeline" or (self.executor == "stages" and self.stage_transport != "ensemble")
             self.max_inflight = self.pipeline_stages if pipelined else 1

@@ -13,6 +13,7 @@ from .model_runner import ModelRunner
 from .models import load_model
 from .models.attention import TorchPagedAttention
 from .models.kernel_attention import KernelPagedAttention
+from .models.linear import linear_backend, pack_linears
 from .models.parallel import Shard
 from .spec import RunnerSpec
 
@@ -33,9 +34,11 @@ def build_runner(spec: RunnerSpec, model=None, rank: int = 0) -> ModelRunner:
     dtype, device = getattr(torch, spec.dtype), torch.device(spec.device)
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # kernels launch on the current device
+    backend = linear_backend(device, dtype, spec.quantization, spec.linear)  # refused before loading
     if model is None:
         layers = range(*spec.layer_range) if spec.layer_range else None
         model = load_model(Path(spec.model_path), dtype, device, layers)
+    pack_linears(model, backend)  # a stage's model, loaded before, keeps the backend it has
     runner = ModelRunner(model, spec.num_blocks, spec.block_size, device, dtype, spec.seed,
                          spec.keep_logits, _attention(spec, device))
     if spec.cuda_graphs and spec.attention == "triton" and not spec.layer_range:
@@ -69,9 +72,11 @@ def _build_rank(spec: RunnerSpec, rank: int) -> ModelRunner:
             torch.set_num_threads(threads)
     collectives = GroupCollectives(rank, size, device)
     try:
+        backend = linear_backend(device, getattr(torch, spec.dtype), spec.quantization, spec.linear)
         layers = range(*spec.layer_range) if spec.layer_range else None
         model = load_model(Path(spec.model_path), getattr(torch, spec.dtype), device, layers,
                            Shard(rank, size), collectives)
+        pack_linears(model, backend)
         runner = ModelRunner(model, spec.num_blocks, spec.block_size, device, getattr(torch, spec.dtype),
                              spec.seed, spec.keep_logits, _attention(spec, device), group)
         if group is not None:

@@ -28,6 +28,8 @@ class RunnerSpec:
     engine_cache_dir: str = ""  # where built TensorRT engines are kept
     tensor_parallel_size: int = 1  # ranks, each with 1/T of every layer (this process is rank 0)
     collective_timeout_seconds: float = 300.0  # a collective waiting longer fails the group
+    linear: str = "auto"  # the projections' GEMM (models/linear.py)
+    quantization: str = "none"  # "int8": int8 projections (CPU)
 
     def __post_init__(self) -> None:
         if self.layer_range is not None:  # a list, after a trip through msgpack or JSON
@@ -47,5 +49,6 @@ class RunnerSpec:
                    max_num_batched_tokens=config.max_num_batched_tokens,
                    engine_cache_dir=engine_cache_dir,
                    tensor_parallel_size=config.tensor_parallel_size,
+                   linear=config.linear, quantization=config.quantization,
                    # under the engine's deadline, so a hung rank is named before the runner is
                    collective_timeout_seconds=max(1.0, config.iteration_timeout_seconds / 2))

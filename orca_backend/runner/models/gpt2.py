@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from ...checkpoint.config import ModelConfig
 from .attention import AttentionPlan
+from .linear import Linear
 from .parallel import NO_COLLECTIVES, ONE_RANK, Collectives, Shard
 from .weights import Weights
 
@@ -31,7 +32,14 @@ class GPT2Model:
         if last:
             self.ln_f = (w.take("ln_f.weight"), w.take("ln_f.bias"))
             head = w.take_optional("lm_head.weight", 0, vocab)  # a tied checkpoint may store it too
-            self.lm_head = self.wte if tied else head
+            self.lm_head = Linear(self.wte if tied else head)
+
+    def linears(self):
+        """Every projection, the LM head's included."""
+        for layer in self.layers.values():
+            yield from (layer.qkv, layer.proj, layer.fc, layer.out)
+        if hasattr(self, "lm_head"):
+            yield self.lm_head
 
     def embed_tokens(self, input_ids: torch.Tensor, meta: AttentionPlan) -> torch.Tensor:
         return self.shard.vocab_embed(self.wte, input_ids, self.collectives) + self.wpe[meta.positions]
@@ -44,7 +52,7 @@ class GPT2Model:
     def logits(self, h: torch.Tensor) -> torch.Tensor | None:
         """[rows, vocab] on rank 0 (None on the other ranks)."""
         h = F.layer_norm(h, h.shape[-1:], *self.ln_f, eps=self.config.norm_eps)
-        return self.collectives.gather_vocab(F.linear(h, self.lm_head).float())
+        return self.collectives.gather_vocab(self.lm_head(h).float())
 
 
 class _GPT2Layer:
@@ -58,14 +66,12 @@ class _GPT2Layer:
         qkv = heads if shard.size == 1 else [slice(i * hidden + heads.start, i * hidden + heads.stop)
                                              for i in range(3)]
         c_attn = p + "attn.c_attn."
-        self.qkv = w.take(c_attn + "weight", 1, qkv).t().contiguous()
-        self.qkv_bias = w.take(c_attn + "bias", 0, qkv)
-        self.proj = w.take(p + "attn.c_proj.weight", 0, heads).t().contiguous()
+        self.qkv = Linear(w.take(c_attn + "weight", 1, qkv).t().contiguous(), w.take(c_attn + "bias", 0, qkv))
+        self.proj = Linear(w.take(p + "attn.c_proj.weight", 0, heads).t().contiguous())
         self.proj_bias = w.take(p + "attn.c_proj.bias")  # added once, after the all-reduce
         inter = shard.part(config.intermediate_size)
-        self.fc = w.take(p + "mlp.c_fc.weight", 1, inter).t().contiguous()
-        self.fc_bias = w.take(p + "mlp.c_fc.bias", 0, inter)
-        self.out = w.take(p + "mlp.c_proj.weight", 0, inter).t().contiguous()
+        self.fc = Linear(w.take(p + "mlp.c_fc.weight", 1, inter).t().contiguous(), w.take(p + "mlp.c_fc.bias", 0, inter))
+        self.out = Linear(w.take(p + "mlp.c_proj.weight", 0, inter).t().contiguous())
         self.out_bias = w.take(p + "mlp.c_proj.bias")
         self.ln_1 = (w.take(p + "ln_1.weight"), w.take(p + "ln_1.bias"))
         self.ln_2 = (w.take(p + "ln_2.weight"), w.take(p + "ln_2.bias"))
@@ -76,9 +82,9 @@ class _GPT2Layer:
 
     def __call__(self, h, meta: AttentionPlan, kv_cache):
         x = F.layer_norm(h, h.shape[-1:], *self.ln_1, eps=self.eps)
-        q, k, v = F.linear(x, self.qkv, self.qkv_bias).view(-1, 3, self.num_heads, self.head_dim).unbind(1)
+        q, k, v = self.qkv(x).view(-1, 3, self.num_heads, self.head_dim).unbind(1)
         attn = meta.attend(q, k, v, kv_cache, self.head_dim ** -0.5)
-        h = h + self.all_reduce(F.linear(attn, self.proj)) + self.proj_bias
+        h = h + self.all_reduce(self.proj(attn)) + self.proj_bias
         x = F.layer_norm(h, h.shape[-1:], *self.ln_2, eps=self.eps)
-        x = F.gelu(F.linear(x, self.fc, self.fc_bias), approximate=self.approximate)
-        return h + self.all_reduce(F.linear(x, self.out)) + self.out_bias
+        x = F.gelu(self.fc(x), approximate=self.approximate)
+        return h + self.all_reduce(self.out(x)) + self.out_bias

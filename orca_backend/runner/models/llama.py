@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from ...checkpoint.config import ModelConfig
 from .attention import AttentionPlan
+from .linear import Linear
 from .parallel import NO_COLLECTIVES, ONE_RANK, Collectives, Shard
 from .weights import Weights
 
@@ -31,10 +32,17 @@ class LlamaModel:
         if last:
             self.norm = w.take("model.norm.weight")
             head = w.take_optional("lm_head.weight", 0, vocab)  # a tied checkpoint may store it too
-            self.lm_head = self.embed if tied else head
+            self.lm_head = Linear(self.embed if tied else head)
         inv_freq = 1.0 / (config.rope_theta ** (
             torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim))
         self.inv_freq = inv_freq.to(w.device)  # [head_dim / 2]
+
+    def linears(self):
+        """Every projection, the LM head's included."""
+        for layer in self.layers.values():
+            yield from (layer.qkv, layer.o, layer.gate_up, layer.down)
+        if hasattr(self, "lm_head"):
+            yield self.lm_head
 
     def embed_tokens(self, input_ids: torch.Tensor, meta: AttentionPlan) -> torch.Tensor:
         return self.shard.vocab_embed(self.embed, input_ids, self.collectives)  # [num_tokens, hidden]
@@ -50,7 +58,7 @@ class LlamaModel:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor | None:
         """[rows, vocab] on rank 0 (None on the other ranks)."""
-        local = F.linear(_rms_norm(h, self.norm, self.config.norm_eps), self.lm_head).float()
+        local = self.lm_head(_rms_norm(h, self.norm, self.config.norm_eps)).float()
         return self.collectives.gather_vocab(local)
 
 
@@ -63,15 +71,16 @@ class _LlamaLayer:
         q = slice(shard.rank * self.num_heads * d, (shard.rank + 1) * self.num_heads * d)
         kv = slice(first_kv * d, (first_kv + self.num_kv_heads) * d)
         parts = {"q": q, "k": kv, "v": kv}  # rows of each projection: this rank's heads
-        self.qkv = torch.cat([w.take(a + n + "_proj.weight", 0, parts[n]) for n in "qkv"])  # fused
-        self.qkv_bias = (torch.cat([w.take(a + n + "_proj.bias", 0, parts[n]) for n in "qkv"])
-                         if config.qkv_bias else None)
-        self.o = w.take(a + "o_proj.weight", 1, q)  # row-parallel: its heads' input columns
+        qkv_bias = (torch.cat([w.take(a + n + "_proj.bias", 0, parts[n]) for n in "qkv"])
+                    if config.qkv_bias else None)
+        self.qkv = Linear(torch.cat([w.take(a + n + "_proj.weight", 0, parts[n]) for n in "qkv"]),
+                          qkv_bias)  # fused
+        self.o = Linear(w.take(a + "o_proj.weight", 1, q))  # row-parallel: its heads' input columns
         self.o_bias = w.take_optional(a + "o_proj.bias")  # added once, after the all-reduce
         inter = shard.part(config.intermediate_size)
-        self.gate_up = torch.cat([w.take(p + "mlp.gate_proj.weight", 0, inter),
-                                  w.take(p + "mlp.up_proj.weight", 0, inter)])
-        self.down = w.take(p + "mlp.down_proj.weight", 1, inter)
+        self.gate_up = Linear(torch.cat([w.take(p + "mlp.gate_proj.weight", 0, inter),
+                                         w.take(p + "mlp.up_proj.weight", 0, inter)]))
+        self.down = Linear(w.take(p + "mlp.down_proj.weight", 1, inter))
         self.in_norm = w.take(p + "input_layernorm.weight")
         self.post_norm = w.take(p + "post_attention_layernorm.weight")
         self.eps = config.norm_eps
@@ -81,18 +90,18 @@ class _LlamaLayer:
 
     def __call__(self, h, meta: AttentionPlan, rope, kv_cache):
         x = _rms_norm(h, self.in_norm, self.eps)
-        qkv = F.linear(x, self.qkv, self.qkv_bias)  # [T, (Hq + 2 Hkv) * D]
+        qkv = self.qkv(x)  # [T, (Hq + 2 Hkv) * D]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = _rotate(q.view(-1, self.num_heads, self.head_dim), *rope)
         k = _rotate(k.view(-1, self.num_kv_heads, self.head_dim), *rope)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         attn = meta.attend(q, k, v, kv_cache, self.scale)  # [T, Hq * D]
-        o = self.all_reduce(F.linear(attn, self.o))
+        o = self.all_reduce(self.o(attn))
         h = h + (o if self.o_bias is None else o + self.o_bias)
         x = _rms_norm(h, self.post_norm, self.eps)
-        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-        return h + self.all_reduce(F.linear(F.silu(gate) * up, self.down))
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return h + self.all_reduce(self.down(F.silu(gate) * up))
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
