@@ -75,7 +75,7 @@ class PrefillSpan:
 class AttentionMetadata:
     positions: torch.Tensor  # [num_tokens]
     slot_mapping: torch.Tensor  # [num_tokens], where each new token's K/V is written
-    decode_rows: torch.Tensor | None = None  # [num_decodes]
+    decode_rows: torch.Tensor | slice | None = None  # [num_decodes], or a slice when they are consecutive
     decode_blocks: torch.Tensor | None = None  # [num_decodes, max_num_blocks]
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_num_blocks * block_size]
     prefills: list[PrefillSpan] = field(default_factory=list)
@@ -103,7 +103,9 @@ class AttentionMetadata:
             ctx = starts[is_decode] + 1
             num_blocks = -(-ctx.max() // block_size)
             pos = np.arange(num_blocks * block_size)
-            meta.decode_rows = t(first_row[is_decode])
+            rows = first_row[is_decode]
+            consecutive = rows[-1] - rows[0] + 1 == len(rows)  # a batch of decodes only, say
+            meta.decode_rows = slice(int(rows[0]), int(rows[-1]) + 1) if consecutive else t(rows)
             meta.decode_blocks = t(np.ascontiguousarray(tables[is_decode, :num_blocks]))
             meta.decode_mask = t((pos[None, :] < ctx[:, None])[:, None, None, :])
         for i in np.flatnonzero(~is_decode):
@@ -148,9 +150,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """Whole blocks at a time (one copy of block_size * Hkv * D per index): [..., L, Hkv, D]."""
-    gathered = cache[blocks]  # [..., num_blocks, block_size, Hkv, D]
-    return gathered.flatten(-4, -3)
+    """Whole blocks at a time (one copy of block_size * Hkv * D per index): [..., L, Hkv, D].
+    `index_select` over the blocks as rows: on the CPU 3 to 5 times faster than indexing
+    the 4-d cache with a tensor (docs/benchmarks/cpu.md)."""
+    rows = cache.view(cache.shape[0], -1).index_select(0, blocks.reshape(-1))
+    return rows.view(*blocks.shape[:-1], blocks.shape[-1] * cache.shape[1], *cache.shape[2:])
 
 
 def _sdpa(q, k, v, mask, scale, causal=False):

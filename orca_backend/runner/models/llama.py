@@ -92,9 +92,10 @@ class _LlamaLayer:
         x = _rms_norm(h, self.in_norm, self.eps)
         qkv = self.qkv(x)  # [T, (Hq + 2 Hkv) * D]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = _rotate(q.view(-1, self.num_heads, self.head_dim), *rope)
-        k = _rotate(k.view(-1, self.num_kv_heads, self.head_dim), *rope)
+        qk, v = qkv.split([q_size + kv_size, kv_size], dim=-1)
+        # q and k rotated in one pass: their heads side by side, as the fused projection left them
+        q, k = _rotate(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim),
+                       *rope).split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         attn = meta.attend(q, k, v, kv_cache, self.scale)  # [T, Hq * D]
         o = self.all_reduce(self.o(attn))
@@ -105,9 +106,11 @@ class _LlamaLayer:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    """As transformers' LlamaRMSNorm: normalized in fp32, scaled in the model's dtype (one
+    fused op in fp32)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
