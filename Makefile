@@ -71,6 +71,7 @@ bench-engine: model
 # writes docs/benchmarks/cpu.md and cpu.png. A benchmark peer only, never a dependency.
 bench-cpu: model
 	$(PY) benchmarks/bench_cpu.py --markdown docs/benchmarks/cpu.md
+	$(PY) benchmarks/bench_gemm.py --markdown-append docs/benchmarks/cpu.md
 
 # The executor boundary alone: inline vs the runner in a child process, per iteration.
 bench-executors: model
