@@ -81,9 +81,8 @@ def timed(fn, repeats: int) -> float:
 
 def machine_limits() -> tuple[float, float]:
     """(read bandwidth in bytes/s, fp32 GEMM peak in FLOP/s), best of a few runs."""
-    a = torch.randn(100_000_000)
-    bandwidth = a.numel() * 4 / timed(lambda: a.sum(), 5)
-    del a
+    data = torch.randn(100_000_000)
+    bandwidth = data.numel() * 4 / timed(data.sum, 5)
     x, w = torch.randn(2048, 2048), torch.randn(2048, 2048)
     packed = torch.ops.mkldnn._reorder_linear_weight(w)
     peak = 2 * 2048 ** 3 / timed(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), 10)
@@ -265,7 +264,8 @@ def single_figures(url: str, model: str, tokenizer) -> dict:
         decode.append((r.end - r.first_token) / (len(r.response_times) - 1))
     out["decode"] = float(np.median(decode))
     for n in (8, 128, 512):
-        out[f"p{n}"] = float(np.median([(lambda r: r.end - r.sent)(run(n, 1)) for _ in range(3)]))
+        latencies = [run(n, 1) for _ in range(3)]
+        out[f"p{n}"] = float(np.median([r.end - r.sent for r in latencies]))
     return out
 
 

@@ -107,7 +107,8 @@ PREEMPTING = ("preempt", "process", "kernel-preempt", "pipeline-preempt", "tenso
 # The interpreter is slow: preemption under the kernel, and the TensorRT graph (which
 # test_trt_engine.py checks on Qwen2 too), run on llama alone; so do the costlier rank layouts.
 KINDS = {"kernel-preempt": ["llama"], "tensorrt-graph": ["llama"], "pipeline-tp2": ["llama"],
-         "tp4": ["llama"], "kernel": ["llama"]}  # one head per K/V head (GPT-2's): test_kernel.py
+         "tp4": ["llama"], "kernel": ["llama"],  # one head per K/V head (GPT-2's): test_kernel.py
+         "torch-linear": ["qwen2"]}  # F.linear with a bias; the default path covers all three
 NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
