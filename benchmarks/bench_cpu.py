@@ -224,7 +224,7 @@ async def _stream(client: httpx.AsyncClient, url: str, model: str, prompt: str, 
         record.response_tokens[-1] += max_tokens - sum(record.response_tokens)
 
 
-async def replay(url: str, model: str, trace, slots: int) -> list[RequestRecord]:
+async def replay(url: str, model: str, trace) -> list[RequestRecord]:
     records = [RequestRecord(r.index, r.offset, None, r.input_tokens, r.output_tokens) for r in trace]
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
@@ -274,7 +274,7 @@ def sweep(url: str, model: str, args, tokenizer) -> list[dict]:
     for rate in [float(r) for r in args.rates.split(",")]:
         n = max(8, int(rate * args.duration))
         trace = make_trace(LengthDist("orca", scale=args.scale), n, rate, 0, tokenizer)
-        s = summarize(asyncio.run(replay(url, model, trace, args.slots)))
+        s = summarize(asyncio.run(replay(url, model, trace)))
         points.append(dict(rate=rate, summary=s))
         log(f"  {model} at {rate} req/s: {s.request_throughput:.2f} req/s, normalized "
             f"{s.normalized_latency_p50 * 1e3:.0f} ms/token, TTFT {s.ttft_p50 * 1e3:.0f} ms, errors {s.errors}")
