@@ -67,7 +67,7 @@ class EngineConfig:
     # processes on the CPU (gloo), one GPU each from the instance's first (NCCL).
     tensor_parallel_size: int = 1
     linear: str = "auto"  # the projections' GEMM: one of LINEARS
-    quantization: str = "none"  # "int8": weights quantized per channel, activations per batch (CPU)
+    quantization: str = "none"  # "int8": weights quantized per channel, activations per token (CPU)
 
     def __post_init__(self) -> None:
         _need(self.dtype in DTYPE_SIZES, "dtype", self.dtype, f"one of {', '.join(DTYPE_SIZES)}")

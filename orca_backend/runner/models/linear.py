@@ -7,9 +7,9 @@ as `F.linear` until `pack_linears` lays the weights out for a faster path:
   Inductor's weight freezing uses on the CPU). On this project's CPUs, MKL's fp32 GEMM with
   a transposed weight moves the weights at a fraction of the memory bandwidth and gets
   slower per byte as the batch grows; oneDNN's does not (docs/benchmarks/cpu.md).
-- `int8`: weights quantized per output channel to int8 and activations per batch, on the
-  fly (fbgemm's dynamic quantized linear, as `torch.ao`'s dynamic quantization does): a
-  quarter of the bytes of fp32. A CPU path, opted into with `quantization: int8`.
+- `int8`: weights quantized per output channel to int8 and activations per token, on the
+  fly (fbgemm's dynamic quantized linear, as `torch.ao`'s dynamic quantization uses): a
+  quarter of the bytes of fp32, and lossy. A CPU path, opted into with `quantization: int8`.
 - `torch`: `F.linear` as it is (GPUs, and anything the others do not cover).
 
 A packed `Linear` no longer holds its [out, in] weight: code that reads weights (the
@@ -23,9 +23,6 @@ import torch
 import torch.nn.functional as F
 
 from ...core.errors import ConfigError
-
-LINEAR_BACKENDS = ("torch", "onednn", "int8")
-
 
 class Linear:
     """y = x W^T (+ b) over rows x [T, in]; W [out, in] as the checkpoint stores it."""
@@ -51,7 +48,7 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
     def pack(self, backend: str) -> None:
-        """Re-lay the weight for `backend` (one of LINEAR_BACKENDS); the [out, in] copy goes."""
+        """Re-lay the weight for `backend` ("torch", "onednn" or "int8"); the [out, in] copy goes."""
         if backend == "torch" or backend == self.backend:
             return
         if self.backend != "torch":
