@@ -1,11 +1,12 @@
 """Pipeline stages as Triton models, end to end: repositories written by
 `orca_backend.serving.stages.repository`, served by a real tritonserver, driven by tritonclient.
 
-One server hosts a single-stage model (`single`, the reference) and five 2-stage pipelines
-on the CPU, one torch thread per stage: `p1` (1 iteration in flight), `p2` (2 in flight,
-batches of at most 4, so that two iterations really are in flight), `pk` (2 in flight over
-a K/V pool small enough to force preemptions), `pe` (the ensemble transport) and `pf` (its
-stages fail chosen iterations; the last test kills a stage's process).
+One server hosts a single-stage model (`single`, the reference) and three 2-stage pipelines
+on the CPU, one torch thread per stage: `p2` (2 iterations in flight, batches of at most 4,
+so that two iterations really are in flight), `pe` (the ensemble transport, 2 in flight, over
+a K/V pool small enough to force preemptions) and `pf` (its stages fail chosen iterations;
+the last test kills a stage's process). One iteration in flight is the pipeline executor's
+case in test_numerics.py (`pipeline-preempt`); the stage models do not change with it.
 """
 from __future__ import annotations
 
@@ -52,10 +53,8 @@ def server(tmp_path_factory, default_model):
     (repo / "single" / "config.pbtxt").write_text(single.replace('name: "orca"', 'name: "single"', 1))
     (repo / "single" / "1" / "model.py").write_text("from orca_backend.serving.triton_model import TritonPythonModel  # noqa\n")
     pipelines = {
-        "p1": {"max_inflight": "1"},
         "p2": {"max_inflight": "2", "max_batch_size": "4"},
-        "pk": {"max_inflight": "2", "kv_cache_tokens": "128"},
-        "pe": {"stage_transport": "ensemble"},
+        "pe": {"stage_transport": "ensemble", "max_inflight": "2", "kv_cache_tokens": "128"},
         "pf": {"iteration_timeout_seconds": str(DEADLINE_SECONDS), "kv_cache_tokens": "4096"},
     }
     for name, parameters in pipelines.items():
@@ -115,7 +114,7 @@ def reference(server) -> dict[str, list[str]]:
     return {"greedy": [r.text for r in greedy_results], "seeded": [r.text for r in seeded_results]}
 
 
-@pytest.mark.parametrize("model", ["p1", "p2", "pe"])
+@pytest.mark.parametrize("model", ["p2", "pe"])
 def test_greedy_tokens_equal_the_single_stage_model(server, reference, model):
     results = run_staggered(server, model, [greedy(n) for n in MAX_TOKENS])
     assert [r.error for r in results] == [None] * len(PROMPTS)
@@ -127,11 +126,11 @@ def test_greedy_tokens_equal_the_single_stage_model(server, reference, model):
 
 
 def test_preempted_requests_resume_exactly_through_the_stages(server, reference):
-    results = run_staggered(server, "pk", [greedy(n) for n in MAX_TOKENS], gap=0.02)
+    results = run_staggered(server, "pe", [greedy(n) for n in MAX_TOKENS], gap=0.02)
     assert [r.error for r in results] == [None] * len(PROMPTS)
     assert [r.text for r in results] == reference["greedy"]
-    assert server.metric("orca_preemptions_total", "pk") > 0
-    assert_stages_hold_nothing(server, "pk")
+    assert server.metric("orca_preemptions_total", "pe") > 0
+    assert_stages_hold_nothing(server, "pe")
 
 
 def test_seeded_sampling_equals_the_single_stage_model(server, reference):
@@ -199,7 +198,7 @@ def test_a_killed_stage_fails_requests_naming_it_and_shutdown_is_bounded(server,
         later = c.generate(PROMPTS[1], sampling=greedy(4), timeout=60)  # a clear error, at once
         assert later.error is not None and "pipeline stage 1 (model pf_stage_1) is unavailable" in later.error
     # The server and the other models are untouched.
-    with StreamingClient(server.grpc_url, "p1") as c:
+    with StreamingClient(server.grpc_url, "p2") as c:
         assert c.generate(PROMPTS[1], sampling=greedy(MAX_TOKENS[1])).text == reference["greedy"][1]
     started = time.monotonic()
     server.terminate()

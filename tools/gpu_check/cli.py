@@ -1,5 +1,7 @@
 """The command line and the section runner: the parent starts one process per section, under
-its share of the time budget; the child (`--child`) runs that section in-process."""
+its share of the time budget; the child (`--child`) runs that section in-process. With
+`--one-process`, one child runs every section under the whole budget (the CPU dry run's
+test uses it: one start of torch instead of six)."""
 from __future__ import annotations
 
 import argparse
@@ -46,7 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="CPU dry run at tiny sizes (TRITON_INTERPRET=1)")
     p.add_argument("--layers", type=int, default=None, help="layers of the 8B-shaped model (default 32)")
     p.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth for the bound, TB/s")
-    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one section, in-process
+    p.add_argument("--one-process", action="store_true",
+                   help="every section in one child process (faster to start; a crash ends the rest)")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # its sections, in-process
     args = p.parse_args(argv)
     args.sections = [s for s in args.sections.split(",") if s]
     unknown = set(args.sections) - set(SECTIONS)
@@ -85,14 +89,16 @@ def run_parent(args: argparse.Namespace, cuda: bool) -> int:
     deadline = time.monotonic() + args.budget_seconds
     say(f"gpu_check: {', '.join(args.sections)} on {report.data['environment'].get('gpu', 'cpu')}, "
         f"budget {args.budget_seconds:.0f} s, out {args.out}")
-    for i, name in enumerate(args.sections):
+    if args.one_process:  # the child shares the budget out itself (run_sections)
+        run_section_process(args, args.sections, args.budget_seconds)
+    for i, name in enumerate([] if args.one_process else args.sections):
         left = deadline - time.monotonic()
         if left < MIN_SECONDS[name]:
             report = Report.load(args.out)
             _skip(report, name, left)
             continue
         reserve = sum(MIN_SECONDS[n] for n in args.sections[i + 1:])
-        run_section_process(args, name, capped(name, max(MIN_SECONDS[name], left - reserve)))
+        run_section_process(args, [name], capped(name, max(MIN_SECONDS[name], left - reserve)))
     report = Report.load(args.out)
     ok = report.all_passed()
     say(f"gpu_check: done, {'all ran and passed' if ok else 'some section failed'}; "
@@ -112,26 +118,28 @@ def _skip(report: Report, name: str, left: float) -> None:
     report.save()
 
 
-def run_section_process(args: argparse.Namespace, name: str, seconds: float) -> None:
-    """Run one section in a child; record a child that died or hung without a result."""
+def run_section_process(args: argparse.Namespace, names: list[str], seconds: float) -> None:
+    """Run sections in a child; record each that its child left without a result (it died
+    or hung)."""
     # The child imports tools.gpu_check by module name, from wherever this was started.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     try:
-        returncode = subprocess.run(_child_command(args, name, seconds), env=env,
+        returncode = subprocess.run(_child_command(args, ",".join(names), seconds), env=env,
                                     timeout=seconds + CHILD_GRACE_SECONDS).returncode
     except subprocess.TimeoutExpired:
         returncode = None
     report = Report.load(args.out)
-    rec = report.section(name)
-    if rec["status"] not in ("pending", "running"):
-        return
     if returncode is None:
-        rec["status"] = "timeout"
-        how = f"was killed {CHILD_GRACE_SECONDS} s past its budget of {seconds:.0f} s"
+        status, how = "timeout", f"was killed {CHILD_GRACE_SECONDS} s past its budget of {seconds:.0f} s"
     else:
-        rec["status"], how = "error", f"ended with {_exit_status(returncode)}"
-    rec["error"] = f"the section's process {how} before recording a result; its output is in gpu_check.log"
-    say(f"{name}: {rec['status']}: {rec['error']}")
+        status, how = "error", f"ended with {_exit_status(returncode)}"
+    for name in names:
+        rec = report.section(name)
+        if rec["status"] not in ("pending", "running"):
+            continue
+        rec["status"] = status
+        rec["error"] = f"the section's process {how} before recording a result; its output is in gpu_check.log"
+        say(f"{name}: {rec['status']}: {rec['error']}")
     report.save()
 
 
