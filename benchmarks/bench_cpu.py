@@ -89,6 +89,19 @@ def machine_limits() -> tuple[float, float]:
     return bandwidth, peak
 
 
+def gemv_rates() -> dict[str, float]:
+    """Bytes/s a single-row GEMM reads the LM head's weight (49152 x 576, 113 MB, fp32) at,
+    through oneDNN (the engine's path) and through numpy's OpenBLAS: the bandwidth a decode
+    at batch 1 can reach with a well-kept library here, next to the stream figure."""
+    w = torch.randn(49152, 576)
+    x = torch.randn(1, 576)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w)
+    nbytes = w.numel() * 4
+    wn, xn = w.numpy(), x.numpy()
+    return {"oneDNN": nbytes / timed(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), 5),
+            "OpenBLAS (numpy)": nbytes / timed(lambda: xn @ wn.T, 5)}
+
+
 def model_costs(llm: LLM, batch: int, context: int) -> tuple[float, float]:
     """(bytes, FLOPs) of one decode iteration of `batch` requests at `context` tokens: every
     weight read once (fp32 bytes, whatever the variant), the K/V read and written, 2 FLOPs
@@ -151,10 +164,15 @@ def agreement(reference: list[list[int]], tokens: list[list[int]]) -> list[int]:
 
 def bench_engine(md: list[str]) -> dict:
     bandwidth, peak = machine_limits()
-    log(f"read bandwidth {bandwidth / 1e9:.1f} GB/s, fp32 peak {peak / 1e9:.0f} GFLOP/s")
+    gemv = gemv_rates()
+    log(f"read bandwidth {bandwidth / 1e9:.1f} GB/s, fp32 peak {peak / 1e9:.0f} GFLOP/s, single-row GEMM "
+        + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in gemv.items()))
     md += ["## The machine", "",
            f"- memory read bandwidth: **{bandwidth / 1e9:.1f} GB/s** (`torch.sum` over 400 MB, 2 threads, best of 5)",
-           f"- fp32 GEMM peak: **{peak / 1e9:.0f} GFLOP/s** (2048 x 2048 x 2048 through oneDNN, best of 10)", ""]
+           f"- fp32 GEMM peak: **{peak / 1e9:.0f} GFLOP/s** (2048 x 2048 x 2048 through oneDNN, best of 10)",
+           "- a single-row GEMM reads the LM head's 113 MB weight at "
+           + " and ".join(f"**{v / 1e9:.1f} GB/s** through {k}" for k, v in gemv.items())
+           + " (best of 5): what a decode at batch 1 can reach with a library, next to the stream figure", ""]
     rows, results, reference = [], {}, None
     greedy = SamplingParams(temperature=0, max_tokens=32)
     for name, options in VARIANTS.items():
@@ -191,7 +209,7 @@ def bench_engine(md: list[str]) -> dict:
            "leading tokens that do.", "",
            *table(["projections", "decode, batch 1", "batch 8", "batch 32", "prefill 512 tokens",
                    "greedy agreement"], rows), ""]
-    return dict(bandwidth=bandwidth, peak=peak, variants=results)
+    return dict(bandwidth=bandwidth, peak=peak, gemv=gemv, variants=results)
 
 
 # ---- part 2: served ---------------------------------------------------------------------
@@ -269,6 +287,55 @@ def single_figures(url: str, model: str, tokenizer) -> dict:
     return out
 
 
+def _histogram_sum(server: Server, name: str) -> float:
+    _, text = server.http("/metrics", port=server.metrics_port)
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(f"vllm:{name}_sum"))
+
+
+def request_split(tokenizer, work: Path, repeats: int = 15) -> dict:
+    """Where a 1-token request with an 8-token prompt spends its time: at the client
+    (Triton's HTTP generate endpoint, no frontend), inside the model (arrival at the
+    model's execute() to its final response: `vllm:e2e_request_latency_seconds`), and the
+    same request through the engine offline (`LLM.generate`, in this process). Served and
+    offline requests alternate, one at a time, so that the machine's drift hits both; means
+    after a warm-up."""
+    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog and", add_special_tokens=False).ids
+    prompt = tokenizer.decode(ids[:8])
+    body = json.dumps({"text_input": prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True}).encode()
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    server = Server(work, extra_args=["--model-control-mode=explicit", "--load-model=orca"])
+    llm = None
+    try:
+        server.wait_ready()
+        llm = LLM()
+
+        def client_seconds() -> float:
+            start = time.perf_counter()
+            code, text = server.http("/v2/models/orca/generate", body)
+            if code != 200:
+                raise RuntimeError(f"generate: HTTP {code}: {text[:200]}")
+            return time.perf_counter() - start
+
+        def offline_seconds() -> float:
+            start = time.perf_counter()
+            llm.generate(prompt, params)
+            return time.perf_counter() - start
+        for _ in range(3):
+            client_seconds(), offline_seconds()
+        before = _histogram_sum(server, "e2e_request_latency_seconds")
+        client, offline = [], []
+        for _ in range(repeats):
+            client.append(client_seconds())
+            offline.append(offline_seconds())
+        model = (_histogram_sum(server, "e2e_request_latency_seconds") - before) / repeats
+    finally:
+        if llm is not None:
+            llm.shutdown()
+        server.stop()
+    return dict(client=float(np.mean(client)), model=model, offline=float(np.mean(offline)))
+
+
 def sweep(url: str, model: str, args, tokenizer) -> list[dict]:
     points = []
     for rate in [float(r) for r in args.rates.split(",")]:
@@ -337,6 +404,8 @@ def bench_served(args, md: list[str]) -> dict:
                     sys.executable, str(prepare_default_model())], check=True)
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench-cpu-") as tmp:
+        log("a 1-token request: client, model, engine offline")
+        split = request_split(tokenizer, Path(tmp))
         log("orca (tritonserver + OpenAI frontend)")
         results["orca"] = served_orca(args, tokenizer, Path(tmp))
         for gguf in ("f32", "q8_0"):
@@ -366,6 +435,13 @@ def bench_served(args, md: list[str]) -> dict:
            f"[{int(32 * args.scale)}, {int(512 * args.scale)}], outputs [1, {int(128 * args.scale)}]), "
            f"seed 0, {args.duration:g} s of Poisson arrivals per rate; a server's sweep stops "
            f"past twice the bound.", "", *table(["", *names], rows), ""]
+    md += ["Where `orca`'s 1-token request (8-token prompt) goes, means of 15 after a warm-up: "
+           f"**{split['client'] * 1e3:.0f} ms** at a client of Triton's HTTP generate endpoint, "
+           f"**{split['model'] * 1e3:.0f} ms** inside the model (its execute() to its final response: "
+           f"the tokenizer, engine and sender threads), and **{split['offline'] * 1e3:.0f} ms** for the "
+           "same request through the engine offline (`LLM.generate`: the 8-token forward, the LM "
+           "head and sampling). The rest of the served figure above is the OpenAI frontend's "
+           "process and its hop to tritonserver.", ""]
     png = args.markdown.with_suffix(".png")
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for n in names:

@@ -38,6 +38,14 @@ def _packed(w: torch.Tensor, backend: str):
     return linear
 
 
+def _openblas(w: torch.Tensor):
+    """numpy's bundled OpenBLAS over the plain [out, in] weight: the fastest single-row GEMM
+    here, but a plain layout is oneDNN's worst from two rows on, so it is not offered (the
+    engine would need both copies of every weight)."""
+    wt = w.numpy().T
+    return lambda x: torch.from_numpy(x.numpy() @ wt)
+
+
 def _compiled():
     return torch.compile(lambda x, w: F.linear(x, w), dynamic=False)
 
@@ -47,6 +55,7 @@ def paths(bf16_native: bool) -> dict:
     out = {
         "F.linear fp32 (MKL; linear torch)": lambda w: (lambda x: F.linear(x, w)),
         "oneDNN fp32, prepacked (linear onednn, the default)": lambda w: _packed(w, "onednn"),
+        "numpy fp32, x @ W.T (OpenBLAS; not an engine path)": _openblas,
         "torch.compile F.linear fp32 (Inductor, static shapes)": lambda w: (lambda x: compiled(x, w)),
         "fbgemm int8, per-token activations (quantization int8)": lambda w: _packed(w, "int8"),
         "aten._weight_int8pack_mm (int8 weights only)": _int8_weight_only,
