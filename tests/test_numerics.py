@@ -84,9 +84,9 @@ ENGINE_VARIANTS = {
     "pipeline": dict(executor="pipeline", max_batch_size=3, max_num_batched_tokens=32),
     "pipeline-preempt": dict(executor="pipeline", max_inflight=1, kv_cache_tokens=96, block_size=4,
                              max_num_batched_tokens=32),
-    # Our kernel (trt_plugins) under the Triton interpreter: decode iterations through the
-    # padded buffers of the CUDA-graph path, the others one launch per layer.
-    "kernel": dict(attention="triton"),
+    # Our kernel (trt_plugins) under the Triton interpreter, preempting, one launch per layer.
+    # (Decode iterations through the padded buffers of the CUDA-graph path, the default:
+    # test_kernel_backend_matches_sdpa_backend, against the SDPA backend at 1e-4.)
     "kernel-preempt": dict(attention="triton", cuda_graphs=False, kv_cache_tokens=96,
                            max_num_batched_tokens=24),
     # The GPU engine path: the kernel compiled, decode iterations replayed from CUDA graphs.
@@ -107,7 +107,7 @@ PREEMPTING = ("preempt", "process", "kernel-preempt", "pipeline-preempt", "tenso
 # The interpreter is slow: preemption under the kernel, and the TensorRT graph (which
 # test_trt_engine.py checks on Qwen2 too), run on llama alone; so do the costlier rank layouts.
 KINDS = {"kernel-preempt": ["llama"], "tensorrt-graph": ["llama"], "pipeline-tp2": ["llama"],
-         "tp4": ["llama"], "kernel": ["llama"],  # one head per K/V head (GPT-2's): test_kernel.py
+         "tp4": ["llama"],  # the kernel with one head per K/V head (GPT-2's): test_kernel.py
          "torch-linear": ["qwen2"]}  # F.linear with a bias; the default path covers all three
 NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
