@@ -69,9 +69,9 @@ def hostile(tmp_path_factory, default_model):
     _model(repository, "orca_faulty", {"kv_cache_tokens": "2048"}, FAULTY_MODEL_PY)
     _model(repository, "orca_process", {"executor": "process", "max_inflight": "2",
                                         "kv_cache_tokens": "2048"})
-    # Our attention kernel, here under the Triton interpreter (about 3 s an iteration).
-    _model(repository, "orca_kernel", {"attention": "triton", "kv_cache_tokens": "2048"})
-    # engine: tensorrt, its graph evaluated with torch and our plugin's entry interpreted.
+    # engine: tensorrt, its graph evaluated with torch and our plugin's entry interpreted
+    # (our attention kernel under the Triton interpreter, about 3 s an iteration). The
+    # `triton` attention backend alone is the engine's (test_numerics.py), the same kernel.
     _model(repository, "orca_tensorrt_graph", {"engine": "tensorrt", "tensorrt_runtime": "torch",
                                                "kv_cache_tokens": "2048"})
     # Listing the repository over gRPC needs a header (tritonserver's restricted protocols);
@@ -219,12 +219,11 @@ def test_a_killed_runner_process_fails_its_requests_and_a_new_runner_serves_on(h
 _KERNEL_TEXTS: dict[str, list[str]] = {}  # model -> the two prompts' greedy texts
 
 
-@pytest.mark.parametrize("model", ["orca_kernel", "orca_tensorrt_graph"])
+@pytest.mark.parametrize("model", ["orca_tensorrt_graph"])
 def test_the_kernel_backends_serve_the_same_tokens_end_to_end(hostile, model):
-    """Our kernel through a real tritonserver, as the `triton` attention backend (decode
-    batches through the padded CUDA-graph path, run eagerly on the CPU) and inside the
-    TensorRT engine's graph (engine tensorrt, evaluated with torch): two prompts stream the
-    same greedy text as the SDPA backend, and every K/V block comes back."""
+    """Our kernel through a real tritonserver, inside the TensorRT engine's graph (engine
+    tensorrt, evaluated with torch): two prompts stream the same greedy text as the SDPA
+    backend, and every K/V block comes back."""
     prompts, sampling = ["Once upon a time", "The capital of France is"], {"max_tokens": 2, **GREEDY}
     for name in ("orca_small_queue", model):  # both the default model; the SDPA texts once
         if name in _KERNEL_TEXTS:
