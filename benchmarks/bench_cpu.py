@@ -1,12 +1,14 @@
 """The CPU engine against its peer: `orca` and llama.cpp's llama-server on the same weights.
 
-Part 1, the machine and the engine (offline, no server): the memory bandwidth (a 400 MB
-read) and the fp32 peak (a 2048^3 GEMM through oneDNN); then our engine's decode time per
+Part 1, the machine and the engine (offline; a server for the last figure): the memory
+bandwidth (a 400 MB read), a single-row GEMM's read rate and the fp32 peak (a 2048^3 GEMM
+through oneDNN); then our engine's decode time per
 iteration at batches 1, 8 and 32 for each projection path (`linear: torch`, MKL through
 F.linear; `linear: onednn`, the default; `quantization: int8`), against the bound that the
 weights' and K/V bytes over the bandwidth, or the FLOPs over the peak, set; prefill of a
-512-token prompt against the peak; and greedy agreement with fp32 of int8 on the parity
-prompts.
+512-token prompt against the peak; greedy agreement with fp32 of int8 on the parity
+prompts; the default path's decode time outside its GEMMs; and where a served 1-token
+request's time goes (at the client, inside the model, and the same request offline).
 
 Part 2, served, one server at a time on the same cores, both through the same OpenAI
 `/v1/completions` streaming client: `orca` (tritonserver + our OpenAI frontend, as `make
@@ -150,6 +152,32 @@ def decode_seconds(llm: LLM, batch: int, steps: int = 24, prompt_tokens: int = 1
     return best
 
 
+def outside_projections(llm: LLM, batches=(1, 8, 32)) -> dict[int, float]:
+    """Seconds per decode iteration with every projection (and the LM head) answering at
+    once from a preallocated output of its shape: what the iteration costs besides its
+    GEMMs (embedding, norms, rotary, K/V writes and gathers, attention, sampling, Python).
+    The model's projections are put back afterwards."""
+    model = llm.engine.executor.runner.model
+    linears = list(model.linears())
+    saved = [linear._run for linear in linears]
+    outputs: dict = {}
+
+    def at_once(out_features):
+        def run(x):
+            key = (x.shape[0], out_features)
+            if key not in outputs:
+                outputs[key] = torch.zeros(key, dtype=x.dtype)
+            return outputs[key]
+        return run
+    try:
+        for linear in linears:
+            linear._run = at_once(linear.out_features)
+        return {b: decode_seconds(llm, b) for b in batches}
+    finally:
+        for linear, run in zip(linears, saved):
+            linear._run = run
+
+
 def prefill_seconds(llm: LLM, tokens: int = 512) -> float:
     prompt = [[(7 * i) % 40000 + 100 for i in range(tokens)]]
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -180,6 +208,8 @@ def bench_engine(md: list[str]) -> dict:
         try:
             per_batch = {b: decode_seconds(llm, b) for b in (1, 8, 32)}
             prefill = prefill_seconds(llm)
+            if not options:  # the default path: its time besides the GEMMs
+                outside = outside_projections(llm)
             tokens = [o.token_ids for o in llm.generate(PARITY_PROMPTS, greedy)]
             if reference is None:
                 reference = tokens
@@ -208,8 +238,11 @@ def bench_engine(md: list[str]) -> dict:
            "prompts whose 32 greedy tokens all equal fp32 (linear torch), and per prompt the "
            "leading tokens that do.", "",
            *table(["projections", "decode, batch 1", "batch 8", "batch 32", "prefill 512 tokens",
-                   "greedy agreement"], rows), ""]
-    return dict(bandwidth=bandwidth, peak=peak, gemv=gemv, variants=results)
+                   "greedy agreement"], rows), "",
+           "Outside the GEMMs: the default path's decode iteration with every projection and "
+           "the LM head answering at once from a preallocated output (the same ops otherwise): "
+           + ", ".join(f"**{seconds * 1e3:.1f} ms** at batch {b}" for b, seconds in outside.items()) + ".", ""]
+    return dict(bandwidth=bandwidth, peak=peak, gemv=gemv, outside=outside, variants=results)
 
 
 # ---- part 2: served ---------------------------------------------------------------------
@@ -336,6 +369,22 @@ def request_split(tokenizer, work: Path, repeats: int = 15) -> dict:
     return dict(client=float(np.mean(client)), model=model, offline=float(np.mean(offline)))
 
 
+def bench_split(md: list[str]) -> dict:
+    log("a 1-token request: at the client, inside the model, offline")
+    with tempfile.TemporaryDirectory(prefix="bench-cpu-") as tmp:
+        split = request_split(load_tokenizer(), Path(tmp))
+    md += ["## Where a 1-token request's time goes", "",
+           "`orca`'s 1-token request with an 8-token prompt, alternating with the same request "
+           "through the engine offline, one at a time; means of 15 after a warm-up:", "",
+           *table(["at the client of Triton's HTTP generate endpoint",
+                   "inside the model (execute() to its final response)", "the engine offline (`LLM.generate`)"],
+                  [[f"{split[k] * 1e3:.1f} ms" for k in ("client", "model", "offline")]]), "",
+           "The client's time less the model's is tritonserver, HTTP and the Python stub's IPC; the "
+           "model's less the offline engine's is the serving loop (its tokenizer, engine and sender "
+           "threads and their hand-offs, the metrics).", ""]
+    return split
+
+
 def sweep(url: str, model: str, args, tokenizer) -> list[dict]:
     points = []
     for rate in [float(r) for r in args.rates.split(",")]:
@@ -404,8 +453,6 @@ def bench_served(args, md: list[str]) -> dict:
                     sys.executable, str(prepare_default_model())], check=True)
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench-cpu-") as tmp:
-        log("a 1-token request: client, model, engine offline")
-        split = request_split(tokenizer, Path(tmp))
         log("orca (tritonserver + OpenAI frontend)")
         results["orca"] = served_orca(args, tokenizer, Path(tmp))
         for gguf in ("f32", "q8_0"):
@@ -435,13 +482,6 @@ def bench_served(args, md: list[str]) -> dict:
            f"[{int(32 * args.scale)}, {int(512 * args.scale)}], outputs [1, {int(128 * args.scale)}]), "
            f"seed 0, {args.duration:g} s of Poisson arrivals per rate; a server's sweep stops "
            f"past twice the bound.", "", *table(["", *names], rows), ""]
-    md += ["Where `orca`'s 1-token request (8-token prompt) goes, means of 15 after a warm-up: "
-           f"**{split['client'] * 1e3:.0f} ms** at a client of Triton's HTTP generate endpoint, "
-           f"**{split['model'] * 1e3:.0f} ms** inside the model (its execute() to its final response: "
-           f"the tokenizer, engine and sender threads), and **{split['offline'] * 1e3:.0f} ms** for the "
-           "same request through the engine offline (`LLM.generate`: the 8-token forward, the LM "
-           "head and sampling). The rest of the served figure above is the OpenAI frontend's "
-           "process and its hop to tritonserver.", ""]
     png = args.markdown.with_suffix(".png")
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for n in names:
@@ -469,6 +509,7 @@ def main() -> None:
           *machine_lines(), ""]
     if not args.skip_engine:
         bench_engine(md)
+        bench_split(md)
     if not args.skip_served:
         bench_served(args, md)
     args.markdown.parent.mkdir(parents=True, exist_ok=True)
