@@ -7,6 +7,7 @@ import pytest
 from test_numerics import ENGINE_VARIANTS
 
 from orca_backend import LLM, ConfigError, EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
+from orca_backend.checkpoint.config import ModelConfig
 from orca_backend.core.request import RequestStatus
 from orca_backend.runner.models.linear import cpu_supports_bfloat16
 
@@ -249,6 +250,15 @@ def test_unsupported_architecture_lists_the_supported(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{}")
     with pytest.raises(ConfigError, match="MambaForCausalLM.*LlamaForCausalLM, Qwen2ForCausalLM, GPT2LMHeadModel"):
         LLM(str(tmp_path))
+
+
+@pytest.mark.parametrize("missing", ["hidden_size", "num_hidden_layers", "intermediate_size"])
+def test_a_config_without_a_field_the_model_needs_names_it(tmp_path, default_model, missing):
+    raw = json.loads((default_model / "config.json").read_text())
+    del raw[missing]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=f"config.json has no '{missing}', which LlamaForCausalLM needs"):
+        ModelConfig.from_folder(tmp_path)
 
 
 @pytest.mark.parametrize("options, name", [

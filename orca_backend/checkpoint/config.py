@@ -38,7 +38,10 @@ class ModelConfig:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(f"unsupported architecture {arch!r} in {path}; "
                               f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        config = _gpt2(raw) if arch == "GPT2LMHeadModel" else _llama(raw, arch)
+        try:
+            config = _gpt2(raw) if arch == "GPT2LMHeadModel" else _llama(raw, arch)
+        except KeyError as e:
+            raise ConfigError(f"{path} has no {e.args[0]!r}, which {arch} needs") from None
         config.eos_token_ids = _eos_ids(raw, Path(folder))
         return config
 
