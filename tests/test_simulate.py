@@ -1,0 +1,99 @@
+"""The simulator's cost model against hand computations, and its refusals."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from orca_backend.checkpoint.config import ModelConfig
+from orca_backend.core.errors import ConfigError
+from orca_backend.simulate.cost_model import CostModel, Layout, OpCost, Rows
+from orca_backend.simulate.hardware import GIB, PRESETS, Hardware, load_hardware
+
+TINY = ModelConfig(architecture="LlamaForCausalLM", vocab_size=32, hidden_size=8, num_layers=2, num_heads=2,
+                   num_kv_heads=1, head_dim=4, intermediate_size=16, max_model_len=64, norm_eps=1e-5,
+                   tie_word_embeddings=True)
+# FLOP/s and bytes/s of 1 with full efficiency: an op's seconds are its larger count.
+UNIT = Hardware("unit", 1.0, 1.0, 1e6, 8, 1.0, 0.0, 1.0, 0.0, compute_efficiency=1.0,
+                bandwidth_efficiency=1.0)
+# A decode at position 5 and a 3-token prompt: 4 tokens.
+ROWS = [Rows(5, 1), Rows(0, 3)]
+
+
+def test_one_layer_s_flops_and_bytes_are_the_hand_computed_ones():
+    ops = CostModel(TINY, UNIT, dtype="bfloat16").layer_ops(ROWS)
+    # qkv: 8 -> (2 + 2 * 1) * 4 = 16, 128 weights: 2 * 4 * 128 FLOPs; bytes (128 + 4 * (8 + 16)) * 2.
+    assert ops["qkv"] == OpCost(1024, 448)
+    # attention: positions 5 + 1 (decode) and 1 + 2 + 3 (prompt) = 12, 4 * 2 heads * 4 dims each;
+    # K/V of 9 tokens read and 4 written (1 head of 4, K and V), q in and out (2 heads of 4).
+    assert ops["attention"] == OpCost(384, (2 * 4 * (9 + 4) + 2 * 2 * 4 * 4) * 2)
+    assert ops["o"] == OpCost(2 * 4 * 64, (64 + 4 * 16) * 2)
+    assert ops["mlp_in"] == OpCost(2 * 4 * 256, (256 + 4 * 40) * 2)  # gate and up: 8 -> 32
+    assert ops["mlp_out"] == OpCost(2 * 4 * 128, (128 + 4 * 24) * 2)
+
+
+def test_an_op_costs_the_larger_of_its_compute_and_memory_time():
+    hw = UNIT.with_factors(peak_flops=100.0, memory_bandwidth=10.0, compute_efficiency=0.5,
+                           bandwidth_efficiency=0.5)
+    assert OpCost(flops=1000, bytes=10).seconds(hw) == 20.0  # compute-bound: 1000 / 50
+    assert OpCost(flops=10, bytes=100).seconds(hw) == 20.0  # memory-bound: 100 / 5
+
+
+def test_a_stage_is_its_layers_its_all_reduces_and_the_head_or_the_hop():
+    one = CostModel(TINY, UNIT)
+    layer = sum(max(op.flops, op.bytes) for op in one.layer_ops(ROWS).values())
+    head = 2 * 2 * 8 * 32  # 2 sampled rows through 8 x 32 weights; bytes 8 * 32 * 2 + 2 * 32 * 4
+    assert one.stage_seconds(0, ROWS, num_sampled=2) == 2 * layer + max(head, 8 * 32 * 2 + 2 * 32 * 4)
+    two = CostModel(TINY, UNIT, Layout(pipeline_stages=2))
+    assert two.stage_layers == [1, 1]
+    assert two.stage_seconds(0, ROWS, 2) == layer + 4 * 8 * 2  # the hop: 4 tokens x 8 x 2 bytes at 1 B/s
+    tp = CostModel(TINY, UNIT.with_factors(intra_node_latency=0.5), Layout(tensor_parallel_size=2))
+    # A ring of 2: 2 (T - 1) / T of the bytes over the link, and 2 (T - 1) latencies.
+    assert tp.all_reduce_seconds(64) == 64 + 2 * 0.5
+
+
+def test_k_v_capacity_is_the_memory_left_after_the_weights():
+    model = CostModel(TINY, UNIT.with_factors(memory_bytes=10_000.0, memory_utilization=1.0))
+    weights = (2 * (8 * 4 * 4 + 8 * 8 + 3 * 8 * 16) + 32 * 8) * 2  # 2 layers and the tied table
+    assert model.weight_bytes_per_device() == weights
+    assert model.kv_bytes_per_token() == 2 * 2 * 1 * 4 * 2
+    assert model.kv_capacity_tokens() == (10_000 - weights) // 32
+
+
+def test_gpt_3_does_not_fit_one_a100_and_fits_sixteen():
+    # The vocabulary padded to 50304, as Megatron does, so that 8 ranks split it.
+    gpt3 = ModelConfig(architecture="GPT2LMHeadModel", vocab_size=50304, hidden_size=12288, num_layers=96,
+                       num_heads=96, num_kv_heads=96, head_dim=128, intermediate_size=4 * 12288,
+                       max_model_len=2048, norm_eps=1e-5, tie_word_embeddings=True)
+    with pytest.raises(ConfigError, match="weights do not fit: .* GiB per device with tensor parallelism 1"):
+        CostModel(gpt3, PRESETS["a100-40gb"]).kv_capacity_tokens()
+    sixteen = CostModel(gpt3, PRESETS["a100-40gb"], Layout(tensor_parallel_size=8, pipeline_stages=2))
+    # 12 h^2 weights a layer, 48 layers a stage, 8 ranks, 2 bytes: 20.3 GiB, and 1/8 of the table.
+    assert sixteen.weight_bytes_per_device() == (48 * 12 * 12288 ** 2 + 50304 * 12288) / 8 * 2
+    usable = 0.9 * 40 * GIB - sixteen.weight_bytes_per_device()
+    assert sixteen.kv_capacity_tokens() == int(usable // (2 * 48 * 12 * 128 * 2))  # ~57k tokens
+
+
+@pytest.mark.parametrize("build, match", [
+    (lambda: load_hardware("tpu-v5"), "unknown hardware preset 'tpu-v5'; known: a100-40gb, h100, h200, cpu"),
+    (lambda: load_hardware("cpu", None), "hardware 'cpu' is read from its calibration file"),
+    (lambda: CostModel(TINY, UNIT, Layout(tensor_parallel_size=3)), "does not divide the model's attention heads"),
+    (lambda: CostModel(TINY, UNIT, Layout(pipeline_stages=3)), r"pipeline_stages must be in \[1, 2\]"),
+    (lambda: CostModel(TINY, UNIT, dtype="int4"), "dtype must be one of"),
+    (lambda: UNIT.with_factors(compute_efficiency=1.5), "compute_efficiency must be in"),
+])
+def test_bad_input_is_refused_naming_it(build, match):
+    with pytest.raises(ConfigError, match=match):
+        build()
+
+
+def test_the_cpu_preset_comes_from_its_calibration_file(tmp_path):
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps({"name": "cpu", "peak_flops": 1e11, "memory_bandwidth": 1.5e10,
+                                "memory_bytes": 24 * GIB, "devices_per_node": 1, "intra_node_bandwidth": 1e10,
+                                "intra_node_latency": 1e-5, "inter_node_bandwidth": 1e9,
+                                "inter_node_latency": 1e-4, "calibrated": True}))
+    assert load_hardware("cpu", path).calibrated
+    path.write_text(json.dumps({"name": "cpu", "peak_gflops": 1}))
+    with pytest.raises(ConfigError, match="unknown hardware fields \\['peak_gflops'\\]"):
+        load_hardware("cpu", path)
