@@ -2,8 +2,9 @@
 devices, and how much of the peaks our engine reaches (the efficiency factors).
 
 The GPU presets are vendor figures (dense bf16 tensor-core FLOP/s, HBM bandwidth, NVLink and
-InfiniBand per GPU; docs/simulation.md cites them) with efficiency factors that no run of
-ours has fitted yet: they are uncalibrated until a profile on that GPU replaces them.
+InfiniBand per GPU, from NVIDIA's A100, H100 and H200 datasheets; each preset's comment says
+which) with efficiency factors that no run of ours has fitted yet: they are uncalibrated
+until a profile on that GPU replaces them.
 """
 from __future__ import annotations
 
