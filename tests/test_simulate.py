@@ -97,3 +97,102 @@ def test_the_cpu_preset_comes_from_its_calibration_file(tmp_path):
     path.write_text(json.dumps({"name": "cpu", "peak_gflops": 1}))
     with pytest.raises(ConfigError, match="unknown hardware fields \\['peak_gflops'\\]"):
         load_hardware("cpu", path)
+
+
+# -- the event loop -------------------------------------------------------------------------
+class TokenCost:
+    """Every stage takes a second per row computed: the loop's accounting by hand."""
+
+    def __init__(self, stages: int = 1, overhead: float = 0.0) -> None:
+        self.layout = Layout(pipeline_stages=stages)
+        self.hw = UNIT.with_factors(iteration_overhead_seconds=overhead)
+
+    def stage_seconds(self, stage, rows, num_sampled):
+        return float(sum(r.num_scheduled_tokens for r in rows))
+
+
+def _simulate(trace, cost=None, num_blocks=64, **scheduler):
+    from orca_backend.core.scheduler import SchedulerConfig
+    from orca_backend.simulate.loop import Simulation
+
+    padding = scheduler.pop("padding", False)
+    sim = Simulation(cost or TokenCost(), SchedulerConfig(**scheduler), num_blocks, block_size=4, padding=padding)
+    return sim.run(trace)
+
+
+def _times(result):
+    return [(r.first_token, r.finish) for r in result.requests]
+
+
+def test_one_request_is_a_prefill_then_a_decode_per_token():
+    from orca_backend.simulate.loop import TraceRequest
+
+    result = _simulate([TraceRequest(0.0, 3, 2)])
+    assert _times(result) == [(3.0, 4.0)]  # 3 prompt rows, then 1 decode row
+    assert result.requests[0].normalized_latency == 2.0
+    assert [(i.start, i.end, i.num_tokens) for i in result.iterations] == [(0.0, 3.0, 3), (3.0, 4.0, 1)]
+
+
+def test_two_requests_share_iterations_and_a_late_one_joins_at_the_next():
+    from orca_backend.simulate.loop import TraceRequest
+
+    result = _simulate([TraceRequest(0.0, 2, 3), TraceRequest(1.0, 2, 1)])
+    # A's prompt (2 rows, 0-2); A's decode with B's prompt (3 rows, 2-5); A's last decode (5-6).
+    assert _times(result) == [(2.0, 6.0), (5.0, 5.0)]
+    assert [i.num_requests for i in result.iterations] == [1, 2, 1]
+    assert result.requests[1].ttft == 4.0
+
+
+def test_request_level_batches_pad_prompts_and_keep_early_finishers():
+    from orca_backend.simulate.loop import TraceRequest
+
+    trace = [TraceRequest(0.0, 2, 3), TraceRequest(0.0, 4, 1), TraceRequest(1.0, 1, 1)]
+    result = _simulate(trace, batching="request", padding=True)
+    # Both prompts at 4 rows (0-8); A decodes beside B's padding row twice (8-10, 10-12);
+    # C waited for the batch to end, and runs alone (12-13).
+    assert _times(result) == [(8.0, 12.0), (8.0, 8.0), (13.0, 13.0)]
+    assert [(i.num_tokens, i.num_padding_rows) for i in result.iterations] == [(8, 0), (2, 1), (2, 1), (1, 0)]
+    unpadded = _simulate(trace, batching="request")
+    # Our request mode: the prompts at their own lengths (6 rows), B leaves when done.
+    assert _times(unpadded) == [(6.0, 8.0), (6.0, 6.0), (9.0, 9.0)]
+
+
+def test_pipeline_stages_overlap_up_to_max_inflight():
+    from orca_backend.simulate.loop import TraceRequest
+
+    trace = [TraceRequest(0.0, 2, 2), TraceRequest(0.0, 2, 1)]
+    two = _simulate(trace, TokenCost(stages=2), max_batch_size=1, max_inflight=2)
+    # A's prompt: stage 0 at 0-2, stage 1 at 2-4; B's prompt follows it: 2-4, 4-6; A's decode
+    # waits for A's return (4) and for stage 1 (free at 6): 4-5, 6-7.
+    assert [(i.start, i.end) for i in two.iterations] == [(0.0, 4.0), (2.0, 6.0), (4.0, 7.0)]
+    assert _times(two) == [(4.0, 7.0), (6.0, 6.0)]
+    one = _simulate(trace, TokenCost(stages=2), max_batch_size=1, max_inflight=1)
+    # One in flight: B waits for room (batches of 1), A decodes at 4-6, then B at 6-10.
+    assert [(i.start, i.end) for i in one.iterations] == [(0.0, 4.0), (4.0, 6.0), (6.0, 10.0)]
+
+
+def test_the_simulation_runs_the_engine_s_scheduler(monkeypatch):
+    """Change one rule of the real Scheduler (nobody joins a running batch) and the
+    iteration-level simulation turns into the request-level one."""
+    from orca_backend.core.scheduler import Scheduler
+    from orca_backend.simulate.loop import TraceRequest
+
+    trace = [TraceRequest(0.0, 2, 3), TraceRequest(1.0, 2, 1)]
+    before = _times(_simulate(trace))
+    original = Scheduler._schedule_waiting
+
+    def nobody_joins(self, scheduled, budget):
+        if not self.running:
+            original(self, scheduled, budget)
+    monkeypatch.setattr(Scheduler, "_schedule_waiting", nobody_joins)
+    after = _times(_simulate(trace))
+    assert after != before
+    monkeypatch.undo()
+    assert after == _times(_simulate(trace, batching="request"))
+
+
+def test_a_request_larger_than_the_pool_is_refused_before_running():
+    from orca_backend.simulate.loop import TraceRequest
+
+    with pytest.raises(ConfigError, match="trace request 1 needs 70 tokens of K/V; the pool holds 64"):
+        _simulate([TraceRequest(0.0, 2, 2), TraceRequest(0.0, 60, 11)], num_blocks=16)

@@ -1,0 +1,174 @@
+"""The discrete-event loop: our `Scheduler` and `BlockManager` as they are, in virtual time.
+
+Arrivals are added to the scheduler when the clock reaches them. Whenever fewer than
+`max_inflight` iterations are out, the scheduler is asked for the next one; the cost model
+says how long each pipeline stage takes it, and a stage starts an iteration once the stage
+before it has finished it and the stage itself is free. When an iteration's last stage is
+done it returns: every request that sampled gets a token, and one that has all its tokens
+finishes (as with `ignore_eos`), freeing its blocks.
+
+`padding=True` costs request-level batching as FasterTransformer runs it behind Triton's
+dynamic batcher: a batch's prompts are computed padded to its longest, and a request that
+finished early stays in every iteration as a decode row until the whole batch ends.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from ..core.errors import ConfigError
+from ..core.kv_manager import BlockManager
+from ..core.messages import RunnerOutput, SampledToken, SchedulerOutput
+from ..core.request import Request, RequestStatus
+from ..core.sampling_params import SamplingParams
+from ..core.scheduler import Scheduler, SchedulerConfig
+from .cost_model import CostModel, Rows
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    arrival: float  # seconds
+    num_prompt_tokens: int
+    num_output_tokens: int
+    prompt_token_ids: tuple[int, ...] | None = None  # for prefix sharing; else unique tokens
+
+
+@dataclass(slots=True)
+class RequestTiming:
+    arrival: float
+    num_output_tokens: int
+    first_token: float | None = None
+    finish: float | None = None
+
+    @property
+    def normalized_latency(self) -> float:
+        """Seconds per output token, arrival to finish (ORCA's measure)."""
+        return (self.finish - self.arrival) / self.num_output_tokens
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token - self.arrival
+
+
+@dataclass(frozen=True, slots=True)
+class IterationRecord:
+    start: float  # its first stage starts
+    end: float  # its last stage ends
+    num_requests: int
+    num_tokens: int  # rows computed, padding included
+    num_padding_rows: int
+
+
+@dataclass(slots=True)
+class SimulationResult:
+    requests: list[RequestTiming]
+    iterations: list[IterationRecord] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    @property
+    def makespan(self) -> float:
+        return max(r.finish for r in self.requests) - min(r.arrival for r in self.requests)
+
+
+class Simulation:
+    def __init__(self, cost: CostModel, scheduler: SchedulerConfig, num_blocks: int, block_size: int = 16,
+                 enable_prefix_caching: bool = False, padding: bool = False) -> None:
+        if padding and scheduler.batching != "request":
+            raise ConfigError("padding models request-level batching: it needs batching 'request'")
+        self.cost, self.padding = cost, padding
+        self.kv = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(scheduler, self.kv)
+        self.num_stages = cost.layout.pipeline_stages
+
+    def run(self, trace: list[TraceRequest]) -> SimulationResult:
+        self._check(trace)
+        arrivals = sorted(range(len(trace)), key=lambda i: trace[i].arrival)
+        timings = [RequestTiming(r.arrival, r.num_output_tokens) for r in trace]
+        result = SimulationResult(timings)
+        requests: dict[str, tuple[Request, int]] = {}
+        stage_free = [0.0] * self.num_stages
+        in_flight: list[tuple[float, int, SchedulerOutput]] = []  # (end, iteration id, message)
+        batch: dict[str, Request] = {}  # request-level: the running batch, finished ones kept
+        now, next_arrival = 0.0, 0
+        while next_arrival < len(arrivals) or self.scheduler.num_unfinished or in_flight:
+            while next_arrival < len(arrivals) and trace[arrivals[next_arrival]].arrival <= now:
+                i = arrivals[next_arrival]
+                req = _request(i, trace[i])
+                requests[req.request_id] = (req, i)
+                self.scheduler.add(req)
+                next_arrival += 1
+            while len(in_flight) < self.scheduler.config.max_inflight:
+                message = self.scheduler.schedule()
+                if message is None:
+                    break
+                if not message.scheduled:  # only tells the runner of ended requests
+                    self.scheduler.update(RunnerOutput(message.iteration_id))
+                    continue
+                end = self._start(message, now, stage_free, batch, requests, result)
+                heapq.heappush(in_flight, (end, message.iteration_id, message))
+            upcoming = trace[arrivals[next_arrival]].arrival if next_arrival < len(arrivals) else None
+            if in_flight and (upcoming is None or in_flight[0][0] <= upcoming):
+                now, _, message = heapq.heappop(in_flight)
+                self._return(message, now, requests, timings, batch)
+            elif upcoming is not None:
+                now = upcoming
+            elif self.scheduler.num_unfinished:
+                raise RuntimeError("the scheduler holds requests it will never run")  # a bug, not input
+        result.num_preemptions = self.scheduler.num_preemptions
+        return result
+
+    def _check(self, trace: list[TraceRequest]) -> None:
+        capacity = self.kv.num_blocks * self.kv.block_size
+        for i, r in enumerate(trace):
+            if r.num_prompt_tokens < 1 or r.num_output_tokens < 1:
+                raise ConfigError(f"trace request {i}: prompt and output need at least one token each")
+            if r.num_prompt_tokens + r.num_output_tokens - 1 > capacity:
+                raise ConfigError(f"trace request {i} needs {r.num_prompt_tokens + r.num_output_tokens - 1} "
+                                  f"tokens of K/V; the pool holds {capacity}")
+
+    def _start(self, message: SchedulerOutput, now: float, stage_free: list[float], batch: dict,
+               requests: dict, result: SimulationResult) -> float:
+        rows = [Rows(s.num_computed_tokens, s.num_scheduled_tokens) for s in message.scheduled]
+        num_sampled = sum(s.sample for s in message.scheduled)
+        padding = 0
+        if self.padding:
+            rows, padding = self._padded(message, rows, batch, requests)
+        t = now + self.cost.hw.iteration_overhead_seconds
+        start = max(t, stage_free[0])
+        for stage in range(self.num_stages):
+            t = max(t, stage_free[stage]) + self.cost.stage_seconds(stage, rows, num_sampled + padding)
+            stage_free[stage] = t
+        result.iterations.append(IterationRecord(start, t, len(rows), sum(r.num_scheduled_tokens for r in rows),
+                                                 padding))
+        return t
+
+    def _padded(self, message: SchedulerOutput, rows: list[Rows], batch: dict, requests: dict):
+        """Prompts computed at the batch's longest; finished members kept as decode rows."""
+        live = {s.request_id for s in message.scheduled}
+        if not batch or all(r.status.finished for r in batch.values()):
+            batch.clear()
+            batch.update({rid: requests[rid][0] for rid in live})
+        longest = max(r.num_prompt_tokens for r in batch.values())
+        rows = [Rows(r.num_computed_tokens, longest if r.num_computed_tokens == 0 else r.num_scheduled_tokens)
+                for r in rows]
+        done = [r for rid, r in batch.items() if rid not in live and r.status.finished]
+        return rows + [Rows(r.num_tokens, 1) for r in done], len(done)
+
+    def _return(self, message: SchedulerOutput, now: float, requests: dict, timings: list, batch: dict) -> None:
+        sampled = {s.request_id: SampledToken(0) for s in message.scheduled if s.sample}
+        for req in self.scheduler.update(RunnerOutput(message.iteration_id, sampled)):
+            if req.request_id not in sampled:
+                continue
+            timing = timings[requests[req.request_id][1]]
+            if timing.first_token is None:
+                timing.first_token = now
+            if req.num_output_tokens >= timing.num_output_tokens:
+                timing.finish = now
+                self.scheduler.finish(req, RequestStatus.FINISHED_LENGTH)
+
+
+def _request(index: int, r: TraceRequest) -> Request:
+    # A leading token of its own: no two requests share a prefix unless the trace says so.
+    prompt = list(r.prompt_token_ids) if r.prompt_token_ids else [index] + [0] * (r.num_prompt_tokens - 1)
+    return Request(f"r{index}", prompt, SamplingParams(temperature=0, max_tokens=r.num_output_tokens,
+                                                       ignore_eos=True))
