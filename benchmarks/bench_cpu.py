@@ -201,7 +201,7 @@ def bench_engine(md: list[str]) -> dict:
            "- a single-row GEMM reads the LM head's 113 MB weight at "
            + " and ".join(f"**{v / 1e9:.1f} GB/s** through {k}" for k, v in gemv.items())
            + " (best of 5): what a decode at batch 1 can reach with a library, next to the stream figure", ""]
-    rows, results, reference = [], {}, None
+    rows, results, reference, outside = [], {}, None, {}
     greedy = SamplingParams(temperature=0, max_tokens=32)
     for name, options in VARIANTS.items():
         llm = LLM(max_batch_size=32, enable_prefix_caching=False, **options)

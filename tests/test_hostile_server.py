@@ -216,26 +216,21 @@ def test_a_killed_runner_process_fails_its_requests_and_a_new_runner_serves_on(h
     assert hostile.is_ready()
 
 
-_KERNEL_TEXTS: dict[str, list[str]] = {}  # model -> the two prompts' greedy texts
-
-
-@pytest.mark.parametrize("model", ["orca_tensorrt_graph"])
-def test_the_kernel_backends_serve_the_same_tokens_end_to_end(hostile, model):
+def test_the_kernel_in_the_tensorrt_graph_serves_the_sdpa_text_end_to_end(hostile):
     """Our kernel through a real tritonserver, inside the TensorRT engine's graph (engine
     tensorrt, evaluated with torch): two prompts stream the same greedy text as the SDPA
     backend, and every K/V block comes back."""
     prompts, sampling = ["Once upon a time", "The capital of France is"], {"max_tokens": 2, **GREEDY}
-    for name in ("orca_small_queue", model):  # both the default model; the SDPA texts once
-        if name in _KERNEL_TEXTS:
-            continue
+    texts = {}
+    for name in ("orca_small_queue", "orca_tensorrt_graph"):  # both the default model
         with _stream(hostile, name) as c:
             ids = [c.send(p, sampling=sampling) for p in prompts]
             results = [c.wait(i, timeout=240) for i in ids]
         assert all(r.error is None and len(r.responses) == 2 for r in results), results
-        _KERNEL_TEXTS[name] = [r.text for r in results]
-    assert _KERNEL_TEXTS[model] == _KERNEL_TEXTS["orca_small_queue"]
-    assert hostile.metric("orca_iterations_total", model) >= 2
-    assert_no_leak(hostile, model)
+        texts[name] = [r.text for r in results]
+    assert texts["orca_tensorrt_graph"] == texts["orca_small_queue"]
+    assert hostile.metric("orca_iterations_total", "orca_tensorrt_graph") >= 2
+    assert_no_leak(hostile, "orca_tensorrt_graph")
 
 
 def test_the_openai_api_answers_a_full_queue_with_503_and_an_engine_fault_with_500(hostile, tmp_path):

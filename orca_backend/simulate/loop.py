@@ -51,7 +51,7 @@ class RequestTiming:
 
 
 @dataclass(frozen=True, slots=True)
-class IterationRecord:
+class SimulatedIteration:
     start: float  # its first stage starts
     end: float  # its last stage ends
     num_requests: int
@@ -62,12 +62,8 @@ class IterationRecord:
 @dataclass(slots=True)
 class SimulationResult:
     requests: list[RequestTiming]
-    iterations: list[IterationRecord] = field(default_factory=list)
+    iterations: list[SimulatedIteration] = field(default_factory=list)
     num_preemptions: int = 0
-
-    @property
-    def makespan(self) -> float:
-        return max(r.finish for r in self.requests) - min(r.arrival for r in self.requests)
 
 
 class Simulation:
@@ -138,7 +134,7 @@ class Simulation:
         for stage in range(self.num_stages):
             t = max(t, stage_free[stage]) + self.cost.stage_seconds(stage, rows, num_sampled + padding)
             stage_free[stage] = t
-        result.iterations.append(IterationRecord(start, t, len(rows), sum(r.num_scheduled_tokens for r in rows),
+        result.iterations.append(SimulatedIteration(start, t, len(rows), sum(r.num_scheduled_tokens for r in rows),
                                                  padding))
         return t
 

@@ -91,14 +91,14 @@ def run_parent(args: argparse.Namespace, cuda: bool) -> int:
         f"budget {args.budget_seconds:.0f} s, out {args.out}")
     if args.one_process:  # the child shares the budget out itself (run_sections)
         run_section_process(args, args.sections, args.budget_seconds)
-    for i, name in enumerate([] if args.one_process else args.sections):
-        left = deadline - time.monotonic()
-        if left < MIN_SECONDS[name]:
-            report = Report.load(args.out)
-            _skip(report, name, left)
-            continue
-        reserve = sum(MIN_SECONDS[n] for n in args.sections[i + 1:])
-        run_section_process(args, [name], capped(name, max(MIN_SECONDS[name], left - reserve)))
+    else:
+        for i, name in enumerate(args.sections):
+            left = deadline - time.monotonic()
+            if left < MIN_SECONDS[name]:
+                _skip(Report.load(args.out), name, left)
+                continue
+            reserve = sum(MIN_SECONDS[n] for n in args.sections[i + 1:])
+            run_section_process(args, [name], capped(name, max(MIN_SECONDS[name], left - reserve)))
     report = Report.load(args.out)
     ok = report.all_passed()
     say(f"gpu_check: done, {'all ran and passed' if ok else 'some section failed'}; "
