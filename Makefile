@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install model serve test test-fast bench bench-full bench-prefix bench-engine bench-cpu bench-executors bench-pipeline bench-tp perf clean
+.PHONY: install model serve test test-fast bench bench-full bench-prefix bench-engine bench-cpu bench-executors bench-pipeline bench-tp perf simulate clean
 
 install: $(STAMP)
 
@@ -72,6 +72,13 @@ bench-engine: model
 bench-cpu: model
 	$(PY) benchmarks/bench_cpu.py --markdown docs/benchmarks/cpu.md
 	$(PY) benchmarks/bench_gemm.py --markdown-append docs/benchmarks/cpu.md
+
+# The serving simulator (docs/simulation.md): profile the engine here and fit the `cpu` preset,
+# then check it against make bench's figures (docs/benchmarks/serving.*), run ORCA's and vLLM's
+# comparisons at GPT-3 scale and the Llama-3-70B sizing example; writes docs/benchmarks/simulation.*
+simulate: model
+	$(PY) benchmarks/profile_cpu.py --out docs/benchmarks/simulation_cpu.json --samples docs/benchmarks/simulation_profile.json
+	$(PY) benchmarks/bench_simulate.py
 
 # The executor boundary alone: inline vs the runner in a child process, per iteration.
 bench-executors: model

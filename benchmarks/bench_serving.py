@@ -9,7 +9,8 @@ same seeded trace at a sweep of request rates against each with the load generat
 end-to-end latency), and writes into `--out`, with `<name>` serving (quick) or serving_full:
 
 - <name>.md: the report (settings, headlines, costs, table, plots)
-- <name>.csv: one row per (model, rate); <name>_requests.csv: one row per request
+- <name>.csv: one row per (model, rate); <name>_requests.csv: one row per request;
+  <name>_iterations.csv: one row per iteration of the engine models
 - <name>_latency.png / <name>_ttft.png: median normalized latency / time to first token vs
   throughput, one curve per model
 - <name>_scheduler.png (scheduler_trace.png for the quick run): the engine models'
@@ -45,8 +46,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.plots import load_iterations, plot_curves, plot_scheduler  # noqa: E402
 from benchmarks.report import log, machine_lines, table  # noqa: E402
 from client.bench import CSV_FIELDS, RequestRecord, Summary, run_trace, summarize  # noqa: E402
-from client.trace import LengthDist, TraceRequest, load_tokenizer, make_trace  # noqa: E402
+from client.trace import LengthDist, TraceRequest, exact_rate, load_tokenizer, make_trace  # noqa: E402
 from orca_backend.serving.launch import REPO_ROOT, Server  # noqa: E402
+from orca_backend.simulate.sweep import (describe, describe_ratio, is_over, ratio,  # noqa: E402,F401
+                                          sustained_rate, verdict)
 
 MODELS = {"orca": "iteration-level", "hf_dynamic_batching": "Triton's dynamic batcher + generate",
           "orca_request_level": "request-level, same engine"}
@@ -87,11 +90,6 @@ class Costs:
     padding_share: float  # of computed_tokens: padding, and rows computed after they were done
     prefill_share: float  # of computed_tokens: prompt tokens (padding of prompts included)
     queue_seconds: float  # mean time a request waited before it first ran
-
-
-def is_over(summary: Summary, metric: str, bound: float) -> bool:
-    """`metric` (a Summary field) over `bound` or not measured, or failed requests."""
-    return summary.errors > 0 or not getattr(summary, metric) <= bound
 
 
 def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
@@ -173,66 +171,6 @@ def done(points: list[Point]) -> bool:
     return far_over or (last.over and len(points) > 1 and points[-2].over)
 
 
-def exact_rate(trace: list[TraceRequest], rate: float) -> list[TraceRequest]:
-    """The trace with its offsets stretched so that its last arrival is at (n - 1) / rate.
-
-    A short Poisson run's realized rate strays from the nominal one (40 arrivals at 2 req/s
-    span 19.5 +- 3.1 s); stretching keeps the arrival pattern and makes every run offer the
-    load its label says. Only arrivals are stretched (for conversations, of their first turns,
-    at rate x arrivals / requests): a later turn keeps its think time."""
-    arrivals = [r for r in trace if r.after is None]
-    last = arrivals[-1].offset if arrivals else 0.0
-    if len(arrivals) < 2 or last <= 0:
-        return trace
-    factor = (len(arrivals) - 1) / (rate * len(arrivals) / len(trace)) / last
-    return [dataclasses.replace(r, offset=r.offset * factor) if r.after is None else r for r in trace]
-
-
-def sustained_rate(points: list[Point], metric: str, bound: float) -> tuple[float, str]:
-    """The highest throughput (completed requests/s) with `metric` (a Summary field) under
-    `bound`: interpolated between the last run under and the first over; the string says
-    whether it is an estimate ("about"), a lower bound or an upper bound."""
-    tput = lambda p: p.summary.request_throughput
-    value = lambda p: getattr(p.summary, metric)
-    over = lambda p: is_over(p.summary, metric, bound)
-    under = [p for p in points if not over(p)]
-    if not under:
-        return tput(points[0]), "below"  # already over at the lowest rate swept
-    last = max(under, key=tput)
-    after = [p for p in points if p.rate > last.rate and over(p)]
-    if not after or after[0].summary.errors:
-        return tput(last), "at least"
-    nxt = after[0]
-    lo, hi = value(last), value(nxt)
-    frac = (bound - lo) / (hi - lo) if math.isfinite(hi) and hi > lo else 0.0
-    return max(tput(last), tput(last) + frac * (tput(nxt) - tput(last))), "about"
-
-
-def ratio(num: tuple[float, str], den: tuple[float, str]) -> tuple[float, str]:
-    """num / den of two sustained_rate results; the kind says what the value is: "about",
-    "at least", "at most", or "unknown" (the two bounds point different ways)."""
-    (a, a_kind), (b, b_kind) = num, den
-    value = a / b if b > 0 else math.inf
-    low = a_kind in ("about", "at least") and b_kind in ("about", "below")
-    high = a_kind in ("about", "below") and b_kind in ("about", "at least")
-    kind = "about" if low and high else "at least" if low else "at most" if high else "unknown"
-    return value, kind
-
-
-def verdict(value: float, kind: str, target: float) -> bool | None:
-    """True: at least `target`; False: below it; None: the sweep cannot tell."""
-    if value >= target and kind in ("about", "at least"):
-        return True
-    if value < target and kind in ("about", "at most"):
-        return False
-    return None
-
-
-def describe_ratio(value: float, kind: str) -> str:
-    prefix = {"about": "", "at least": ">= ", "at most": "<= ", "unknown": "? "}[kind]
-    return f"{prefix}{value:.2f}x"
-
-
 def headline(points: list[Point], metric: str, bound: float) -> dict[str, tuple[float, str]]:
     """Each model's sustained throughput, and "orca/<baseline>": orca's over the baseline's."""
     models = list(dict.fromkeys(p.model for p in points))
@@ -241,10 +179,6 @@ def headline(points: list[Point], metric: str, bound: float) -> dict[str, tuple[
         if m != "orca" and "orca" in rates:
             rates[f"orca/{m}"] = ratio(rates["orca"], rates[m])
     return rates
-
-
-def describe(rate: float, kind: str) -> str:
-    return {"below": f"< {rate:.2f}", "at least": f">= {rate:.2f}", "about": f"{rate:.2f}"}[kind]
 
 
 def triton_queue(server: Server, model: str) -> tuple[int, int]:
@@ -328,6 +262,24 @@ def write_csvs(out: Path, name: str, points: list[Point]) -> None:
         for p in points:
             for r in p.records:
                 writer.writerow({"model": p.model, "offered_rate": p.rate, **r.as_row()})
+
+
+ITERATION_FIELDS = ("model", "offered_rate", "time", "seconds", "num_requests", "num_tokens",
+                    "num_context_tokens", "num_sampled", "num_prefill_requests", "num_decode_requests",
+                    "num_used_blocks", "num_waiting")
+
+
+def write_iterations(out: Path, name: str, points: list[Point], trace_dir: Path) -> None:
+    """<name>_iterations.csv: every iteration the engine models ran during the sweep, times in
+    seconds from the run's start (what the simulator's per-iteration check reads)."""
+    with open(out / f"{name}_iterations.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=ITERATION_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        for p in points:
+            if p.model in ENGINE_MODELS:
+                for r in load_iterations(trace_dir / f"iterations-{p.model}.jsonl", p.wall_start, p.wall_end):
+                    writer.writerow({**r, "model": p.model, "offered_rate": p.rate,
+                                     "time": round(r["time"] - p.wall_start, 4), "seconds": round(r["seconds"], 5)})
 
 
 def fmt(seconds: float) -> str:
@@ -426,9 +378,10 @@ def report(args, points: list[Point], headlines: dict, alone: dict[str, Summary]
         *table(["model", "offered req/s", "requests", "errors", "done req/s", "tok/s",
                 "norm. p50", "norm. p99", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"], rows),
         "", f"![median time to first token vs throughput]({args.name}_ttft.png)", "",
-        f"Raw figures: [{args.name}.csv]({args.name}.csv) (one row per run) and "
+        f"Raw figures: [{args.name}.csv]({args.name}.csv) (one row per run), "
         f"[{args.name}_requests.csv]({args.name}_requests.csv) (one row per request, times in "
-        "seconds from the run's start).", ""]
+        f"seconds from the run's start) and [{args.name}_iterations.csv]({args.name}_iterations.csv) "
+        "(one row per iteration of the engine models).", ""]
     if trace_rate is not None:
         lines += [
             "## Scheduler view", "",
@@ -487,6 +440,7 @@ def main() -> None:
                 "the first token; sweeping ...")
             points = sweep(server, args, tokenizer)
             add_costs(points, work)
+            write_iterations(args.out, args.name, points, work)
             bound = args.bound_ms / 1e3
             headlines = {"normalized": headline(points, "normalized_latency_p50", bound),
                          "ttft": headline(points, "ttft_p50", args.ttft_bound_ms / 1e3)}

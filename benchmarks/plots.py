@@ -33,14 +33,19 @@ def plot_curves(out: Path, points: list, models: dict[str, str], bound: float,
                     label=f"{model} ({batching})")
         ax.axhline(limit * 1e3, color="gray", linestyle="--", linewidth=1,
                    label=f"bound {limit * 1e3:.0f}{unit}")
-        ax.set_yscale("log")
-        ax.set_xlabel("throughput (completed requests/s)")
-        ax.set_ylabel(label)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize="small")
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=120)
-        plt.close(fig)
+        save_latency_axes(fig, ax, out / name, label)
+
+
+def save_latency_axes(fig, ax, path: Path, ylabel: str, legend: str = "small") -> None:
+    """A latency-against-throughput figure's axes (log latency), legend, and the file."""
+    ax.set_yscale("log")
+    ax.set_xlabel("throughput (completed requests/s)")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=legend)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def load_iterations(path: Path, start: float, end: float) -> list[dict]:

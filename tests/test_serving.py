@@ -163,9 +163,14 @@ def test_iteration_trace_records_each_iteration(engine, tmp_path):
     loop.shutdown()
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert set(lines[0]) == {"time", "num_requests", "num_tokens", "num_prefill_requests",
-                             "num_decode_requests", "num_used_blocks", "num_waiting"}
+                             "num_decode_requests", "num_used_blocks", "num_waiting", "num_context_tokens",
+                             "num_sampled", "seconds"}
     assert sum(line["num_decode_requests"] for line in lines) == 2 * 3  # 4 tokens: 1 prefill + 3 decodes
     assert max(line["num_requests"] for line in lines) == 2
+    assert sum(line["num_sampled"] for line in lines) == 2 * 4 and all(line["seconds"] > 0 for line in lines)
+    # Each decode reads what came before it: a prompt of P tokens, then P + 1, P + 2.
+    prompt = sum(line["num_tokens"] for line in lines) // 2 - 3
+    assert sum(line["num_context_tokens"] for line in lines) == 2 * (3 * prompt + 3)
 
 
 def test_vllm_metrics_is_a_boolean_parameter_on_by_default():

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -110,6 +111,9 @@ class TokenCost:
     def stage_seconds(self, stage, rows, num_sampled):
         return float(sum(r.num_scheduled_tokens for r in rows))
 
+    def host_seconds(self, num_rows):
+        return self.hw.iteration_overhead_seconds
+
 
 def _simulate(trace, cost=None, num_blocks=64, **scheduler):
     from orca_backend.core.scheduler import SchedulerConfig
@@ -196,3 +200,95 @@ def test_a_request_larger_than_the_pool_is_refused_before_running():
 
     with pytest.raises(ConfigError, match="trace request 1 needs 70 tokens of K/V; the pool holds 64"):
         _simulate([TraceRequest(0.0, 2, 2), TraceRequest(0.0, 60, 11)], num_blocks=16)
+
+
+def test_reserving_max_tokens_holds_a_request_s_blocks_from_admission():
+    from orca_backend.simulate.loop import TraceRequest
+
+    # 4 blocks of 4 tokens. Reserving the true output (2 tokens), both requests fit at once;
+    # reserving max_tokens 8 (4 + 8 - 1 = 11 tokens, 3 blocks) the second waits for the first.
+    oracle = [TraceRequest(0.0, 4, 2), TraceRequest(0.0, 4, 2)]
+    assert _times(_simulate(oracle, num_blocks=4, policy="reserve")) == [(8.0, 10.0), (8.0, 10.0)]
+    asked = [TraceRequest(0.0, 4, 2, max_tokens=8), TraceRequest(0.0, 4, 2, max_tokens=8)]
+    assert _times(_simulate(asked, num_blocks=4, policy="reserve")) == [(4.0, 5.0), (9.0, 10.0)]
+    # Paged, max_tokens does not matter: blocks come as tokens arrive.
+    assert _times(_simulate(asked, num_blocks=4)) == [(8.0, 10.0), (8.0, 10.0)]
+
+
+def test_the_host_overhead_is_fixed_and_per_request():
+    hw = UNIT.with_factors(iteration_overhead_seconds=0.5, row_overhead_seconds=0.25)
+    model = CostModel(TINY, hw)
+    assert model.host_seconds(4) == 1.5
+    assert model.iteration_seconds(ROWS, 2) == 0.5 + 0.25 * 2 + model.stage_seconds(0, ROWS, 2)
+
+
+# -- calibration ----------------------------------------------------------------------------
+def test_the_fit_recovers_the_factors_that_timed_the_samples():
+    from orca_backend.simulate.calibrate import Sample, errors, fit
+
+    true = UNIT.with_factors(peak_flops=1e4, memory_bandwidth=1e4, compute_efficiency=0.5,
+                             bandwidth_efficiency=0.3, iteration_overhead_seconds=0.2, row_overhead_seconds=0.05)
+    shapes = [[Rows(0, 16)], [Rows(0, 4)] * 4, [Rows(8, 1)], [Rows(8, 1)] * 8, [Rows(20, 1)] * 32, [Rows(0, 64)]]
+    truth = CostModel(TINY, true, dtype="float32")
+    samples = [Sample(tuple(rows), len(rows), truth.iteration_seconds(rows, len(rows))) for rows in shapes]
+    fitted = fit(TINY, true.with_factors(compute_efficiency=1.0, bandwidth_efficiency=1.0), samples)
+    assert (fitted.compute_efficiency, fitted.bandwidth_efficiency) == pytest.approx((0.5, 0.3))
+    assert (fitted.iteration_overhead_seconds, fitted.row_overhead_seconds) == pytest.approx((0.2, 0.05))
+    assert fitted.calibrated
+    assert abs(errors(TINY, fitted, samples)).max() < 1e-9
+
+
+# -- traces and the command line ------------------------------------------------------------
+def test_the_simulated_trace_is_the_one_the_load_generator_sends():
+    from benchmarks.bench_simulate import trace_args
+    from client.trace import LengthDist, exact_rate, load_tokenizer, make_trace
+    from orca_backend.simulate.traces import swept_traces
+
+    sent = exact_rate(make_trace(LengthDist(kind="orca", scale=0.25), 40, 2.0, 0, load_tokenizer()), 2.0)
+    simulated = swept_traces(trace_args("--dist", "orca", "--scale", "0.25"), [2.0], 20.0, 10)[2.0]
+    assert [(r.arrival, r.num_prompt_tokens, r.num_output_tokens) for r in simulated] == \
+        [(r.offset, r.input_tokens, r.output_tokens) for r in sent]
+
+
+def _cli(capsys, *argv):
+    from orca_backend.simulate.__main__ import main
+
+    code = main(["--rates", "1", "--num-requests", "8", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_the_command_line_prints_each_rate_and_the_sustained_rate(capsys, tmp_path):
+    code, out, _ = _cli(capsys, "--model", "llama-3-8b", "--hardware", "h100", "--bound-ms", "100",
+                        "--json", str(tmp_path / "out.json"))
+    assert code == 0
+    assert "llama-3-8b on 1 x h100" in out and "efficiency factors uncalibrated" in out
+    assert "sustained with median normalized latency under 100 ms: >= " in out
+    assert json.loads((tmp_path / "out.json").read_text())["rates"][0]["num_requests"] == 8
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--hardware", "tpu-v5"], "unknown hardware preset 'tpu-v5'"),
+    (["--model", "llama-3-70b", "--hardware", "a100-40gb"], "the model's weights do not fit: 131.[0-9] GiB per device"),
+    (["--kv-tokens", "256"], "trace request [0-9]+ needs [0-9]+ tokens of K/V; the pool holds 256"),
+    (["--kv-tokens", "8"], "--kv-tokens 8 is less than one block of 16"),
+    (["--tp", "3"], "tensor_parallel_size 3 does not divide the model's attention heads 32"),
+    (["--rates", "0,1"], "--rates must be positive numbers"),
+    (["--max-batch-size", "0"], "max_batch_size must be >= 1"),
+])
+def test_the_command_line_refuses_bad_input_before_running(capsys, argv, match):
+    code, out, err = _cli(capsys, *argv)
+    assert code == 2 and out == ""
+    assert re.search(match, err), err
+
+
+def test_a_config_json_without_a_needed_field_is_refused(capsys, tmp_path):
+    from orca_backend.simulate.__main__ import MODELS_DIR
+
+    raw = json.loads((MODELS_DIR / "llama-3-8b" / "config.json").read_text())
+    del raw["intermediate_size"]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    code, _, err = _cli(capsys, "--model", str(tmp_path))
+    assert code == 2 and "has no 'intermediate_size', which LlamaForCausalLM needs" in err
+    code, _, err = _cli(capsys, "--model", "gpt-5")
+    assert code == 2 and "model 'gpt-5' is neither a folder nor a bundled shape (gpt3-175b, llama-3-70b" in err

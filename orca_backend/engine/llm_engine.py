@@ -100,6 +100,7 @@ class LLMEngine:
             self.kv.stats = old.kv.stats
         self._tracked: dict[str, _Tracked] = {}
         self._in_flight: dict[int, tuple[SchedulerOutput, Future[RunnerOutput]]] = {}
+        self._submitted: dict[int, float] = {}  # iteration id -> perf_counter() at its submission
         self._runner_died = False  # its requests have been ended; a new runner is due
 
     def _restart_runner(self) -> None:
@@ -204,6 +205,7 @@ class LLMEngine:
             message = self.scheduler.schedule()
             if message is None:
                 return
+            self._submitted[message.iteration_id] = time.perf_counter()
             self._in_flight[message.iteration_id] = (message, self.executor.submit(message))
 
     def _returned(self) -> list[tuple[SchedulerOutput, Future[RunnerOutput]]]:
@@ -219,6 +221,8 @@ class LLMEngine:
         return [self._in_flight.pop(i) for i in done]
 
     def _complete(self, message: SchedulerOutput, future: Future[RunnerOutput]) -> list[RequestDelta]:
+        submitted = self._submitted.pop(message.iteration_id, None)
+        seconds = time.perf_counter() - submitted if submitted is not None else 0.0
         try:
             out = future.result()
         except RunnerDiedError:
@@ -247,7 +251,9 @@ class LLMEngine:
         self.stats.forward_seconds += out.forward_seconds
         self.stats.last_iteration = IterationRecord(
             message.num_requests, message.num_tokens, message.num_prefill_requests,
-            message.num_decode_requests, self.kv.num_used_blocks, len(self.scheduler.waiting))
+            message.num_decode_requests, self.kv.num_used_blocks, len(self.scheduler.waiting),
+            sum(s.num_computed_tokens for s in message.scheduled), len(sampling),
+            seconds)
         self.stats.last_step_iterations.append(self.stats.last_iteration)
         return deltas
 

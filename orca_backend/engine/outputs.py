@@ -37,6 +37,9 @@ class IterationRecord:
     num_decode_requests: int
     num_used_blocks: int
     num_waiting: int
+    num_context_tokens: int = 0  # tokens already cached before this iteration, over its requests
+    num_sampled: int = 0  # requests that sampled a token (not a prompt chunk short of its end)
+    seconds: float = 0.0  # from its submission to the runner to its return
 
 
 @dataclass(slots=True)

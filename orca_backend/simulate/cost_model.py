@@ -4,8 +4,8 @@ Each operator of a layer costs the larger of its FLOPs over the compute a device
 and its bytes (weights, K/V read and written, activations in and out) over the bandwidth it
 reaches. Tensor parallelism divides every operator's work by the ranks and adds two ring
 all-reduces of the hidden states per layer; pipeline stages each run their share of the
-layers and hand the hidden states to the next stage. A fixed per-iteration overhead covers
-the host. The numbers are per device: all ranks of a stage do the same work at once.
+layers and hand the hidden states to the next stage. A per-iteration overhead, fixed and per
+request, covers the host. The numbers are per device: all ranks of a stage do the same work at once.
 """
 from __future__ import annotations
 
@@ -117,8 +117,12 @@ class CostModel:
     def iteration_seconds(self, rows: list[Rows], num_sampled: int) -> float:
         """Every stage one after the other, plus the host's overhead: the latency of one
         iteration (with several in flight, stages overlap; the event loop models that)."""
-        return self.hw.iteration_overhead_seconds + sum(
+        return self.host_seconds(len(rows)) + sum(
             self.stage_seconds(s, rows, num_sampled) for s in range(self.layout.pipeline_stages))
+
+    def host_seconds(self, num_rows: int) -> float:
+        """The host's part of an iteration of `num_rows` requests, before its first stage."""
+        return self.hw.iteration_overhead_seconds + self.hw.row_overhead_seconds * num_rows
 
     # -- memory -------------------------------------------------------------------------------
     def weight_bytes_per_device(self) -> float:

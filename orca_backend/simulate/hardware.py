@@ -32,6 +32,7 @@ class Hardware:
     compute_efficiency: float = 0.6  # of peak_flops that a large GEMM reaches
     bandwidth_efficiency: float = 0.8  # of memory_bandwidth that a weight-bound GEMM reaches
     iteration_overhead_seconds: float = 0.0  # the host's share of an iteration
+    row_overhead_seconds: float = 0.0  # and of each request in it (inputs, sampling, outputs)
     memory_utilization: float = 0.9  # of memory_bytes the engine may use
     calibrated: bool = False  # efficiency factors fitted from a profile of our engine
 
@@ -44,6 +45,9 @@ class Hardware:
             if not 0 < getattr(self, name) <= 1:
                 raise ConfigError(f"hardware {self.name!r}: {name} must be in (0, 1], "
                                   f"got {getattr(self, name)!r}")
+        for name in ("iteration_overhead_seconds", "row_overhead_seconds"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"hardware {self.name!r}: {name} must be >= 0, got {getattr(self, name)!r}")
         if self.devices_per_node < 1:
             raise ConfigError(f"hardware {self.name!r}: devices_per_node must be >= 1")
 

@@ -31,6 +31,12 @@ class TraceRequest:
     num_prompt_tokens: int
     num_output_tokens: int
     prompt_token_ids: tuple[int, ...] | None = None  # for prefix sharing; else unique tokens
+    max_tokens: int | None = None  # what the request asks for (the `reserve` policy reserves it);
+    # default num_output_tokens. It still ends after num_output_tokens, as at an end-of-sequence.
+
+    @property
+    def num_max_tokens(self) -> int:
+        return self.max_tokens or self.num_output_tokens
 
 
 @dataclass(slots=True)
@@ -115,12 +121,14 @@ class Simulation:
 
     def _check(self, trace: list[TraceRequest]) -> None:
         capacity = self.kv.num_blocks * self.kv.block_size
+        reserve = self.scheduler.config.policy == "reserve"
         for i, r in enumerate(trace):
-            if r.num_prompt_tokens < 1 or r.num_output_tokens < 1:
-                raise ConfigError(f"trace request {i}: prompt and output need at least one token each")
-            if r.num_prompt_tokens + r.num_output_tokens - 1 > capacity:
-                raise ConfigError(f"trace request {i} needs {r.num_prompt_tokens + r.num_output_tokens - 1} "
-                                  f"tokens of K/V; the pool holds {capacity}")
+            if r.num_prompt_tokens < 1 or r.num_output_tokens < 1 or r.num_max_tokens < r.num_output_tokens:
+                raise ConfigError(f"trace request {i}: prompt and output need at least one token each, "
+                                  "and max_tokens at least the output's")
+            need = r.num_prompt_tokens + (r.num_max_tokens if reserve else r.num_output_tokens) - 1
+            if need > capacity:
+                raise ConfigError(f"trace request {i} needs {need} tokens of K/V; the pool holds {capacity}")
 
     def _start(self, message: SchedulerOutput, now: float, stage_free: list[float], batch: dict,
                requests: dict, result: SimulationResult) -> float:
@@ -129,7 +137,7 @@ class Simulation:
         padding = 0
         if self.padding:
             rows, padding = self._padded(message, rows, batch, requests)
-        t = now + self.cost.hw.iteration_overhead_seconds
+        t = now + self.cost.host_seconds(len(rows))
         start = max(t, stage_free[0])
         for stage in range(self.num_stages):
             t = max(t, stage_free[stage]) + self.cost.stage_seconds(stage, rows, num_sampled + padding)
@@ -166,5 +174,5 @@ class Simulation:
 def _request(index: int, r: TraceRequest) -> Request:
     # A leading token of its own: no two requests share a prefix unless the trace says so.
     prompt = list(r.prompt_token_ids) if r.prompt_token_ids else [index] + [0] * (r.num_prompt_tokens - 1)
-    return Request(f"r{index}", prompt, SamplingParams(temperature=0, max_tokens=r.num_output_tokens,
+    return Request(f"r{index}", prompt, SamplingParams(temperature=0, max_tokens=r.num_max_tokens,
                                                        ignore_eos=True))
