@@ -119,8 +119,9 @@ def _simulate(trace, cost=None, num_blocks=64, **scheduler):
     from orca_backend.core.scheduler import SchedulerConfig
     from orca_backend.simulate.loop import Simulation
 
-    padding = scheduler.pop("padding", False)
-    sim = Simulation(cost or TokenCost(), SchedulerConfig(**scheduler), num_blocks, block_size=4, padding=padding)
+    padding, micro = scheduler.pop("padding", False), scheduler.pop("micro_batches", 1)
+    sim = Simulation(cost or TokenCost(), SchedulerConfig(**scheduler), num_blocks, block_size=4, padding=padding,
+                     micro_batches=micro)
     return sim.run(trace)
 
 
@@ -155,7 +156,8 @@ def test_request_level_batches_pad_prompts_and_keep_early_finishers():
     # Both prompts at 4 rows (0-8); A decodes beside B's padding row twice (8-10, 10-12);
     # C waited for the batch to end, and runs alone (12-13).
     assert _times(result) == [(8.0, 12.0), (8.0, 8.0), (13.0, 13.0)]
-    assert [(i.num_tokens, i.num_padding_rows) for i in result.iterations] == [(8, 0), (2, 1), (2, 1), (1, 0)]
+    assert [(i.num_tokens, i.num_padding_rows, i.num_padding_tokens) for i in result.iterations] == \
+        [(8, 0, 2), (2, 1, 1), (2, 1, 1), (1, 0, 0)]
     unpadded = _simulate(trace, batching="request")
     # Our request mode: the prompts at their own lengths (6 rows), B leaves when done.
     assert _times(unpadded) == [(6.0, 8.0), (6.0, 6.0), (9.0, 9.0)]
@@ -173,6 +175,19 @@ def test_pipeline_stages_overlap_up_to_max_inflight():
     one = _simulate(trace, TokenCost(stages=2), max_batch_size=1, max_inflight=1)
     # One in flight: B waits for room (batches of 1), A decodes at 4-6, then B at 6-10.
     assert [(i.start, i.end) for i in one.iterations] == [(0.0, 4.0), (4.0, 6.0), (6.0, 10.0)]
+
+
+def test_padded_batches_split_into_micro_batches_overlap_the_stages():
+    from orca_backend.simulate.loop import TraceRequest
+
+    trace = [TraceRequest(0.0, 2, 2), TraceRequest(0.0, 2, 2)]
+    whole = _simulate(trace, TokenCost(stages=2), batching="request", padding=True)
+    assert [(i.start, i.end) for i in whole.iterations] == [(0.0, 8.0), (8.0, 12.0)]  # 4 rows, then 2, a stage
+    result = _simulate(trace, TokenCost(stages=2), batching="request", padding=True, micro_batches=2)
+    # Prompts as two micro-batches of 2 rows: stage 0 at 0-2 and 2-4, stage 1 at 2-4 and 4-6;
+    # the decodes likewise with 1 row each: stage 0 at 6-7, 7-8, stage 1 at 7-8, 8-9.
+    assert [(i.start, i.end) for i in result.iterations] == [(0.0, 6.0), (6.0, 9.0)]
+    assert _times(result) == [(6.0, 9.0), (6.0, 9.0)]
 
 
 def test_the_simulation_runs_the_engine_s_scheduler(monkeypatch):

@@ -8,8 +8,11 @@ done it returns: every request that sampled gets a token, and one that has all i
 finishes (as with `ignore_eos`), freeing its blocks.
 
 `padding=True` costs request-level batching as FasterTransformer runs it behind Triton's
-dynamic batcher: a batch's prompts are computed padded to its longest, and a request that
-finished early stays in every iteration as a decode row until the whole batch ends.
+dynamic batcher: a batch's prompts are computed padded to its longest, a request that
+finished early stays in every iteration as a decode row until the whole batch ends, and
+with `micro_batches` k each iteration is split into k parts that follow each other
+through the pipeline stages, so that the stages overlap within the batch (each part reads
+the stage's weights again: for a weight-bound decode that costs more than it saves).
 """
 from __future__ import annotations
 
@@ -62,7 +65,8 @@ class SimulatedIteration:
     end: float  # its last stage ends
     num_requests: int
     num_tokens: int  # rows computed, padding included
-    num_padding_rows: int
+    num_padding_rows: int  # requests already done, kept in the batch
+    num_padding_tokens: int = 0  # their rows, and prompts' padding to the batch's longest
 
 
 @dataclass(slots=True)
@@ -74,10 +78,12 @@ class SimulationResult:
 
 class Simulation:
     def __init__(self, cost: CostModel, scheduler: SchedulerConfig, num_blocks: int, block_size: int = 16,
-                 enable_prefix_caching: bool = False, padding: bool = False) -> None:
+                 enable_prefix_caching: bool = False, padding: bool = False, micro_batches: int = 1) -> None:
         if padding and scheduler.batching != "request":
             raise ConfigError("padding models request-level batching: it needs batching 'request'")
-        self.cost, self.padding = cost, padding
+        if micro_batches < 1 or (micro_batches > 1 and not padding):
+            raise ConfigError("micro_batches is >= 1, and above 1 only for padded request-level batches")
+        self.cost, self.padding, self.micro_batches = cost, padding, micro_batches
         self.kv = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(scheduler, self.kv)
         self.num_stages = cost.layout.pipeline_stages
@@ -134,17 +140,27 @@ class Simulation:
                requests: dict, result: SimulationResult) -> float:
         rows = [Rows(s.num_computed_tokens, s.num_scheduled_tokens) for s in message.scheduled]
         num_sampled = sum(s.sample for s in message.scheduled)
-        padding = 0
+        padding = padding_tokens = 0
         if self.padding:
+            computed = sum(r.num_scheduled_tokens for r in rows)
             rows, padding = self._padded(message, rows, batch, requests)
-        t = now + self.cost.host_seconds(len(rows))
-        start = max(t, stage_free[0])
+            padding_tokens = sum(r.num_scheduled_tokens for r in rows) - computed
+        ready = now + self.cost.host_seconds(len(rows))
+        start = max(ready, stage_free[0])
+        if self.padding:  # every row samples; micro-batches, so that stages overlap within a batch
+            k = min(self.micro_batches, len(rows))
+            parts = [(rows[i::k], len(rows[i::k])) for i in range(k)]
+        else:
+            parts = [(rows, num_sampled)]
+        done = [ready] * len(parts)
         for stage in range(self.num_stages):
-            t = max(t, stage_free[stage]) + self.cost.stage_seconds(stage, rows, num_sampled + padding)
-            stage_free[stage] = t
-        result.iterations.append(SimulatedIteration(start, t, len(rows), sum(r.num_scheduled_tokens for r in rows),
-                                                 padding))
-        return t
+            for i, (part, sampled) in enumerate(parts):
+                done[i] = max(done[i], stage_free[stage]) + self.cost.stage_seconds(stage, part, sampled)
+                stage_free[stage] = done[i]
+        end = max(done)
+        result.iterations.append(SimulatedIteration(start, end, len(rows), sum(r.num_scheduled_tokens for r in rows),
+                                                 padding, padding_tokens))
+        return end
 
     def _padded(self, message: SchedulerOutput, rows: list[Rows], batch: dict, requests: dict):
         """Prompts computed at the batch's longest; finished members kept as decode rows."""

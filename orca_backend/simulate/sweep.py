@@ -26,6 +26,7 @@ class SimSummary:
     ttft_p50: float
     ttft_p99: float
     mean_batch: float  # requests per iteration
+    padding_share: float  # of the tokens computed: padding (request-level batches)
     mean_iteration_s: float  # first stage's start to last stage's end
     num_iterations: int
     num_preemptions: int
@@ -47,6 +48,7 @@ def summarize(result: SimulationResult) -> SimSummary:
         normalized_latency_p50=pct(normalized, 50), normalized_latency_p99=pct(normalized, 99),
         ttft_p50=pct(ttft, 50), ttft_p99=pct(ttft, 99),
         mean_batch=sum(i.num_requests for i in its) / len(its) if its else 0.0,
+        padding_share=sum(i.num_padding_tokens for i in its) / max(1, sum(i.num_tokens for i in its)),
         mean_iteration_s=sum(i.end - i.start for i in its) / len(its) if its else 0.0,
         num_iterations=len(its), num_preemptions=result.num_preemptions)
 
@@ -62,6 +64,7 @@ class Deployment:
     block_size: int = 16
     enable_prefix_caching: bool = True
     padding: bool = False  # request-level batches as FasterTransformer runs them
+    micro_batches: int = 1  # padded batches split into this many through the stages
 
     def __post_init__(self) -> None:
         if self.num_blocks is None:
@@ -69,7 +72,7 @@ class Deployment:
 
     def simulate(self, trace: list[TraceRequest]) -> SimulationResult:
         return Simulation(self.cost, self.scheduler, self.num_blocks, self.block_size,
-                          self.enable_prefix_caching, self.padding).run(trace)
+                          self.enable_prefix_caching, self.padding, self.micro_batches).run(trace)
 
 
 @dataclass(slots=True)
