@@ -10,6 +10,7 @@ from orca_backend.checkpoint.config import ModelConfig
 from orca_backend.core.errors import ConfigError
 from orca_backend.simulate.cost_model import CostModel, Layout, OpCost, Rows
 from orca_backend.simulate.hardware import GIB, PRESETS, Hardware, load_hardware
+from orca_backend.simulate.__main__ import MODELS_DIR
 
 TINY = ModelConfig(architecture="LlamaForCausalLM", vocab_size=32, hidden_size=8, num_layers=2, num_heads=2,
                    num_kv_heads=1, head_dim=4, intermediate_size=16, max_model_len=64, norm_eps=1e-5,
@@ -275,11 +276,30 @@ def _cli(capsys, *argv):
 
 def test_the_command_line_prints_each_rate_and_the_sustained_rate(capsys, tmp_path):
     code, out, _ = _cli(capsys, "--model", "llama-3-8b", "--hardware", "h100", "--bound-ms", "100",
-                        "--json", str(tmp_path / "out.json"))
+                        "--json", str(tmp_path / "out.json"), "--iterations", str(tmp_path / "its.csv"))
     assert code == 0
     assert "llama-3-8b on 1 x h100" in out and "efficiency factors uncalibrated" in out
     assert "sustained with median normalized latency under 100 ms: >= " in out
-    assert json.loads((tmp_path / "out.json").read_text())["rates"][0]["num_requests"] == 8
+    summary = json.loads((tmp_path / "out.json").read_text())["rates"][0]
+    assert summary["num_requests"] == 8
+    rows = (tmp_path / "its.csv").read_text().splitlines()
+    assert rows[0].startswith("rate,start,end,num_requests,num_tokens") and len(rows) == 1 + summary["num_iterations"]
+
+
+def test_a_shared_system_prompt_is_computed_once_with_prefix_caching():
+    from benchmarks.bench_simulate import trace_args
+    from orca_backend.core.scheduler import SchedulerConfig
+    from orca_backend.simulate.sweep import Deployment, summarize
+    from orca_backend.simulate.traces import swept_traces
+
+    trace = swept_traces(trace_args("--dist", "system"), [4.0], 5.0, 20)[4.0]
+    assert len({r.prompt_token_ids[:400] for r in trace}) == 1 and trace[0].num_prompt_tokens > 400
+    cost = CostModel(ModelConfig.from_folder(MODELS_DIR / "llama-3-8b"), PRESETS["h100"])
+    runs = {caching: Deployment(cost, SchedulerConfig(), 4096, 16, caching).simulate(trace) for caching in (True, False)}
+    computed = {c: sum(i.num_tokens for i in r.iterations) for c, r in runs.items()}
+    # Every request after the first finds the system prompt's full blocks cached.
+    assert computed[False] - computed[True] >= (len(trace) - 1) * 384
+    assert summarize(runs[True]).ttft_p50 < summarize(runs[False]).ttft_p50
 
 
 @pytest.mark.parametrize("argv, match", [
@@ -298,8 +318,6 @@ def test_the_command_line_refuses_bad_input_before_running(capsys, argv, match):
 
 
 def test_a_config_json_without_a_needed_field_is_refused(capsys, tmp_path):
-    from orca_backend.simulate.__main__ import MODELS_DIR
-
     raw = json.loads((MODELS_DIR / "llama-3-8b" / "config.json").read_text())
     del raw["intermediate_size"]
     (tmp_path / "config.json").write_text(json.dumps(raw))

@@ -10,13 +10,15 @@
 llama-3-8b); `--hardware` a preset (a100-40gb, h100, h200) or `cpu` with `--calibration`, the
 file the CPU profile writes. The trace options are `client.bench`'s, and so are its seeded
 traces: each rate gets the requests `make bench` would send. Prints one row per rate and the
-highest rate sustained under the bounds; `--json` writes them too. Bad input (an unknown
+highest rate sustained under the bounds; `--json` writes them too, `--iterations` every
+simulated iteration (its start and end, requests, tokens and padding). Bad input (an unknown
 preset, a config.json without a field the model needs, a layout whose weights do not fit, a
 K/V pool too small for one request) is refused before anything runs, with exit status 2.
 """
 from __future__ import annotations
 
 import argparse
+import csv
 import dataclasses
 import json
 import math
@@ -28,6 +30,7 @@ from ..core.errors import ConfigError
 from ..core.scheduler import SchedulerConfig
 from .cost_model import DTYPE_BYTES, CostModel, Layout
 from .hardware import PRESETS, load_hardware
+from .loop import SimulatedIteration
 from .sweep import Deployment, describe, sweep, sustained_rate
 from .traces import swept_traces
 from .workload import add_trace_arguments
@@ -69,6 +72,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--bound-ms", type=float, default=math.inf, help="median normalized latency bound, ms/token")
     p.add_argument("--ttft-bound-ms", type=float, default=math.inf, help="median time-to-first-token bound, ms")
     p.add_argument("--json", type=Path, help="write every rate's summary here")
+    p.add_argument("--iterations", type=Path, help="write every simulated iteration here (CSV, one row each)")
     add_trace_arguments(p)
     return p
 
@@ -122,6 +126,13 @@ def main(argv: list[str] | None = None) -> int:
             headline[metric] = sustained_rate(points, metric, bound / 1e3)
             print(f"sustained with median {metric.removesuffix('_p50').replace('_', ' ')} under "
                   f"{bound:g} ms: {describe(*headline[metric])} req/s")
+    if args.iterations:
+        with open(args.iterations, "w", newline="") as f:
+            fields = [f.name for f in dataclasses.fields(SimulatedIteration)]
+            writer = csv.writer(f)
+            writer.writerow(["rate", *fields])
+            for p in points:
+                writer.writerows([p.rate, *(getattr(i, name) for name in fields)] for i in p.iterations)
     if args.json:
         args.json.write_text(json.dumps({"rates": [{"rate": p.rate, **dataclasses.asdict(p.summary)}
                                                    for p in points], "sustained": headline}, indent=1))

@@ -4,7 +4,7 @@ real servers (its bench_serving imports the rule from here)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -82,6 +82,7 @@ class SimPoint:
     model: str
     rate: float
     summary: SimSummary
+    iterations: list = field(default_factory=list, repr=False)  # the run's SimulatedIterations
 
 
 def sweep(name: str, deployment: Deployment, traces: dict[float, list[TraceRequest]],
@@ -90,7 +91,8 @@ def sweep(name: str, deployment: Deployment, traces: dict[float, list[TraceReque
     seconds per token) or one is over twice it, as `make bench` stops a model's sweep."""
     points: list[SimPoint] = []
     for rate in sorted(traces):
-        points.append(SimPoint(name, rate, summarize(deployment.simulate(traces[rate]))))
+        result = deployment.simulate(traces[rate])
+        points.append(SimPoint(name, rate, summarize(result), result.iterations))
         over = [p.summary.normalized_latency_p50 > bound for p in points[-2:]]
         if points[-1].summary.normalized_latency_p50 > 2 * bound or (len(over) == 2 and all(over)):
             break
