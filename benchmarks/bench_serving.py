@@ -141,9 +141,8 @@ def sweep(server: Server, args, tokenizer) -> list[Point]:
     rate, so a drift in the machine's speed during the sweep hits all alike."""
     points: dict[str, list[Point]] = {model: [] for model in args.models}
     for rate in args.rates:
-        n = max(args.min_requests, round(rate * args.duration))
-        trace = exact_rate(make_trace(LengthDist(kind="orca", scale=args.scale), n, rate,
-                                      args.seed, tokenizer), rate)
+        trace = rate_trace(args, rate, tokenizer)
+        n = len(trace)
         for model, mine in points.items():
             if mine and done(mine):
                 continue
@@ -161,6 +160,13 @@ def sweep(server: Server, args, tokenizer) -> list[Point]:
         if all(mine and done(mine) for mine in points.values()):
             break
     return [p for mine in points.values() for p in mine]
+
+
+def rate_trace(args, rate: float, tokenizer) -> list[TraceRequest]:
+    """The requests sent at `rate`: max(min_requests, rate x duration) of ORCA's lengths
+    (scaled), Poisson offsets stretched to the exact rate. The simulator draws the same."""
+    n = max(args.min_requests, round(rate * args.duration))
+    return exact_rate(make_trace(LengthDist(kind="orca", scale=args.scale), n, rate, args.seed, tokenizer), rate)
 
 
 def done(points: list[Point]) -> bool:

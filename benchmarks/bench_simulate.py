@@ -94,20 +94,23 @@ def served_samples(path: Path, model: str) -> tuple[list[Sample], list[Sample]]:
     timed from submission to return (the runner's part), and timed by the gap to the previous
     record where that record had requests waiting (the engine went straight on: the whole
     step, the serving loop's share included). The trace has each iteration's totals, not its
-    rows: the rows are rebuilt with the totals spread evenly, exact for what the operators
-    other than attention cost."""
+    rows: they are rebuilt from the totals (the decodes sharing the cached context, the
+    prompts its tokens), exact for every operator but attention."""
     runner, whole = [], []
     with open(path) as f:
         rows = [r for r in csv.DictReader(f) if r["model"] == model]
     for prev, r in zip([None, *rows], rows):
-        n, tokens, context = int(r["num_requests"]), int(r["num_tokens"]), int(r["num_context_tokens"])
+        tokens, context = int(r["num_tokens"]), int(r["num_context_tokens"])
         decode, prefill = int(r["num_decode_requests"]), int(r["num_prefill_requests"])
-        each = context // n
-        chunk = (tokens - decode) / prefill if prefill else 0
-        shape = tuple([Rows(each, 1)] * decode + [Rows(each, max(1, round(chunk)))] * prefill)
+        # Decodes hold the cached context (a fresh prompt has none; a later chunk's is lost here),
+        # and the prompt tokens are split as evenly as whole tokens allow.
+        each = context // decode if decode else context // max(1, prefill)
+        chunks = [(tokens - decode) // prefill + (i < (tokens - decode) % prefill) for i in range(prefill)]
+        shape = tuple([Rows(each, 1)] * decode + [Rows(0 if decode else each, max(1, c)) for c in chunks])
         runner.append(Sample(shape, int(r["num_sampled"]), float(r["seconds"])))
-        if prev is not None and prev["offered_rate"] == r["offered_rate"] and int(prev["num_waiting"]) > 0:
-            whole.append(Sample(shape, int(r["num_sampled"]), float(r["time"]) - float(prev["time"])))
+        gap = float(r["time"]) - float(prev["time"]) if prev is not None else 0.0
+        if prev is not None and prev["offered_rate"] == r["offered_rate"] and int(prev["num_waiting"]) > 0 and gap > 0:
+            whole.append(Sample(shape, int(r["num_sampled"]), gap))
     return runner, whole
 
 
@@ -121,7 +124,9 @@ def validation(args, md: list[str]) -> dict:
     served = {m: served_samples(iterations, m) for m in ("orca", "orca_request_level")} if iterations.exists() else {}
     presets = {"profile": hw}
     if served:  # the same machine fitted to the served steps instead: what is left is the scheduling
-        presets["served steps"] = fit(model, hw, served["orca"][1] + served["orca_request_level"][1])
+        whole = {m: samples for m, (_, samples) in served.items() if samples}
+        presets["served steps"] = fit(model, hw, [s for samples in whole.values() for s in samples],
+                                      weights=[1 / len(samples) for samples in whole.values() for _ in samples])
     kv_tokens = DEFAULT_KV_CACHE_BYTES // (model.kv_elements_per_rank_token() * 4)
     rates = sorted({p.rate for mine in measured.values() for p in mine})
     traces = swept_traces(trace_args("--dist", "orca", "--scale", str(QUICK["scale"])), rates,
@@ -169,9 +174,11 @@ def validation(args, md: list[str]) -> dict:
            f"{kv_tokens} tokens, prefix caching on), and the bounds that run used. Measured: "
            f"[{args.serving.name}.md]({args.serving.name}.md), `make bench` on the real server. "
            + ("The second simulation keeps the model and the scheduler and refits the machine to the "
-              "served run's own steps (each iteration's wall time in the server, from its trace: "
+              "served run's own steps (each iteration's wall time in the server, from its trace, "
+              "each model's steps weighing the same: "
               f"{describe_hw(presets['served steps'])}): the error left is the simulation's of the "
-              "scheduling, not of the cost model. " if served else "") , "",
+              "scheduling, not of the cost model. It is in-sample: fitted to the run it predicts. "
+              if served else ""), "",
            *table(headers, rows), "",
            "![measured and simulated curves](simulation_validation.png)", "",
            "Each rate side by side (medians, ms):", "",
@@ -245,8 +252,8 @@ def orca_comparison(out: Path, md: list[str]) -> None:
     for batch in (1, 8, 16, 32):
         for micro in (1, 2) if batch > 1 else (1,):
             configs[f"FasterTransformer, batch {batch}" + (f" in {micro} micro-batches" if micro > 1 else "")] = \
-                Deployment(cost, SchedulerConfig(batch, batch * 512, "reserve", "request"), padding=True,
-                           micro_batches=micro)
+                Deployment(cost, SchedulerConfig(batch, batch * 512, "reserve", "request"),
+                           enable_prefix_caching=False, padding=True, micro_batches=micro)
     worst = max(ORCA_BOUNDS_MS) / 1e3
     points = {}
     for name, dep in configs.items():

@@ -78,7 +78,7 @@ def test_gpt_3_does_not_fit_one_a100_and_fits_sixteen():
 
 @pytest.mark.parametrize("build, match", [
     (lambda: load_hardware("tpu-v5"), "unknown hardware preset 'tpu-v5'; known: a100-40gb, h100, h200, cpu"),
-    (lambda: load_hardware("cpu", None), "hardware 'cpu' is read from its calibration file"),
+    (lambda: load_hardware("cpu", None), "hardware 'cpu' needs its calibration file"),
     (lambda: CostModel(TINY, UNIT, Layout(tensor_parallel_size=3)), "does not divide the model's attention heads"),
     (lambda: CostModel(TINY, UNIT, Layout(pipeline_stages=3)), r"pipeline_stages must be in \[1, 2\]"),
     (lambda: CostModel(TINY, UNIT, dtype="int4"), "dtype must be one of"),
@@ -99,6 +99,11 @@ def test_the_cpu_preset_comes_from_its_calibration_file(tmp_path):
     path.write_text(json.dumps({"name": "cpu", "peak_gflops": 1}))
     with pytest.raises(ConfigError, match="unknown hardware fields \\['peak_gflops'\\]"):
         load_hardware("cpu", path)
+    path.write_text("{")
+    with pytest.raises(ConfigError, match="cpu.json is not JSON"):
+        load_hardware("cpu", path)
+    with pytest.raises(ConfigError, match="no calibration file .*missing.json"):
+        load_hardware("cpu", tmp_path / "missing.json")
 
 
 # -- the event loop -------------------------------------------------------------------------
@@ -153,7 +158,7 @@ def test_request_level_batches_pad_prompts_and_keep_early_finishers():
     from orca_backend.simulate.loop import TraceRequest
 
     trace = [TraceRequest(0.0, 2, 3), TraceRequest(0.0, 4, 1), TraceRequest(1.0, 1, 1)]
-    result = _simulate(trace, batching="request", padding=True)
+    result = _simulate(trace, batching="request", padding=True, policy="reserve")
     # Both prompts at 4 rows (0-8); A decodes beside B's padding row twice (8-10, 10-12);
     # C waited for the batch to end, and runs alone (12-13).
     assert _times(result) == [(8.0, 12.0), (8.0, 8.0), (13.0, 13.0)]
@@ -182,9 +187,10 @@ def test_padded_batches_split_into_micro_batches_overlap_the_stages():
     from orca_backend.simulate.loop import TraceRequest
 
     trace = [TraceRequest(0.0, 2, 2), TraceRequest(0.0, 2, 2)]
-    whole = _simulate(trace, TokenCost(stages=2), batching="request", padding=True)
+    whole = _simulate(trace, TokenCost(stages=2), batching="request", padding=True, policy="reserve")
     assert [(i.start, i.end) for i in whole.iterations] == [(0.0, 8.0), (8.0, 12.0)]  # 4 rows, then 2, a stage
-    result = _simulate(trace, TokenCost(stages=2), batching="request", padding=True, micro_batches=2)
+    result = _simulate(trace, TokenCost(stages=2), batching="request", padding=True, policy="reserve",
+                       micro_batches=2)
     # Prompts as two micro-batches of 2 rows: stage 0 at 0-2 and 2-4, stage 1 at 2-4 and 4-6;
     # the decodes likewise with 1 row each: stage 0 at 6-7, 7-8, stage 1 at 7-8, 8-9.
     assert [(i.start, i.end) for i in result.iterations] == [(0.0, 6.0), (6.0, 9.0)]
@@ -255,15 +261,21 @@ def test_the_fit_recovers_the_factors_that_timed_the_samples():
 
 
 # -- traces and the command line ------------------------------------------------------------
-def test_the_simulated_trace_is_the_one_the_load_generator_sends():
+def test_the_simulated_trace_is_the_one_make_bench_sends():
+    from types import SimpleNamespace
+
+    from benchmarks.bench_serving import QUICK, rate_trace
     from benchmarks.bench_simulate import trace_args
-    from client.trace import LengthDist, exact_rate, load_tokenizer, make_trace
+    from client.trace import load_tokenizer
     from orca_backend.simulate.traces import swept_traces
 
-    sent = exact_rate(make_trace(LengthDist(kind="orca", scale=0.25), 40, 2.0, 0, load_tokenizer()), 2.0)
-    simulated = swept_traces(trace_args("--dist", "orca", "--scale", "0.25"), [2.0], 20.0, 10)[2.0]
-    assert [(r.arrival, r.num_prompt_tokens, r.num_output_tokens) for r in simulated] == \
-        [(r.offset, r.input_tokens, r.output_tokens) for r in sent]
+    args = SimpleNamespace(seed=0, **QUICK)
+    for rate in (0.5, 2.0):
+        sent = rate_trace(args, rate, load_tokenizer())
+        simulated = swept_traces(trace_args("--dist", "orca", "--scale", str(QUICK["scale"])), [rate],
+                                 QUICK["duration"], QUICK["min_requests"])[rate]
+        assert [(r.arrival, r.num_prompt_tokens, r.num_output_tokens) for r in simulated] == \
+            [(r.offset, r.input_tokens, r.output_tokens) for r in sent]
 
 
 def _cli(capsys, *argv):
@@ -310,6 +322,13 @@ def test_a_shared_system_prompt_is_computed_once_with_prefix_caching():
     (["--tp", "3"], "tensor_parallel_size 3 does not divide the model's attention heads 32"),
     (["--rates", "0,1"], "--rates must be positive numbers"),
     (["--max-batch-size", "0"], "max_batch_size must be >= 1"),
+    (["--block-size", "0"], "--block-size must be > 0, got 0"),
+    (["--num-requests", "0"], "--num-requests must be > 0, got 0"),
+    (["--duration", "-1"], "--duration must be > 0, got -1"),
+    (["--padding"], "padding models request-level batching: it needs batching 'request'"),
+    (["--padding", "--batching", "request"], r"\(FasterTransformer\) run K/V allocated up front: policy 'reserve'"),
+    (["--padding", "--batching", "request", "--policy", "reserve"], "never chunked: max_num_batched_tokens \\(512\\)"),
+    (["--micro-batches", "2"], "above 1 only for padded request-level batches"),
 ])
 def test_the_command_line_refuses_bad_input_before_running(capsys, argv, match):
     code, out, err = _cli(capsys, *argv)

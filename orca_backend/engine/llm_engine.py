@@ -206,7 +206,12 @@ class LLMEngine:
             if message is None:
                 return
             self._submitted[message.iteration_id] = time.perf_counter()
-            self._in_flight[message.iteration_id] = (message, self.executor.submit(message))
+            try:
+                future = self.executor.submit(message)
+            except BaseException:
+                self._submitted.pop(message.iteration_id, None)
+                raise
+            self._in_flight[message.iteration_id] = (message, future)
 
     def _returned(self) -> list[tuple[SchedulerOutput, Future[RunnerOutput]]]:
         """Wait for at least one iteration; every one that has returned, oldest first. A

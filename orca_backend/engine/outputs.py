@@ -39,7 +39,9 @@ class IterationRecord:
     num_waiting: int
     num_context_tokens: int = 0  # tokens already cached before this iteration, over its requests
     num_sampled: int = 0  # requests that sampled a token (not a prompt chunk short of its end)
-    seconds: float = 0.0  # from its submission to the runner to its return
+    # From its submission to the runner until the engine took its result (with several in
+    # flight, that includes its wait behind the one before and their results' handling).
+    seconds: float = 0.0
 
 
 @dataclass(slots=True)

@@ -4,12 +4,13 @@
     python -m orca_backend.simulate --model gpt3-175b --hardware a100-40gb --tp 8 --pp 2 \\
         --max-inflight 2 --policy reserve --rates 1,2,4,8 --bound-ms 200
     python -m orca_backend.simulate --model gpt3-175b --hardware a100-40gb --tp 8 --pp 2 \\
-        --batching request --padding --max-batch-size 8 --rates 0.25,0.5,1 --bound-ms 200
+        --batching request --padding --policy reserve --max-batch-size 8 --max-num-batched-tokens 4096 \
+        --rates 0.25,0.5,1 --bound-ms 200
 
 `--model` is a folder with a config.json or one of the bundled shapes (gpt3-175b, llama-3-70b,
 llama-3-8b); `--hardware` a preset (a100-40gb, h100, h200) or `cpu` with `--calibration`, the
-file the CPU profile writes. The trace options are `client.bench`'s, and so are its seeded
-traces: each rate gets the requests `make bench` would send. Prints one row per rate and the
+file the CPU profile writes. The trace options are `client.bench`'s, drawn by the same code:
+with `--dist orca`, each rate gets exactly the requests `make bench` sends at it. Prints one row per rate and the
 highest rate sustained under the bounds; `--json` writes them too, `--iterations` every
 simulated iteration (its start and end, requests, tokens and padding). Bad input (an unknown
 preset, a config.json without a field the model needs, a layout whose weights do not fit, a
@@ -30,7 +31,7 @@ from ..core.errors import ConfigError
 from ..core.scheduler import SchedulerConfig
 from .cost_model import DTYPE_BYTES, CostModel, Layout
 from .hardware import PRESETS, load_hardware
-from .loop import SimulatedIteration
+from .loop import Simulation, SimulatedIteration
 from .sweep import Deployment, describe, sweep, sustained_rate
 from .traces import swept_traces
 from .workload import add_trace_arguments
@@ -61,10 +62,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batching", default="iteration", choices=("iteration", "request"))
     p.add_argument("--padding", action="store_true",
                    help="request-level batches padded as FasterTransformer runs them (--batching request)")
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="--padding: each batch split into this many through the pipeline stages")
     p.add_argument("--max-inflight", type=int, default=1, help="iterations in flight (pipeline stages)")
     p.add_argument("--kv-tokens", type=int, help="the K/V pool in tokens (default: what fits beside the weights)")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="default: on, except with --padding (FasterTransformer has no prefix cache)")
     p.add_argument("--rates", default="0.5,1,2,4,8", help="comma-separated request rates")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per rate")
     p.add_argument("--min-requests", type=int, default=50)
@@ -86,10 +90,17 @@ def deployment(args: argparse.Namespace) -> Deployment:
                                     args.batching, args.max_inflight)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    for name in ("block_size", "min_requests", "duration", "num_requests"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {value}")
     if args.kv_tokens is not None and args.kv_tokens < args.block_size:
         raise ConfigError(f"--kv-tokens {args.kv_tokens} is less than one block of {args.block_size}")
     num_blocks = args.kv_tokens // args.block_size if args.kv_tokens is not None else None
-    return Deployment(cost, scheduler, num_blocks, args.block_size, args.prefix_caching, args.padding)
+    caching = not args.padding if args.prefix_caching is None else args.prefix_caching
+    dep = Deployment(cost, scheduler, num_blocks, args.block_size, caching, args.padding, args.micro_batches)
+    Simulation(cost, scheduler, dep.num_blocks, dep.block_size, caching, args.padding, args.micro_batches)  # refusals
+    return dep
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -52,20 +52,24 @@ def _seconds(flops, nbytes, times, peak_flops: float, bandwidth: float) -> np.nd
 
 
 def fit(model: ModelConfig, base: Hardware, samples: list[Sample], dtype: str = "float32",
-        grid: int = 100) -> Hardware:
-    """`base` with the efficiency factors and overhead that fit `samples` best (one device)."""
+        grid: int = 100, weights: list[float] | None = None) -> Hardware:
+    """`base` with the efficiency factors and overheads that fit `samples` best (one device);
+    `weights` weigh the samples' squared relative errors (default all 1)."""
     if not samples:
         raise ValueError("no samples to fit")
+    if any(not s.seconds > 0 for s in samples):
+        raise ValueError("every sample needs a positive time")
     cost = CostModel(model, base, Layout(), dtype)
     flops, nbytes, times = _op_counts(cost, samples)
     y = np.array([s.seconds for s in samples])
     rows = np.array([len(s.rows) for s in samples], dtype=float)
+    w = np.sqrt(np.ones(len(samples)) if weights is None else np.asarray(weights, dtype=float))
     levels = np.linspace(1 / grid, 1, grid)
     best = (np.inf, None)
     for ce in levels:
         for be in levels:
             f = _seconds(flops, nbytes, times, base.peak_flops * ce, base.memory_bandwidth * be)
-            (fixed, per_row), err = _overheads(y - f, rows, y)
+            (fixed, per_row), err = _overheads(y - f, rows, y, w)
             if err < best[0]:
                 best = (err, (float(ce), float(be), fixed, per_row))
     ce, be, fixed, per_row = best[1]
@@ -73,11 +77,12 @@ def fit(model: ModelConfig, base: Hardware, samples: list[Sample], dtype: str = 
                              row_overhead_seconds=per_row, calibrated=True)
 
 
-def _overheads(rest: np.ndarray, rows: np.ndarray, y: np.ndarray) -> tuple[tuple[float, float], float]:
+def _overheads(rest: np.ndarray, rows: np.ndarray, y: np.ndarray,
+               w: np.ndarray) -> tuple[tuple[float, float], float]:
     """(fixed, per row) >= 0 fitting `rest` (measured minus modelled device time) in relative
-    terms, and the squared relative error left."""
-    a = np.stack([np.ones_like(rows), rows], axis=1) / y[:, None]
-    b = rest / y
+    terms, each sample's error times `w`, and the weighted squared error left."""
+    a = np.stack([np.ones_like(rows), rows], axis=1) * (w / y)[:, None]
+    b = rest * w / y
     candidates = [np.linalg.lstsq(a, b, rcond=None)[0]]
     for keep in (0, 1):  # one of them at 0, the other alone
         x = np.zeros(2)

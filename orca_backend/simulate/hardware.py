@@ -70,10 +70,18 @@ def load_hardware(preset: str, calibration: Path | None = None) -> Hardware:
     """A preset by name, or `cpu` from the calibration file its profile step wrote; refuses an
     unknown name, listing the known ones."""
     if preset == "cpu":
-        if calibration is None or not Path(calibration).exists():
-            raise ConfigError(f"hardware 'cpu' is read from its calibration file ({calibration}); "
-                              "run the profile step first")
-        raw = json.loads(Path(calibration).read_text())
+        if calibration is None:
+            raise ConfigError("hardware 'cpu' needs its calibration file (--calibration FILE; "
+                              "benchmarks/profile_cpu.py writes it)")
+        if not Path(calibration).exists():
+            raise ConfigError(f"hardware 'cpu': no calibration file {calibration}; benchmarks/profile_cpu.py "
+                              "writes it")
+        try:
+            raw = json.loads(Path(calibration).read_text())
+        except ValueError as e:
+            raise ConfigError(f"{calibration} is not JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{calibration}: expected an object of hardware fields")
         fields = {f.name for f in dataclasses.fields(Hardware)}
         unknown = set(raw) - fields
         if unknown:

@@ -83,10 +83,17 @@ class Simulation:
             raise ConfigError("padding models request-level batching: it needs batching 'request'")
         if micro_batches < 1 or (micro_batches > 1 and not padding):
             raise ConfigError("micro_batches is >= 1, and above 1 only for padded request-level batches")
+        if padding:  # FasterTransformer as it runs: one whole batch at a time, its K/V allocated up front
+            for wrong, why in ((scheduler.max_inflight > 1, "one batch at a time: max_inflight 1"),
+                               (scheduler.policy != "reserve", "K/V allocated up front: policy 'reserve'"),
+                               (enable_prefix_caching, "no prefix cache: prefix caching off")):
+                if wrong:
+                    raise ConfigError(f"padded request-level batches (FasterTransformer) run {why}")
         self.cost, self.padding, self.micro_batches = cost, padding, micro_batches
         self.kv = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(scheduler, self.kv)
         self.num_stages = cost.layout.pipeline_stages
+        self._host_free = 0.0  # the host prepares one iteration at a time
 
     def run(self, trace: list[TraceRequest]) -> SimulationResult:
         self._check(trace)
@@ -126,8 +133,17 @@ class Simulation:
         return result
 
     def _check(self, trace: list[TraceRequest]) -> None:
+        if not trace:
+            raise ConfigError("the trace has no requests")
         capacity = self.kv.num_blocks * self.kv.block_size
         reserve = self.scheduler.config.policy == "reserve"
+        config = self.scheduler.config
+        longest = max(r.num_prompt_tokens for r in trace)
+        if self.padding and config.max_batch_size * longest > config.max_num_batched_tokens:
+            raise ConfigError(
+                f"padded request-level batches are never chunked: max_num_batched_tokens "
+                f"({config.max_num_batched_tokens}) must hold max_batch_size x the longest prompt "
+                f"({config.max_batch_size} x {longest} = {config.max_batch_size * longest})")
         for i, r in enumerate(trace):
             if r.num_prompt_tokens < 1 or r.num_output_tokens < 1 or r.num_max_tokens < r.num_output_tokens:
                 raise ConfigError(f"trace request {i}: prompt and output need at least one token each, "
@@ -145,7 +161,7 @@ class Simulation:
             computed = sum(r.num_scheduled_tokens for r in rows)
             rows, padding = self._padded(message, rows, batch, requests)
             padding_tokens = sum(r.num_scheduled_tokens for r in rows) - computed
-        ready = now + self.cost.host_seconds(len(rows))
+        ready = self._host_free = max(now, self._host_free) + self.cost.host_seconds(len(rows))
         start = max(ready, stage_free[0])
         if self.padding:  # every row samples; micro-batches, so that stages overlap within a batch
             k = min(self.micro_batches, len(rows))

@@ -1,6 +1,7 @@
-"""The simulator's traces are the load generator's: `workload` draws them (for `client.bench` too) with the same
-seed, so a simulated run at a rate gets exactly the requests (lengths, arrival offsets) that
-`client.bench` or `make bench` would send at that rate. Shared-prefix workloads keep their
+"""The simulator's traces are the load generator's: `workload` draws them for `client.bench`
+and `make bench` too, so a simulated `--dist orca` run at a rate gets exactly the requests
+(lengths, arrival offsets) `make bench` sends at it (`client.bench` sends the same requests
+at offsets not stretched to the rate). Shared-prefix workloads keep their
 prompts' token ids, so that prefix caching finds what it would find on a real server."""
 from __future__ import annotations
 
