@@ -183,6 +183,15 @@ def test_pipeline_stages_overlap_up_to_max_inflight():
     assert [(i.start, i.end) for i in one.iterations] == [(0.0, 4.0), (4.0, 6.0), (6.0, 10.0)]
 
 
+def test_the_host_prepares_one_iteration_at_a_time():
+    from orca_backend.simulate.loop import TraceRequest
+
+    trace = [TraceRequest(0.0, 2, 1), TraceRequest(0.0, 2, 1)]
+    result = _simulate(trace, TokenCost(stages=2, overhead=3.0), max_batch_size=1, max_inflight=2)
+    # A: host 0-3, stage 0 at 3-5, stage 1 at 5-7. B: host 3-6 (after A's), stage 0 at 6-8, 8-10.
+    assert [(i.start, i.end) for i in result.iterations] == [(3.0, 7.0), (6.0, 10.0)]
+
+
 def test_padded_batches_split_into_micro_batches_overlap_the_stages():
     from orca_backend.simulate.loop import TraceRequest
 
