@@ -23,6 +23,7 @@ import argparse
 import csv
 import dataclasses
 import datetime
+import json
 import math
 import re
 import sys
@@ -198,7 +199,6 @@ def describe_hw(hw) -> str:
 
 
 def iteration_error_lines(args, model: ModelConfig, hw, served: dict) -> list[str]:
-    import json
     raw = json.loads(args.samples.read_text())
     sets = [("offline: the profile the factors were fitted to (prefills of 1-8 prompts, decodes at batch 1-32)",
              [Sample.from_json(s) for s in raw["fit"]]),
