@@ -12,18 +12,21 @@ import argparse
 import sys
 from pathlib import Path
 
+from orca_backend.checkpoint.chat_template import ChatTemplateError, load_chat_template
+from orca_backend.checkpoint.store import default_model_path
+from orca_backend.core.errors import ConfigError
+
 from .triton_client import StreamingClient
 
 
 def chat_prompt(text: str, folder: str | Path, system: str | None = None) -> str:
     """`text` as a user message (after a system message, if one is given), rendered with the
-    chat template of the tokenizer in `folder`."""
-    from transformers import AutoTokenizer  # slow to import; only --chat needs it
-
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    chat template of the tokenizer in `folder`; raises ValueError if there is none."""
+    template = load_chat_template(Path(folder))
+    if template is None:
+        raise ConfigError(f"{folder} has no chat template")
     messages = [{"role": "system", "content": system}] if system is not None else []
-    return tokenizer.apply_chat_template([*messages, {"role": "user", "content": text}], tokenize=False,
-                                         add_generation_prompt=True)
+    return template.render([*messages, {"role": "user", "content": text}])
 
 
 def _prompt(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
@@ -32,16 +35,12 @@ def _prompt(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
         if args.system is not None:
             parser.error("--system needs --chat")
         return args.prompt
-    if args.tokenizer is None:
-        from orca_backend.checkpoint.store import default_model_path  # only --chat needs it
-        folder = default_model_path()
-    else:
-        folder = Path(args.tokenizer)
-    if not folder.is_dir():  # else transformers would take the path for a model hub name
+    folder = default_model_path() if args.tokenizer is None else Path(args.tokenizer)
+    if not folder.is_dir():
         parser.error(f"--chat: no tokenizer folder at {folder}; pass --tokenizer FOLDER or run `make model`")
     try:
         return chat_prompt(args.prompt, folder, args.system)
-    except (OSError, ValueError) as e:  # no tokenizer files, or a tokenizer without a chat template
+    except (ConfigError, ChatTemplateError) as e:  # no template, or one that cannot be read or used
         parser.error(f"--chat: cannot render the chat template of {folder}: {e}")
 
 

@@ -18,7 +18,7 @@ PACKAGE = "orca_backend"
 LAYERS = ("core", "checkpoint", "runner", "executors", "engine", "serving", "baselines", "simulate")
 # Where `triton_python_backend_utils` may be imported: the Triton edge.
 PB_UTILS_ALLOWED = ("serving", "baselines.triton_model")
-TORCH_FREE = ("core", "checkpoint.config")
+TORCH_FREE = ("core", "checkpoint.config", "checkpoint.chat_template")
 # No torch either, but numpy (the simulator's statistics and fits) and tokenizers (its traces).
 TORCH_FREE_WITH_NUMPY = ("simulate",)
 
@@ -169,6 +169,15 @@ def test_the_bookkeeping_imports_without_torch(prefixes, heavy):
     code = (f"import sys\nfor m in {torch_free!r}: __import__(m)\n"
             "import orca_backend\nfrom orca_backend import EngineConfig, SamplingParams, ConfigError\n"
             f"heavy = sorted({set(heavy)!r} & set(sys.modules))\n"
+            "assert not heavy, heavy\n")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
+
+
+def test_the_openai_api_and_the_chat_cli_import_neither_transformers_nor_torch():
+    """Both render chat templates with jinja2: they start in well under a second, and no
+    thread of theirs can find transformers half imported (a first chat once failed so)."""
+    code = ("import sys\nimport orca_backend.serving.openai_api.app, orca_backend.serving.openai_api.__main__\n"
+            "import client.generate\nheavy = sorted({'transformers', 'torch'} & set(sys.modules))\n"
             "assert not heavy, heavy\n")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
 

@@ -2,8 +2,16 @@
 and the response formats built from hand-made model outputs."""
 from __future__ import annotations
 
+import asyncio
+import threading
+
+import httpx2 as httpx  # the HTTP client the openai package is built on
 import pytest
 
+from orca_backend.checkpoint.chat_template import load_chat_template
+from orca_backend.serving.openai_api import templates as templates_module
+from orca_backend.serving.openai_api.app import create_app
+from orca_backend.serving.openai_api.backend import Piece, ServedModel
 from orca_backend.serving.openai_api.errors import APIError
 from orca_backend.serving.openai_api.formats import Choice, chat_logprobs, completion_logprobs, usage
 from orca_backend.serving.openai_api.generation import _nth
@@ -137,3 +145,85 @@ def test_explicit_nulls_are_defaults_and_fan_out_is_bounded():
         parse(CompletionRequest, {"model": "m", "prompt": ["a"] * 65, "n": 2}).prompts()
     assert e.value.param == "n"
     assert refusal(chat, seed=(1 << 64) - 2, n=3).param == "seed"  # sample 2 would have seed 2^64
+
+
+class _OneModel:
+    """Stands in for Backend: one ready model whose generation echoes its prompt."""
+
+    def __init__(self, tokenizer) -> None:
+        self.served = ServedModel("m", batched=False, decoupled=True, tokenizer=tokenizer)
+
+    async def server_ready(self) -> bool:
+        return True
+
+    async def models(self, refresh: bool = False):
+        return [self.served]
+
+    async def model(self, name: str):
+        return self.served
+
+    async def generate(self, model, prompt: str, sampling: dict, stream: bool):
+        yield Piece(prompt, "stop", 1, 1, 0, None)
+
+
+def _ask(app, *requests) -> list:
+    async def run():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://api") as client:
+            return [await request(client) for request in requests]
+    return asyncio.run(run())
+
+
+CHAT = {"model": "m", "messages": USER}
+
+
+def test_ready_and_listed_only_once_the_chat_template_is_loaded_and_an_early_chat_waits(monkeypatch, default_model):
+    release, real_load = threading.Event(), templates_module.load_chat_template
+    monkeypatch.setattr(templates_module, "load_chat_template",
+                        lambda *args: release.wait(60) and real_load(*args))
+    app = create_app(_OneModel(default_model))
+
+    async def before_and_after(client):
+        ready, models = await client.get("/health/ready"), await client.get("/v1/models")
+        chat = asyncio.create_task(client.post("/v1/chat/completions", json=CHAT))
+        await asyncio.sleep(0.2)  # time to answer, were it not waiting for the template
+        early = (ready, models, chat.done())
+        release.set()
+        return early, await chat, await client.get("/health/ready"), await client.get("/v1/models")
+
+    (ready, models, answered_early), chat, ready_after, models_after = _ask(app, before_and_after)[0]
+    assert ready.status_code == 503 and ready.headers["retry-after"] == "1"
+    assert models.json()["data"] == [] and not answered_early
+    assert chat.status_code == 200 and ready_after.status_code == 200
+    assert chat.json()["choices"][0]["message"]["content"] == load_chat_template(default_model).render(USER)
+    assert [m["id"] for m in models_after.json()["data"]] == ["m"]
+
+
+def test_a_model_without_a_chat_template_is_listed_and_its_chats_are_a_400(tmp_path):
+    app = create_app(_OneModel(tmp_path))  # a folder with no tokenizer files
+
+    async def until_ready(client):
+        for _ in range(500):  # the load runs on a thread: until it is done
+            if (r := await client.get("/health/ready")).status_code == 200:
+                return r
+            await asyncio.sleep(0.01)
+
+    ready, models, chat = _ask(app, until_ready, lambda c: c.get("/v1/models"),
+                               lambda c: c.post("/v1/chat/completions", json=CHAT))
+    assert ready is not None and models.json()["data"][0]["id"] == "m"
+    error = chat.json()["error"]
+    assert chat.status_code == 400 and "has no chat template" in error["message"] and "/v1/completions" in error["message"]
+    # --chat-template gives every model one.
+    app = create_app(_OneModel(tmp_path), chat_template="{{ messages[0].content }}!")
+    _, chat = _ask(app, until_ready, lambda c: c.post("/v1/chat/completions", json=CHAT))
+    assert chat.json()["choices"][0]["message"]["content"] == "Hi!"
+
+
+def test_a_chat_template_that_cannot_be_used_stops_the_start(tmp_path, capsys):
+    from orca_backend.serving.openai_api.__main__ import main
+
+    (tmp_path / "t.jinja").write_text("{% if %}")
+    for given, said in ((tmp_path / "t.jinja", "does not compile"), (tmp_path / "none.jinja", "cannot read")):
+        with pytest.raises(SystemExit) as e:
+            main(["--chat-template", str(given)])
+        assert e.value.code == 2 and said in capsys.readouterr().err

@@ -217,6 +217,14 @@ class Frontend:
         self._log.close()
 
 
+def _answers_200(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status == 200
+    except OSError:  # HTTPError included: 503 while it starts
+        return False
+
+
 _RESTRICTED = ("--grpc-restricted-protocol", "--http-restricted-api")  # VALUE: <protocols>:<key>=<value>
 
 
@@ -275,13 +283,23 @@ def main() -> None:
                                  "--url", f"{grpc_host}:{grpc_port}", "--host", args.openai_host,
                                  *restricted_headers(extra)], cwd=REPO_ROOT, start_new_session=True)
     server = subprocess.Popen(argv, env=env, start_new_session=True)
-    sys.exit(_supervise(server, frontend))
+    openai_host = "127.0.0.1" if args.openai_host in ("0.0.0.0", "::") else args.openai_host
+    ready_url = f"http://{openai_host}:{os.environ.get('OPENAI_PORT', 9000)}/health/ready"
+    sys.exit(_supervise(server, frontend, ready_url, _ready_line(grpc_port)))
 
 
-def _supervise(server: subprocess.Popen, frontend: subprocess.Popen) -> int:
-    """Wait for both; Ctrl+C or SIGTERM here stops both as Ctrl+C in their own terminals would
-    (SIGINT to tritonserver's process group: its models end their open streams). If one of
-    them exits (the frontend's port taken...), the other is stopped too."""
+def _ready_line(grpc_port: int) -> str:
+    ports = {kind: os.environ.get(f"{kind.upper()}_PORT", default)
+             for kind, default in (("http", 8000), ("metrics", 8002), ("openai", 9000))}
+    return (f"ready: the OpenAI API on port {ports['openai']} (/v1), tritonserver on {ports['http']} (HTTP), "
+            f"{grpc_port} (gRPC), {ports['metrics']} (metrics)")
+
+
+def _supervise(server: subprocess.Popen, frontend: subprocess.Popen, ready_url: str, ready_line: str) -> int:
+    """Wait for both, saying `ready_line` once `ready_url` answers 200 (every model can chat);
+    Ctrl+C or SIGTERM here stops both as Ctrl+C in their own terminals would (SIGINT to
+    tritonserver's process group: its models end their open streams). If one of them exits
+    (the frontend's port taken...), the other is stopped too."""
     def stop(*_) -> None:
         for process in (server, frontend):
             if process.poll() is None:
@@ -289,7 +307,11 @@ def _supervise(server: subprocess.Popen, frontend: subprocess.Popen) -> int:
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
+    said = False
     while server.poll() is None and frontend.poll() is None:
+        if not said and _answers_200(ready_url):
+            print(ready_line, flush=True)
+            said = True
         time.sleep(0.5)
     if server.poll() is None or frontend.poll() is None:
         which = "the OpenAI API" if frontend.poll() is not None else "tritonserver"

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import uvicorn
 
+from ...checkpoint.chat_template import load_chat_template
+from ...core.errors import ConfigError
 from .app import create_app
 from .backend import Backend
 
@@ -31,6 +33,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1 (default: ORCA_API_KEY)")
     p.add_argument("--tokenizer", type=Path, metavar="FOLDER",
                    help="tokenizer files for the chat template (default: each model's checkpoint folder)")
+    p.add_argument("--chat-template", metavar="FILE",
+                   help="a Jinja chat template (a file, or the template itself) for every model, in place of "
+                        "their tokenizer folders' own")
     p.add_argument("--grpc-header", action="append", default=[], metavar="KEY=VALUE",
                    help="send this header on every gRPC call: triton-grpc-protocol-K=V for tritonserver's "
                         "--grpc-restricted-protocol=...:K=V")
@@ -42,11 +47,16 @@ def main(argv: list[str] | None = None) -> None:
     headers = dict(h.partition("=")[::2] for h in args.grpc_header)
     if any(not k for k in headers):
         p.error("--grpc-header takes KEY=VALUE")
+    if args.chat_template is not None:
+        try:  # a template that cannot be used stops the start, not every chat after it
+            load_chat_template(None, args.chat_template)
+        except ConfigError as e:
+            p.error(f"--chat-template: {e}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     backend = Backend(args.url, args.model, args.tokenizer, headers, args.grpc_status_codes)
     logging.getLogger(__name__).info("OpenAI API on %s:%d for tritonserver at %s (API key %s)", args.host,
                                      args.port, args.url, "required" if args.api_key else "not required")
-    uvicorn.run(create_app(backend, args.api_key), host=args.host, port=args.port,
+    uvicorn.run(create_app(backend, args.api_key, args.chat_template), host=args.host, port=args.port,
                 log_level=args.log_level, timeout_graceful_shutdown=5)
 
 

@@ -7,6 +7,7 @@ import hmac
 import json
 import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -27,11 +28,12 @@ def _too_large() -> APIError:
     return APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
 
 
-def create_app(backend: Backend, api_key: str | None = None) -> FastAPI:
-    """The API over `backend`; with `api_key`, every /v1 route needs 'Authorization: Bearer KEY'."""
+def create_app(backend: Backend, api_key: str | None = None, chat_template: str | Path | None = None) -> FastAPI:
+    """The API over `backend`; with `api_key`, every /v1 route needs 'Authorization: Bearer KEY';
+    `chat_template` (a file or the text) replaces every model's own."""
     app = FastAPI(title="orca OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=_lifespan)
-    app.state.backend, app.state.templates = backend, ChatTemplates()
+    app.state.backend, app.state.templates = backend, ChatTemplates(chat_template)
     app.state.api_key = api_key.encode("utf-8") if api_key else None
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
@@ -67,7 +69,8 @@ async def _check_key(request: Request) -> None:  # async: FastAPI would run a pl
 
 
 async def _api_error(request: Request, e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    # Every 503 is passing (the server starting, a full queue): say when to try again.
+    return JSONResponse(e.body(), status_code=e.status, headers={"Retry-After": "1"} if e.status == 503 else None)
 
 
 async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
@@ -81,14 +84,18 @@ async def _internal_error(request: Request, e: Exception) -> JSONResponse:
 
 
 async def _ready(request: Request) -> Response:
+    """200 once tritonserver is ready and every model it serves can chat (its template loaded)."""
     backend: Backend = request.app.state.backend
-    ok = await backend.server_ready() and bool(await _models_or_none(backend))
-    return Response(status_code=200 if ok else 503)
+    models = await backend.server_ready() and await _models_or_none(backend)
+    ok = bool(models) and all(request.app.state.templates.loaded(m) for m in models)
+    return Response(status_code=200 if ok else 503, headers=None if ok else {"Retry-After": "1"})
 
 
 async def _models(request: Request) -> dict:
+    """The ready models whose chat template is loaded (a model is listed once it can chat)."""
     models = await request.app.state.backend.models(refresh=True)
-    return {"object": "list", "data": [_model_card(m) for m in models]}
+    templates: ChatTemplates = request.app.state.templates
+    return {"object": "list", "data": [_model_card(m) for m in models if templates.loaded(m)]}
 
 
 async def _model(request: Request, name: str) -> dict:
@@ -128,15 +135,12 @@ async def _chat(request: Request):
 
 
 async def _load_templates(backend: Backend, templates: ChatTemplates) -> None:
-    """Load the served models' chat templates at start-up, so that no first chat waits for them."""
+    """Start loading the served models' chat templates as soon as tritonserver lists them."""
     for _ in range(600):  # tritonserver may still be loading its models
         models = await _models_or_none(backend)
         if models:
             for model in models:
-                try:
-                    await templates.load(model)
-                except Exception:  # that model's first chat says what is wrong
-                    log.exception("loading the chat template of model %s failed", model.name)
+                templates.loaded(model)
             return
         await asyncio.sleep(1)
 

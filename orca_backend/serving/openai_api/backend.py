@@ -14,6 +14,7 @@ import grpc
 import tritonclient.grpc.aio as grpcclient_aio
 from tritonclient.utils import InferenceServerException
 
+from ...checkpoint.store import default_model_path
 from ..grpc_io import build_inputs, decode_outputs, is_llm_config, requested_outputs
 from .errors import APIError, from_grpc, from_model_message, unknown_model
 
@@ -64,6 +65,7 @@ class Backend:
         self._models: dict[str, ServedModel] = {}  # every LLM model seen, ready or not
         self._ready: set[str] = set()
         self._index_time = -float("inf")
+        self._reachable = True  # as far as we know: the first failure is logged
 
     async def open(self) -> None:
         """Connect: one gRPC channel for every request, made on the loop that serves them."""
@@ -101,8 +103,11 @@ class Backend:
         try:
             index = await self.client.get_model_repository_index(headers=self._headers, as_json=True)
         except InferenceServerException as e:
-            log.warning("reading the model repository index failed: %s", e.message())
+            if self._reachable:  # once per outage (and while tritonserver starts), not every poll
+                log.warning("reading the model repository index failed: %s", e.message())
+            self._reachable = False
             raise APIError(503, "the inference server cannot be reached") from None
+        self._reachable = True
         ready = set()
         for entry in index.get("models", []):
             name = entry.get("name")
@@ -173,8 +178,4 @@ def _piece(out: dict) -> Piece:
 def _tokenizer_folder(config: dict) -> Path | None:
     """The model's checkpoint folder from its `model` parameter; empty means the default model."""
     value = config.get("parameters", {}).get("model", {}).get("string_value", "")
-    if value:
-        return Path(value)
-    from ...checkpoint.store import default_model_path
-
-    return default_model_path()
+    return Path(value) if value else default_model_path()
