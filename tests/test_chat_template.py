@@ -138,3 +138,14 @@ def test_no_template_is_none_and_a_broken_one_names_its_file(tmp_path, default_m
     (tmp_path / "tokenizer" / "tokenizer_config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="tokenizer_config.json"):
         load_chat_template(tmp_path / "tokenizer")
+
+
+def test_block_whitespace_and_messages_as_transformers_hands_them_over(tmp_path, default_model):
+    """Blocks on lines of their own leave no indentation or newline; a key set to None is
+    absent; reasoning under any of its names is `reasoning_content` and `thinking`."""
+    text = ("{% for m in messages %}\n    {% if m.content is defined %}\n        content\n    {% endif %}\n"
+            "[{{ m.reasoning_content }}|{{ m.thinking }}]\n{% endfor %}")
+    folder = _folder(tmp_path, default_model, {"chat_template": text})
+    messages = [{"role": "assistant", "content": None, "reasoning": "because"}, USER]
+    ours = load_chat_template(folder).render(messages)
+    assert ours == _reference(folder, messages) == "[because|because]\n        content\n[|]\n"
