@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install model serve test test-fast bench bench-full bench-prefix bench-engine bench-cpu bench-executors bench-pipeline bench-tp perf simulate clean
+.PHONY: install model serve test test-fast bench bench-full bench-prefix bench-engine bench-cpu bench-executors bench-pipeline bench-tp bench-startup perf simulate clean
 
 install: $(STAMP)
 
@@ -79,6 +79,11 @@ bench-cpu: model
 simulate: model
 	$(PY) benchmarks/profile_cpu.py --out docs/benchmarks/simulation_cpu.json --samples docs/benchmarks/simulation_profile.json
 	$(PY) benchmarks/bench_simulate.py
+
+# The chat CLI's time to first token and the OpenAI API's start to ready, chat templates by
+# jinja2 beside transformers' import and render; writes docs/benchmarks/startup.md.
+bench-startup: model
+	$(PY) benchmarks/bench_startup.py --markdown docs/benchmarks/startup.md
 
 # The executor boundary alone: inline vs the runner in a child process, per iteration.
 bench-executors: model
