@@ -14,8 +14,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
+import torch
+import torch.utils.dlpack
 import triton_python_backend_utils as pb_utils
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from ..triton_io import string_tensor, tensor_text
 
@@ -73,11 +78,8 @@ class GrpcHop:
     """A stage model in another tritonserver at `url` (host:port of its gRPC endpoint)."""
 
     def __init__(self, model: str, url: str, timeout: float) -> None:
-        import tritonclient.grpc as grpcclient
-
         self.model, self.url, self.timeout = model, url, timeout
         self.where = f" at {url}"
-        self._grpc = grpcclient
         # A channel of its own, not one from gRPC's process-wide pool: after the engine's
         # restart a new executor connects afresh instead of inheriting the old connection's
         # failure and its reconnect backoff.
@@ -90,16 +92,14 @@ class GrpcHop:
         self.client.close()
 
     def _infer(self, inputs: list, outputs: list[str]):
-        from tritonclient.utils import InferenceServerException
-
         try:
             return self.client.infer(self.model, inputs, client_timeout=self.timeout,
-                                     outputs=[self._grpc.InferRequestedOutput(n) for n in outputs])
+                                     outputs=[grpcclient.InferRequestedOutput(n) for n in outputs])
         except InferenceServerException as e:
             raise HopError(f"gRPC call to {self.url} failed: {e.message()} ({e.status()})") from None
 
     def _input(self, name: str, array: np.ndarray, datatype: str):
-        t = self._grpc.InferInput(name, list(array.shape), datatype)
+        t = grpcclient.InferInput(name, list(array.shape), datatype)
         t.set_data_from_numpy(array)
         return t
 
@@ -125,8 +125,6 @@ class GrpcHop:
     def _hidden(self, hidden):
         """The previous stage's hidden states as a binary gRPC tensor (a BLS hop's Triton tensor
         is copied to the host first, if it is on a GPU)."""
-        from tritonclient.utils import np_to_triton_dtype
-
         array = _host_array(hidden) if isinstance(hidden, pb_utils.Tensor) else hidden
         return self._input("hidden", array, np_to_triton_dtype(array.dtype))
 
@@ -134,13 +132,8 @@ class GrpcHop:
 def _host_array(tensor) -> np.ndarray:
     """A Triton tensor (host or GPU) as a host numpy array; bfloat16 as ml_dtypes' type, which
     tritonclient sends as BF16."""
-    import torch
-    import torch.utils.dlpack
-
     t = torch.utils.dlpack.from_dlpack(tensor.to_dlpack()).cpu()
     if t.dtype == torch.bfloat16:
-        import ml_dtypes
-
         return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     return t.numpy()
 
@@ -149,8 +142,5 @@ def _triton_tensor(array: np.ndarray):
     """Hidden states that came over gRPC, for a BLS call."""
     if array.dtype.name != "bfloat16":
         return pb_utils.Tensor("hidden", array)
-    import torch
-    import torch.utils.dlpack
-
     t = torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
     return pb_utils.Tensor.from_dlpack("hidden", torch.utils.dlpack.to_dlpack(t))
