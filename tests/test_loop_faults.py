@@ -9,6 +9,8 @@ import pytest
 
 from orca_backend.serving.inputs import GenerateRequest
 from orca_backend.serving.loop import EngineLoop
+from orca_backend.serving.metric_series import MetricsRecorder
+from orca_backend.serving.sender import Stats
 
 from fakes import FakeSink
 from helpers import wait_until
@@ -191,42 +193,39 @@ def test_a_cancel_racing_the_final_token_gets_exactly_one_final_response(loop):
     assert all((s.error is None) == any(r.final for r in s.responses) for s in sinks)
 
 
-class _RecordingMetrics:
-    """Metrics that remember what they had seen when each response reached the client."""
+class _Totals:
+    """A metrics target that sums what it is given, as TritonMetrics would count it."""
 
     def __init__(self):
-        self.blocks_used, self.num_finished = None, 0
-        self.at_response: list[tuple] = []
+        self.tokens = self.ttfts = self.itls = self.finished = self.sends = 0
+        self.last_stats = None
 
-    def on_iteration(self, stats):
-        self.blocks_used = stats.engine.num_used_blocks
+    def apply(self, item):
+        if isinstance(item, Stats):
+            self.last_stats = item.engine
+            return
+        self.tokens += item.num_generated_tokens
+        self.ttfts += len(item.ttft)
+        self.itls += len(item.itl)
+        self.finished += len(item.finish_reasons)
+        self.sends += item.num_sends
 
-    def on_tokens(self, num_tokens, first, seconds_since_last):
-        pass
-
-    def on_finish(self, num_prompt_tokens, num_output_tokens, seconds, finish_reason):
-        self.num_finished += 1
-
-    def on_failed(self, kind):
-        pass
-
-    def on_rejected(self):
-        pass
+    def flush(self):
+        return 0
 
 
-def test_no_client_hears_of_a_token_or_an_end_before_the_metrics_do(engine):
-    metrics = _RecordingMetrics()
-    sink = FakeSink()
-    real_send = sink.send
-    sink.send = lambda response: (metrics.at_response.append((metrics.blocks_used, metrics.num_finished)),
-                                  real_send(response))
-    loop = EngineLoop(engine, metrics)
+def test_the_metrics_count_every_token_clients_got_and_end_at_an_idle_pool(engine):
+    totals = _Totals()
+    loop = EngineLoop(engine, MetricsRecorder(totals))
     loop.start()
     try:
-        loop.submit(_request(max_tokens=3), sink)
-        _finished([sink])
+        sinks = [FakeSink() for _ in range(6)]
+        for i, sink in enumerate(sinks):
+            loop.submit(_request(max_tokens=3 + i), sink)
+        _finished(sinks)
     finally:
-        loop.shutdown()
-    first, last = metrics.at_response[0], metrics.at_response[-1]
-    assert first[0] > 0  # the running request's blocks were on the gauge before its first token
-    assert last == (0, 1)  # freed and counted before the final response
+        loop.shutdown()  # the recorder applies and flushes what is left
+    tokens = sum(s.num_output_tokens for s in sinks)
+    assert (totals.tokens, totals.ttfts, totals.itls, totals.finished) == (tokens, 6, tokens - 6, 6)
+    assert totals.sends == sum(len(s.responses) for s in sinks)
+    assert (totals.last_stats.num_running, totals.last_stats.num_used_blocks) == (0, 0)

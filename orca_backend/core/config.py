@@ -20,7 +20,8 @@ DEFAULT_MAX_PROMPT_BYTES = 1 << 20
 # "auto": our kernel (trt_plugins) on a GPU, PyTorch SDPA on the CPU (where the kernel runs
 # only under the Triton interpreter, for tests).
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-ENGINES = ("torch", "tensorrt")
+# "null": no model work, a token per sampling row after null_step_seconds (the host path's benchmark)
+ENGINES = ("torch", "tensorrt", "null")
 # The projections' GEMM: "auto" is oneDNN with prepacked weights on the CPU, torch's own
 # elsewhere (runner/models/linear.py). Quantization "int8": int8 weights on the CPU (fbgemm).
 LINEARS = ("auto", "onednn", "torch")
@@ -63,6 +64,7 @@ class EngineConfig:
     # "torch": evaluate the TensorRT engine's graph with torch instead of TensorRT (checks on the CPU)
     tensorrt_runtime: str = "tensorrt"
     engine_cache_dir: str | None = None  # built TensorRT engines; None: <cache>/engines
+    null_step_seconds: float = 0.0  # engine "null": each iteration's stand-in for a forward
     # Ranks of the runner (and of each pipeline stage), each holding 1/T of every layer:
     # processes on the CPU (gloo), one GPU each from the instance's first (NCCL).
     tensor_parallel_size: int = 1
@@ -103,6 +105,13 @@ class EngineConfig:
             _need(isinstance(getattr(self, name), bool), name, getattr(self, name), "true or false")
         _need(self.executor in EXECUTORS, "executor", self.executor, f"one of {', '.join(EXECUTORS)}")
         _need(self.engine in ENGINES, "engine", self.engine, f"one of {', '.join(ENGINES)}")
+        _need(isinstance(self.null_step_seconds, (int, float)) and 0 <= self.null_step_seconds <= 60,
+              "null_step_seconds", self.null_step_seconds, "between 0 and 60")
+        if self.engine == "null":
+            _need(self.executor in ("inline", "process"), "executor", self.executor,
+                  "'inline' or 'process' with engine 'null'")
+            _need(self.tensor_parallel_size == 1, "tensor_parallel_size", self.tensor_parallel_size,
+                  "1 with engine 'null'")
         _need(self.tensorrt_runtime in TENSORRT_RUNTIMES, "tensorrt_runtime", self.tensorrt_runtime,
               f"one of {', '.join(TENSORRT_RUNTIMES)}")
         if self.engine == "tensorrt":

@@ -18,6 +18,7 @@ from collections import deque
 from concurrent.futures import Future
 
 from ..core.messages import RunnerOutput, SchedulerOutput
+from ..core.threads import NamedThread
 from ..runner.spawn import Frame, ending, frame, read_frame, spawn, stop_process
 from ..runner.spec import RunnerSpec
 from .base import Executor, IterationFailedError, RunnerDiedError
@@ -49,8 +50,8 @@ class ProcessExecutor(Executor):
             self._to_child.close()
             self._from_child.close()
             raise
-        self._reader = threading.Thread(target=self._read, name="orca-runner-reader", daemon=True)
-        self._writer = threading.Thread(target=self._write, name="orca-runner-writer", daemon=True)
+        self._reader = NamedThread(target=self._read, name="orca-runner-reader", daemon=True)
+        self._writer = NamedThread(target=self._write, name="orca-runner-writer", daemon=True)
         self._reader.start()
         self._writer.start()
 

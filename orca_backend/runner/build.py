@@ -10,6 +10,7 @@ import torch
 from ..checkpoint.config import ModelConfig
 from ..core.errors import ConfigError
 from .model_runner import ModelRunner
+from .null_runner import NullRunner
 from .models import load_model
 from .models.attention import TorchPagedAttention
 from .models.kernel_attention import KernelPagedAttention
@@ -20,8 +21,10 @@ from .spec import RunnerSpec
 START_TIMEOUT_SECONDS = 600  # every rank loading its shard
 
 
-def build_runner(spec: RunnerSpec, model=None, rank: int = 0) -> ModelRunner:
+def build_runner(spec: RunnerSpec, model=None, rank: int = 0) -> ModelRunner | NullRunner:
     """Load the weights (unless `model` is already loaded) and allocate the K/V pool."""
+    if spec.engine == "null":
+        return NullRunner(spec.model_path, spec.null_step_seconds)
     if spec.engine == "tensorrt":
         if spec.tensor_parallel_size > 1:
             raise ConfigError("engine 'tensorrt' builds single-rank engines; tensor_parallel_size "

@@ -30,6 +30,7 @@ class RunnerSpec:
     collective_timeout_seconds: float = 300.0  # a collective waiting longer fails the group
     linear: str = "auto"  # the projections' GEMM (models/linear.py)
     quantization: str = "none"  # "int8": int8 projections (CPU)
+    null_step_seconds: float = 0.0  # engine "null": the sleep standing for each forward
 
     def __post_init__(self) -> None:
         if self.layer_range is not None:  # a list, after a trip through msgpack or JSON
@@ -50,5 +51,6 @@ class RunnerSpec:
                    engine_cache_dir=engine_cache_dir,
                    tensor_parallel_size=config.tensor_parallel_size,
                    linear=config.linear, quantization=config.quantization,
+                   null_step_seconds=config.null_step_seconds,
                    # under the engine's deadline, so a hung rank is named before the runner is
                    collective_timeout_seconds=max(1.0, config.iteration_timeout_seconds / 2))

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..core.threads import NamedThread
 from ..core.errors import OrcaError
 from ..engine.llm_engine import LLMEngine
 from ..engine.outputs import IterationRecord
@@ -43,11 +44,13 @@ class _Abort:
 
 
 class EngineLoop:
-    """`stage_stats`: a pipeline's per-stage counters, reported with every iteration's stats."""
+    """`metrics`: where the engine's `Stats` and the sender's `Observed` go (a started
+    `MetricsRecorder`, stopped with the loop); `stage_stats`: a pipeline's per-stage counters,
+    reported with every iteration's stats; `stream_interval`: the sender's."""
 
     def __init__(self, engine: LLMEngine, metrics: Metrics | None = None,
                  trace_path: str | None = None, max_queue_size: int | None = None,
-                 stage_stats: Callable[[], list[StageStats]] | None = None) -> None:
+                 stage_stats: Callable[[], list[StageStats]] | None = None, stream_interval: int = 1) -> None:
         self.engine = engine
         self.max_queue_size = max_queue_size  # None: unbounded
         self._stage_stats = stage_stats
@@ -55,8 +58,9 @@ class EngineLoop:
         self._trace = TraceFile(trace_path)
         self._to_tokenize: queue.Queue = queue.Queue()  # _Add | Stop
         self._inbox: queue.Queue = queue.Queue()  # to the engine thread: _Add | _Abort | Stop
+        self._metrics = metrics
         self.sender = Sender(engine.rules.tokenizer.decode, metrics,
-                             lambda request_id: self._inbox.put(_Abort(request_id)))
+                             lambda request_id: self._inbox.put(_Abort(request_id)), stream_interval)
         self._ids = itertools.count()
         self._lock = threading.Lock()  # guards the fields below
         self._closed = False
@@ -65,11 +69,13 @@ class EngineLoop:
         self._aborted_early: set[str] = set()  # cancelled before the engine saw them
         self.num_restarts = 0
         self._broken: str | None = None  # why the engine cannot serve, if it cannot
-        self._threads = [threading.Thread(target=self._tokenizer_main, name="orca-tokenizer", daemon=True),
-                         threading.Thread(target=self._engine_main, name="orca-engine", daemon=True)]
+        self._threads = [NamedThread(target=self._tokenizer_main, name="orca-tokenizer", daemon=True),
+                         NamedThread(target=self._engine_main, name="orca-engine", daemon=True)]
 
     def start(self) -> None:
-        self.sender.put(self._stats())  # gauges show the pool before any request
+        if self._metrics is not None:
+            self._metrics.start()
+        self._report(self._stats())  # gauges show the pool before any request
         self.sender.start()
         for thread in self._threads:
             thread.start()
@@ -98,6 +104,8 @@ class EngineLoop:
         for thread in self._threads:
             thread.join(JOIN_TIMEOUT_SECONDS)
         self.sender.join(JOIN_TIMEOUT_SECONDS)
+        if self._metrics is not None:
+            self._metrics.stop(JOIN_TIMEOUT_SECONDS)
         self._trace.close()
 
     def close(self) -> None:
@@ -136,12 +144,13 @@ class EngineLoop:
 
     def _step(self) -> None:
         deltas = self.engine.step()
+        if deltas:
+            self.sender.put(Deltas(deltas))
         for iteration in self.engine.stats.last_step_iterations:
             self._trace.write(iteration)
-            self.sender.put(self._stats(iteration))
-        self.sender.put(Deltas(deltas))  # after the gauges: no client sees a token the metrics do not
+            self._report(self._stats(iteration))
         if not self.engine.stats.last_step_iterations and not self.engine.has_unfinished_requests():
-            self.sender.put(self._stats())  # e.g. the runner has dropped ended requests
+            self._report(self._stats())  # e.g. the runner has dropped ended requests
 
     def _take_commands(self) -> bool:
         """Apply queued adds and aborts; block while there is nothing to run. False = stop."""
@@ -183,7 +192,7 @@ class EngineLoop:
     def _abort(self, request_id: str) -> None:
         if self.engine.abort_request(request_id):
             self.sender.put(Fail(request_id, "the request was cancelled", ErrorKind.CANCELLED))
-            self.sender.put(self._stats())
+            self._report(self._stats())
             return
         with self._lock:
             if request_id in self._pending:  # the add comes later: drop it then
@@ -202,13 +211,13 @@ class EngineLoop:
             with self._lock:
                 self._broken = f"the engine failed and could not be restarted ({type(e).__name__}: {e})"
             return
-        self.sender.put(self._stats())
+        self._report(self._stats())
 
     def _end_all(self, message: str, kind: ErrorKind) -> None:
         for request_id in self.engine.unfinished_request_ids():
             self.engine.abort_request(request_id)
             self.sender.put(Fail(request_id, message, kind))
-        self.sender.put(self._stats())
+        self._report(self._stats())
 
     def _settle(self, request_id: str) -> None:
         with self._lock:
@@ -220,6 +229,10 @@ class EngineLoop:
             num_waiting = self.engine.snapshot().num_waiting
         with self._lock:
             self._num_engine_waiting = num_waiting
+
+    def _report(self, stats: Stats) -> None:
+        if self._metrics is not None:
+            self._metrics.put(stats)
 
     def _stats(self, iteration: IterationRecord | None = None) -> Stats:
         """Gauges and counters for the metrics; `iteration` when one has just run."""

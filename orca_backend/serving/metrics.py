@@ -1,14 +1,18 @@
 """The serving model's metrics on Triton's /metrics endpoint (`orca_*`, labelled with the
 model's name; a pipeline's per-stage ones labelled with the stage too), and the same facts
-under vLLM's names (`vllm_metrics.py`)."""
+under vLLM's names (`vllm_metrics.py`). Kept exact here and sent to tritonserver by the
+metrics thread (`metric_series.py`): `apply` takes the engine's `Stats` and the sender's
+`Observed`, `flush` sends what changed."""
 from __future__ import annotations
 
 import triton_python_backend_utils as pb_utils
 
-from .sender import ErrorKind, Stats
+from .metric_series import Counter, Gauge, Histogram
+from .sender import Observed, Stats
 from .vllm_metrics import VllmMetrics
 
 _SECONDS_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
+_LAG_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5]
 _BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 # StageStats field, metric name (orca_stage_...), description; labelled model and stage.
 _STAGE_METRICS = (
@@ -20,6 +24,15 @@ _STAGE_METRICS = (
     ("kv_blocks_used", "kv_blocks_used", "K/V blocks in the block tables the stage holds"),
 )
 _STAGE_GAUGES = ("iterations_in_flight", "kv_blocks_used")
+_FAMILIES: dict[str, object] = {}  # by name, for the process's life (a family must outlive its metrics)
+
+
+def make_metric(name: str, kind: str, description: str, labels: dict):
+    """A metric of tritonserver's, in the family of that name (made on first use)."""
+    if name not in _FAMILIES:  # (pb_utils has no MetricFamily while the stub only reads the config)
+        kinds = {"counter": pb_utils.MetricFamily.COUNTER, "gauge": pb_utils.MetricFamily.GAUGE}
+        _FAMILIES[name] = pb_utils.MetricFamily(name=name, description=description, kind=kinds[kind])
+    return _FAMILIES[name].Metric(labels=labels)
 
 
 class TritonMetrics:
@@ -27,118 +40,100 @@ class TritonMetrics:
 
     def __init__(self, model: str, version: str = "1", max_model_len: int | None = None) -> None:
         """`max_model_len` (the top of the token-count buckets) turns the vLLM names on."""
-        labels = {"model": model}
-        self.vllm = VllmMetrics(model, version, max_model_len) if max_model_len else None
-        G, C, H = pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.HISTOGRAM
+        labels = self._labels = {"model": model}
+        self.vllm = VllmMetrics(make_metric, model, version, max_model_len) if max_model_len else None
 
-        self._families = []  # a family must outlive its metrics
-        self._stage_families: dict = {}
+        def series(cls, name, description, *extra):
+            kind = "gauge" if cls is Gauge else "counter"
+            if cls is Histogram:
+                return Histogram(make_metric, f"orca_{name}", description, labels, *extra)
+            return cls(make_metric(f"orca_{name}", kind, description, labels))
 
-        def metric(name, kind, description, buckets=None):
-            family = pb_utils.MetricFamily(name=f"orca_{name}", description=description, kind=kind)
-            self._families.append(family)
-            return family.Metric(labels=labels, buckets=buckets) if buckets else family.Metric(labels=labels)
-
-        self.running = metric("requests_running", G, "Requests in the running batch")
-        self.waiting = metric("requests_waiting", G, "Requests waiting for admission")
-        self.blocks_used = metric("kv_blocks_used", G, "K/V cache blocks held by requests")
-        self.blocks_cached = metric("kv_blocks_cached", G,
+        self.running = series(Gauge, "requests_running", "Requests in the running batch")
+        self.waiting = series(Gauge, "requests_waiting", "Requests waiting for admission")
+        self.blocks_used = series(Gauge, "kv_blocks_used", "K/V cache blocks held by requests")
+        self.blocks_cached = series(Gauge, "kv_blocks_cached",
                                     "K/V cache blocks held by no request, kept for prefix-cache hits")
-        self.prefix_queries = metric("prefix_cache_queries_total", C,
-                                     "Prompt tokens of admitted requests looked up in the prefix cache")
-        self.prefix_hits = metric("prefix_cache_hits_total", C,
-                                  "Prompt tokens whose K/V came from the prefix cache")
-        self.evictions = metric("kv_block_evictions_total", C,
-                                "Cached K/V blocks whose contents were dropped to reuse the block")
-        self.blocks_total = metric("kv_blocks_total", G, "K/V cache blocks in the pool")
-        self.preemptions = metric("preemptions_total", C, "Requests preempted for lack of K/V blocks")
-        self.iterations = metric("iterations_total", C, "Engine iterations run")
-        self.restarts = metric("engine_restarts_total", C, "Engine restarts after a failure of its thread")
-        self.rejected = metric("requests_rejected_total", C, "Requests refused because the queue was full")
-        self.batch_size = metric("iteration_batch_size", H, "Requests per iteration", _BATCH_BUCKETS)
-        self.ttft = metric("time_to_first_token_seconds", H, "Arrival to first token", _SECONDS_BUCKETS)
-        self.itl = metric("inter_token_latency_seconds", H, "Time between tokens", _SECONDS_BUCKETS)
-        self.e2e = metric("request_latency_seconds", H, "Arrival to last token", _SECONDS_BUCKETS)
-        self.prompt_tokens = metric("prompt_tokens_total", C, "Prompt tokens of finished requests")
-        self.generated_tokens = metric("generation_tokens_total", C, "Generated tokens")
-        self.runner_restarts = metric("runner_restarts_total", C, "Model runner restarts after it died")
-        # Counters of the engine's snapshot, and the loop's own restarts.
-        self._counters = {"num_preemptions": self.preemptions, "num_iterations": self.iterations,
-                          "num_runner_restarts": self.runner_restarts,
-                          "num_prefix_queried_tokens": self.prefix_queries,
-                          "num_prefix_hit_tokens": self.prefix_hits, "num_evictions": self.evictions}
-        self._seen = dict.fromkeys([*self._counters, "num_engine_restarts"], 0)
-        self._seen.update(dict.fromkeys([f"vllm{key}" for key in self.vllm.counters] if self.vllm else [], 0))
-        self._labels = labels
-        self._stages: list[dict] = []  # per pipeline stage: its metrics, made on first report
-        self._stage_seen: list[dict] = []  # per stage: the counters' values already counted
+        self.blocks_total = series(Gauge, "kv_blocks_total", "K/V cache blocks in the pool")
+        self.restarts = series(Counter, "engine_restarts_total", "Engine restarts after a failure of its thread")
+        self.rejected = series(Counter, "requests_rejected_total", "Requests refused because the queue was full")
+        self.prompt_tokens = series(Counter, "prompt_tokens_total", "Prompt tokens of finished requests")
+        self.generated_tokens = series(Counter, "generation_tokens_total", "Generated tokens")
+        self.batch_size = series(Histogram, "iteration_batch_size", "Requests per iteration", _BATCH_BUCKETS)
+        self.ttft = series(Histogram, "time_to_first_token_seconds", "Arrival to first token", _SECONDS_BUCKETS)
+        self.itl = series(Histogram, "inter_token_latency_seconds", "Time between tokens", _SECONDS_BUCKETS)
+        self.e2e = series(Histogram, "request_latency_seconds", "Arrival to last token", _SECONDS_BUCKETS)
+        self.sender_lag = series(Histogram, "sender_lag_seconds",
+                                 "From an iteration's return to its responses sent", _LAG_BUCKETS)
+        calls = "Calls from the model into tritonserver: responses sent, cancellation checks, metric updates"
+        self.calls = {call: Counter(make_metric("orca_server_calls_total", "counter", calls,
+                                                {**labels, "call": call}))
+                      for call in ("send", "is_cancelled", "metrics")}
+        # Counters that follow a total of the engine's snapshot.
+        self._engine_counters = {
+            "num_preemptions": series(Counter, "preemptions_total", "Requests preempted for lack of K/V blocks"),
+            "num_iterations": series(Counter, "iterations_total", "Engine iterations run"),
+            "num_runner_restarts": series(Counter, "runner_restarts_total", "Model runner restarts after it died"),
+            "num_prefix_queried_tokens": series(Counter, "prefix_cache_queries_total",
+                                                "Prompt tokens of admitted requests looked up in the prefix cache"),
+            "num_prefix_hit_tokens": series(Counter, "prefix_cache_hits_total",
+                                            "Prompt tokens whose K/V came from the prefix cache"),
+            "num_evictions": series(Counter, "kv_block_evictions_total",
+                                    "Cached K/V blocks whose contents were dropped to reuse the block")}
+        self._stages: list[dict] = []  # per pipeline stage: its series, made on first report
 
-    def _stage_metrics(self, stage: int) -> dict:
-        while len(self._stages) <= stage:
-            labels = {**self._labels, "stage": str(len(self._stages))}
-            G, C = pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER
-            metrics = {}
-            for field, name, description in _STAGE_METRICS:
-                if field not in self._stage_families:
-                    family = pb_utils.MetricFamily(name=f"orca_stage_{name}", description=description,
-                                                   kind=G if field in _STAGE_GAUGES else C)
-                    self._families.append(family)
-                    self._stage_families[field] = family
-                metrics[field] = self._stage_families[field].Metric(labels=labels)
-            self._stages.append(metrics)
-            self._stage_seen.append(dict.fromkeys(metrics, 0.0))
-        return self._stages[stage]
+    def apply(self, item: Stats | Observed) -> None:
+        if isinstance(item, Stats):
+            self._apply_stats(item)
+        else:
+            self._apply_observed(item)
 
-    def on_iteration(self, stats: Stats) -> None:
+    def _apply_stats(self, stats: Stats) -> None:
         s = stats.engine
-        self.running.set(s.num_running)
-        self.waiting.set(s.num_waiting)
-        self.blocks_used.set(s.num_used_blocks)
-        self.blocks_cached.set(s.num_cached_blocks)
-        self.blocks_total.set(s.num_blocks)
-        for key, counter in self._counters.items():
-            self._count(counter, key, getattr(s, key))
-        if self.vllm is not None:
-            self.vllm.on_iteration(s)
-            for key, counter in self.vllm.counters.items():
-                self._count(counter, key, getattr(s, key), "vllm")
-        self._count(self.restarts, "num_engine_restarts", stats.num_engine_restarts)
+        for gauge, value in ((self.running, s.num_running), (self.waiting, s.num_waiting),
+                             (self.blocks_used, s.num_used_blocks), (self.blocks_cached, s.num_cached_blocks),
+                             (self.blocks_total, s.num_blocks)):
+            gauge.set(value)
+        for key, counter in self._engine_counters.items():
+            counter.follow(getattr(s, key))
+        self.restarts.follow(stats.num_engine_restarts)
         if stats.batch_size:
             self.batch_size.observe(stats.batch_size)
+        if self.vllm is not None:
+            self.vllm.apply_stats(s)
         for stage in stats.stages or ():
-            metrics, seen = self._stage_metrics(stage.stage), self._stage_seen[stage.stage]
-            for field, metric in metrics.items():
-                value = getattr(stage, field)
-                if field in _STAGE_GAUGES:
-                    metric.set(value)
-                elif value > seen[field]:  # bubble time dips while a stage is busy: count rises only
-                    metric.increment(value - seen[field])
-                    seen[field] = value
+            for name, series in self._stage_series(stage.stage).items():
+                (series.set if name in _STAGE_GAUGES else series.follow)(getattr(stage, name))
 
-    def _count(self, counter, key: str, value: int, prefix: str = "") -> None:
-        """A counter follows a total that only grows."""
-        key = prefix + key
-        if value > self._seen[key]:
-            counter.increment(value - self._seen[key])
-            self._seen[key] = value
-
-    def on_tokens(self, num_tokens: int, first: bool, seconds_since_last: float) -> None:
-        (self.ttft if first else self.itl).observe(seconds_since_last)
-        self.generated_tokens.increment(num_tokens)
+    def _apply_observed(self, o: Observed) -> None:
+        self.ttft.observe_all(o.ttft)
+        self.itl.observe_all(o.itl)
+        self.e2e.observe_all(o.e2e)
+        self.sender_lag.observe_all(o.sender_lag)
+        self.generated_tokens.add(o.num_generated_tokens)
+        self.prompt_tokens.add(sum(o.num_prompt_tokens))
+        self.rejected.add(o.num_rejected)
+        self.calls["send"].add(o.num_sends)
+        self.calls["is_cancelled"].add(o.num_cancel_checks)
         if self.vllm is not None:
-            self.vllm.on_tokens(num_tokens, first, seconds_since_last)
+            self.vllm.apply_observed(o)
 
-    def on_rejected(self) -> None:
-        self.rejected.increment(1)
+    def flush(self) -> int:
+        """Send what changed; returns the calls made (counted in the next flush)."""
+        series = [self.running, self.waiting, self.blocks_used, self.blocks_cached, self.blocks_total,
+                  self.restarts, self.rejected, self.prompt_tokens, self.generated_tokens, self.batch_size,
+                  self.ttft, self.itl, self.e2e, self.sender_lag, *self.calls.values(),
+                  *self._engine_counters.values(), *(s for stage in self._stages for s in stage.values())]
+        calls = sum(s.flush() for s in series) + (self.vllm.flush() if self.vllm is not None else 0)
+        self.calls["metrics"].add(calls)
+        return calls
 
-    def on_finish(self, num_prompt_tokens: int, num_output_tokens: int, seconds: float,
-                  finish_reason: str) -> None:
-        self.e2e.observe(seconds)
-        self.prompt_tokens.increment(num_prompt_tokens)
-        if self.vllm is not None:
-            self.vllm.on_finish(num_prompt_tokens, num_output_tokens, seconds, finish_reason)
+    def _stage_series(self, stage: int) -> dict:
+        while len(self._stages) <= stage:
+            labels = {**self._labels, "stage": str(len(self._stages))}
+            self._stages.append({
+                field: (Gauge if field in _STAGE_GAUGES else Counter)(make_metric(
+                    f"orca_stage_{name}", "gauge" if field in _STAGE_GAUGES else "counter", description, labels))
+                for field, name, description in _STAGE_METRICS})
+        return self._stages[stage]
 
-    def on_failed(self, kind: ErrorKind) -> None:
-        """A request the engine had taken ended without finishing: cancelled, or failed inside."""
-        if self.vllm is not None and kind in (ErrorKind.CANCELLED, ErrorKind.INTERNAL):
-            self.vllm.on_ended_early("abort" if kind == ErrorKind.CANCELLED else "error")

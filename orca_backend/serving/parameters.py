@@ -13,7 +13,7 @@ from ..core.errors import ConfigError
 
 
 def _option_types() -> dict[str, type]:
-    """Each parameter's type: int, bool or str (of `int | None`, int)."""
+    """Each parameter's type: int, float, bool or str (of `int | None`, int)."""
     hints = typing.get_type_hints(EngineConfig)
     types = {}
     for f in dataclasses.fields(EngineConfig):
@@ -44,6 +44,7 @@ class ServingOptions:
     iteration_trace: str | None = None
     max_queue_size: int | None = None  # None: unbounded
     vllm_metrics: bool = True  # the same facts under vLLM's metric names too
+    stream_interval: int = 1  # a stream's tokens per response (the first and the last go at once)
 
 
 def serving_options(parameters: dict[str, str]) -> ServingOptions:
@@ -52,17 +53,21 @@ def serving_options(parameters: dict[str, str]) -> ServingOptions:
     vllm = parameters.pop("vllm_metrics", "").strip().lower() or "true"
     if vllm not in ("true", "false"):
         raise ConfigError(f"model parameter 'vllm_metrics' must be true or false, got {vllm!r}")
-    raw = parameters.pop("max_queue_size", "").strip()
+    return ServingOptions(trace, _positive(parameters, "max_queue_size", None, "(unbounded)"), vllm == "true",
+                          _positive(parameters, "stream_interval", 1, "(1)"))
+
+
+def _positive(parameters: dict[str, str], name: str, default: int | None, meaning: str) -> int | None:
+    raw = parameters.pop(name, "").strip()
     if raw in ("", "auto"):
-        return ServingOptions(trace, None, vllm == "true")
+        return default
     try:
-        size = int(raw)
+        value = int(raw)
     except ValueError:
-        size = -1
-    if size < 1:
-        raise ConfigError(f"model parameter 'max_queue_size' must be an integer >= 1 or empty "
-                          f"(unbounded), got {raw!r}")
-    return ServingOptions(trace, size, vllm == "true")
+        value = -1
+    if value < 1:
+        raise ConfigError(f"model parameter {name!r} must be an integer >= 1 or empty {meaning}, got {raw!r}")
+    return value
 
 
 def engine_config_from_parameters(parameters: dict[str, str], instance_device: str = "cpu") -> EngineConfig:
@@ -89,6 +94,11 @@ def _parse(name: str, value: str, kind: type):
             return int(value)
         except ValueError:
             raise ConfigError(f"model parameter {name!r} must be an integer, got {value!r}") from None
+    if kind is float:
+        try:
+            return float(value)
+        except ValueError:
+            raise ConfigError(f"model parameter {name!r} must be a number, got {value!r}") from None
     if kind is bool:
         if value.lower() not in ("true", "false"):
             raise ConfigError(f"model parameter {name!r} must be true or false, got {value!r}")

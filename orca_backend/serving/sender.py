@@ -1,24 +1,37 @@
 """The sender thread: owns every open stream, turns engine deltas into responses.
 
-It formats and sends responses, records latencies and watches for cancelled requests, which
-it hands back to the engine thread as aborts. Sending never blocks the engine thread.
+Each wake-up it takes every message waiting for it, adds each delta to its stream, and then
+sends each stream at most one response: while it keeps up with the engine that is one
+response per iteration, as the tokens come; when it falls behind, a stream's waiting deltas
+go out merged in one response (text, token counts and logprobs exact), so that it catches up
+instead of lagging further. With `stream_interval` N a stream's response waits for N tokens
+(the first token and the end go at once). What it observes for the metrics (latencies from
+the engine's clock, tokens, ends, its own calls into tritonserver and its lag) goes to the
+metrics thread in one batch per wake-up; the only blocking calls it makes are the sends and
+a bounded number of cancellation checks per tick. Sending never blocks the engine thread.
 """
 from __future__ import annotations
 
 import enum
 import logging
+import math
 import queue
-import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
+from ..core.threads import NamedThread
 from ..engine.outputs import EngineSnapshot, RequestDelta
 from ..executors.stages import StageStats
 from .inputs import GenerateRequest
 
 log = logging.getLogger(__name__)
-CANCEL_POLL_SECONDS = 0.05  # each check is a round trip to the server per open request
+CANCEL_POLL_SECONDS = 0.05  # a tick: cancellation checks run this often
+# Every open stream is checked within this time (a cancelled request's K/V is freed at most
+# this much, plus an iteration, after the cancel): each tick checks that share of them.
+CANCEL_CYCLE_SECONDS = 0.2
+MAX_MESSAGES_PER_WAKE = 4096  # then the responses go out before more is taken
 
 
 class ErrorKind(str, enum.Enum):
@@ -51,12 +64,12 @@ class ResponseSink(Protocol):
 
 
 class Metrics(Protocol):
-    def on_iteration(self, stats: Stats) -> None: ...
-    def on_tokens(self, num_tokens: int, first: bool, seconds_since_last: float) -> None: ...
-    def on_finish(self, num_prompt_tokens: int, num_output_tokens: int, seconds: float,
-                  finish_reason: str) -> None: ...
-    def on_failed(self, kind: ErrorKind) -> None: ...
-    def on_rejected(self) -> None: ...
+    """Where `Stats` and `Observed` go (the metrics thread, `MetricsRecorder`); `put` never
+    blocks. The serving loop starts and stops it."""
+
+    def put(self, item: Stats | Observed) -> None: ...
+    def start(self) -> None: ...
+    def stop(self, timeout: float | None = None) -> None: ...
 
 
 @dataclass(slots=True)
@@ -66,13 +79,15 @@ class Stream:
     request: GenerateRequest
     sink: ResponseSink
     arrival: float
-    last_token_time: float = 0.0
+    last_token_time: float = 0.0  # the engine's clock when its last token was made
     num_output_tokens: int = 0
-    text: list[str] = field(default_factory=list)  # non-streaming: pieces until the end
+    text: list[str] = field(default_factory=list)  # not yet sent (all of it, until the end, if not streaming)
     # Tokens (and their logprob entries) not yet reported: a token whose text is empty (a
     # special token, half a character) rides along with the next response that has text.
     num_unsent_tokens: int = 0
     unsent_logprobs: list[dict] = field(default_factory=list)
+    newest: RequestDelta | None = None  # the last delta taken, not yet answered
+    num_responses: int = 0
 
 
 # -- messages to the sender thread ----------------------------------------------------------
@@ -99,6 +114,7 @@ class FailAll:
 @dataclass(slots=True)
 class Deltas:
     deltas: list[RequestDelta]
+    time: float = field(default_factory=time.monotonic)  # when the engine had them
 
 
 @dataclass(slots=True)
@@ -121,15 +137,43 @@ class Stop:
     pass
 
 
+@dataclass(slots=True)
+class Observed:
+    """What the sender saw in one wake-up, for the metrics: latencies in seconds by the
+    engine's clock, one entry per request (per delta for inter-token latencies)."""
+
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    e2e: list[float] = field(default_factory=list)
+    num_prompt_tokens: list[int] = field(default_factory=list)  # of each finished request
+    num_output_tokens: list[int] = field(default_factory=list)
+    finish_reasons: list[str] = field(default_factory=list)
+    num_generated_tokens: int = 0
+    ended_early: list[ErrorKind] = field(default_factory=list)  # taken requests that failed or were cancelled
+    num_rejected: int = 0
+    num_sends: int = 0  # responses (errors included) sent to tritonserver
+    num_cancel_checks: int = 0
+    sender_lag: list[float] = field(default_factory=list)  # per batch of deltas: made -> answered
+
+    def __bool__(self) -> bool:
+        return bool(self.num_sends or self.num_cancel_checks or self.num_rejected or self.ended_early
+                    or self.num_generated_tokens or self.sender_lag)
+
+
 class Sender:
     def __init__(self, decode: Callable[[list[int]], str], metrics: Metrics | None,
-                 abort: Callable[[str], None]) -> None:
+                 abort: Callable[[str], None], stream_interval: int = 1) -> None:
         self._decode = decode  # token ids to text, for the logprobs' decoded tokens
         self.metrics = metrics
         self._abort = abort  # hands a request id to the engine thread
-        self._outbox: queue.Queue = queue.Queue()
+        self.stream_interval = stream_interval
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, Stream] = {}
-        self._thread = threading.Thread(target=self._main, name="orca-sender", daemon=True)
+        self._to_check: deque[str] = deque()  # cancellation checks, round robin
+        self._waiting: dict[str, Stream] = {}  # streams with deltas not yet answered, in order
+        self._observed = Observed()
+        self._made: list[float] = []  # when each batch of deltas taken since the last answer was made
+        self._thread = NamedThread(target=self._main, name="orca-sender", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -141,108 +185,169 @@ class Sender:
         self._thread.join(timeout)
 
     def _main(self) -> None:
-        last_poll = time.monotonic()
-        while True:
+        next_tick = time.monotonic() + CANCEL_POLL_SECONDS
+        running = True
+        while running:
             try:
-                message = self._outbox.get(timeout=CANCEL_POLL_SECONDS)
-            except queue.Empty:
-                message = None
-            if isinstance(message, Stop):
-                break
-            try:
-                if message is not None:
-                    self._handle(message)
-                if time.monotonic() - last_poll >= CANCEL_POLL_SECONDS:
-                    last_poll = time.monotonic()
-                    self._poll_cancellations()
+                running = self._take(max(0.0, next_tick - time.monotonic()))
+                self._answer()
+                if time.monotonic() >= next_tick:
+                    next_tick = time.monotonic() + CANCEL_POLL_SECONDS
+                    self._check_cancellations()
             except Exception:
                 log.exception("the sender failed; ending every open request")
+                self._waiting.clear()
                 self._fail_all("internal error while sending responses")
+            self._report()
         for stream in self._streams.values():  # nothing may be left without a final response
             _safe(lambda: stream.sink.fail("the server is shutting down", ErrorKind.UNAVAILABLE))
         self._streams.clear()
 
-    def _poll_cancellations(self) -> None:
-        for request_id, stream in self._streams.items():
+    def _take(self, timeout: float) -> bool:
+        """Handle what is waiting (after up to `timeout` for the first); False once stopped."""
+        try:
+            message = self._outbox.get(timeout=timeout)
+        except queue.Empty:
+            return True
+        for _ in range(MAX_MESSAGES_PER_WAKE):
+            if isinstance(message, Stop):
+                self._answer()
+                return False
+            self._handle(message)
+            try:
+                message = self._outbox.get_nowait()
+            except queue.Empty:
+                return True
+        return True
+
+    def _handle(self, message) -> None:
+        if isinstance(message, Open):
+            self._streams[message.request_id] = message.stream
+            self._to_check.append(message.request_id)
+        elif isinstance(message, Fail):
+            stream = self._streams.pop(message.request_id, None)
+            if stream is not None:
+                self._failed(message.request_id, stream, message.message, message.kind)
+        elif isinstance(message, FailAll):
+            self._fail_all(message.message)
+        elif isinstance(message, Deltas):
+            self._take_deltas(message)
+        elif isinstance(message, Rejected):
+            self._observed.num_rejected += 1
+
+    def _take_deltas(self, message: Deltas) -> None:
+        for delta in message.deltas:
+            stream = self._streams.get(delta.request_id)
+            if stream is None:
+                continue
+            if delta.error is not None:
+                del self._streams[delta.request_id]
+                self._failed(delta.request_id, stream, delta.error, ErrorKind.INTERNAL)
+                continue
+            try:
+                self._add(stream, delta, message.time)
+            except Exception:  # a bug in handling one request's output ends that request
+                log.exception("building a response failed")
+                del self._streams[delta.request_id]
+                self._failed(delta.request_id, stream, "internal error while building the response",
+                             ErrorKind.INTERNAL)
+                self._abort(delta.request_id)
+                continue
+            self._waiting[delta.request_id] = stream
+        self._made.append(message.time)
+
+    def _add(self, stream: Stream, delta: RequestDelta, made: float) -> None:
+        observed = self._observed
+        if delta.token_ids:
+            if stream.num_output_tokens == 0:
+                observed.ttft.append(made - stream.arrival)
+            else:
+                observed.itl.append(made - stream.last_token_time)
+            observed.num_generated_tokens += len(delta.token_ids)
+            stream.last_token_time = made
+        stream.num_output_tokens += len(delta.token_ids)
+        stream.num_unsent_tokens += len(delta.token_ids)
+        stream.unsent_logprobs += self._logprob_entries(delta)
+        stream.text.append(delta.text)
+        stream.newest = delta
+        if delta.finished:
+            observed.e2e.append(made - stream.arrival)
+            observed.num_prompt_tokens.append(delta.num_prompt_tokens)
+            observed.num_output_tokens.append(delta.num_output_tokens)
+            observed.finish_reasons.append(delta.finish_reason)
+
+    def _answer(self) -> None:
+        """One response per stream with something to say (its waiting deltas merged)."""
+        waiting, self._waiting = self._waiting, {}
+        for request_id, stream in waiting.items():
+            delta = stream.newest
+            if delta.finished:
+                del self._streams[request_id]
+            elif not self._due(stream):
+                continue
+            stream.newest = None
+            if stream.request.stream:
+                text = "".join(stream.text)
+                stream.text.clear()
+            else:
+                text = "".join(stream.text)
+                text = text if stream.request.exclude_input_in_output else stream.request.prompt + text
+            self._send(stream, delta, text)
+        now = time.monotonic()
+        self._observed.sender_lag += [now - made for made in self._made]
+        self._made.clear()
+
+    def _due(self, stream: Stream) -> bool:
+        """Whether an unfinished stream's waiting tokens go out now."""
+        if not stream.request.stream or stream.newest is None:
+            return False
+        if not any(stream.text):
+            return False  # only tokens without text so far: they ride along with the next
+        return stream.num_responses == 0 or stream.num_unsent_tokens >= self.stream_interval
+
+    def _send(self, stream: Stream, delta: RequestDelta, text: str) -> None:
+        logprobs = stream.unsent_logprobs if stream.request.params.logprobs is not None else None
+        response = Response(text, delta.finish_reason, delta.num_prompt_tokens, stream.num_unsent_tokens,
+                            delta.cumulative_logprob, logprobs, delta.finished, delta.num_cached_tokens)
+        stream.num_unsent_tokens, stream.unsent_logprobs = 0, []
+        stream.num_responses += 1
+        self._observed.num_sends += 1
+        _safe(lambda: stream.sink.send(response))
+
+    def _check_cancellations(self) -> None:
+        """A share of the open streams each tick, so that each is checked every cycle."""
+        count = min(len(self._to_check),
+                    math.ceil(len(self._streams) * CANCEL_POLL_SECONDS / CANCEL_CYCLE_SECONDS))
+        for _ in range(count):
+            request_id = self._to_check.popleft()
+            stream = self._streams.get(request_id)
+            if stream is None:
+                continue  # ended: it leaves the rotation
+            self._to_check.append(request_id)
+            self._observed.num_cancel_checks += 1
             if _safe(stream.sink.is_cancelled, False):
                 self._abort(request_id)
 
     def _fail_all(self, message: str) -> None:
         streams, self._streams = self._streams, {}
         for request_id, stream in streams.items():
-            self._failed(stream, message, ErrorKind.INTERNAL)
+            self._failed(request_id, stream, message, ErrorKind.INTERNAL)
             self._abort(request_id)
 
-    def _handle(self, message) -> None:
-        if isinstance(message, Open):
-            self._streams[message.request_id] = message.stream
-        elif isinstance(message, Fail):
-            stream = self._streams.pop(message.request_id, None)
-            if stream is not None:
-                self._failed(stream, message.message, message.kind)
-        elif isinstance(message, FailAll):
-            self._fail_all(message.message)
-        elif isinstance(message, Deltas):
-            self._deliver_all(message.deltas)
-        elif isinstance(message, Stats) and self.metrics is not None:
-            _safe(lambda: self.metrics.on_iteration(message))
-        elif isinstance(message, Rejected) and self.metrics is not None:
-            _safe(self.metrics.on_rejected)
-
-    def _deliver_all(self, deltas: list[RequestDelta]) -> None:
-        now = time.monotonic()
-        for delta in deltas:
-            stream = self._streams.get(delta.request_id)
-            if stream is None:
-                continue
-            if delta.error is not None:
-                del self._streams[delta.request_id]
-                self._failed(stream, delta.error, ErrorKind.INTERNAL)
-                continue
-            try:
-                self._deliver(stream, delta, now)
-                done = delta.finished
-            except Exception:  # a bug in formatting one request's response ends that request
-                log.exception("building a response failed")
-                self._failed(stream, "internal error while building the response", ErrorKind.INTERNAL)
-                self._abort(delta.request_id)
-                done = True
-            if done:
-                del self._streams[delta.request_id]
-
-    def _deliver(self, stream: Stream, delta: RequestDelta, now: float) -> None:
-        req = stream.request
-        first = stream.num_output_tokens == 0
-        if self.metrics is not None:
-            since = now - (stream.arrival if first else stream.last_token_time)
-            _safe(lambda: self.metrics.on_tokens(len(delta.token_ids), first, since))
-        stream.last_token_time = now
-        stream.num_output_tokens += len(delta.token_ids)
-        stream.num_unsent_tokens += len(delta.token_ids)
-        stream.unsent_logprobs += self._logprob_entries(delta)
-        stream.text.append(delta.text)
-        if delta.finished and self.metrics is not None:  # counted before the client hears of it
-            _safe(lambda: self.metrics.on_finish(delta.num_prompt_tokens, delta.num_output_tokens,
-                                                 now - stream.arrival, delta.finish_reason))
-        if req.stream and (delta.text or delta.finished):
-            self._send(stream, delta, delta.text)
-        elif delta.finished:
-            text = "".join(stream.text)
-            self._send(stream, delta, text if req.exclude_input_in_output else req.prompt + text)
-
-    def _failed(self, stream: Stream, message: str, kind: ErrorKind) -> None:
-        if self.metrics is not None:
-            _safe(lambda: self.metrics.on_failed(kind))
+    def _failed(self, request_id: str, stream: Stream, message: str, kind: ErrorKind) -> None:
+        """End a stream with an error, after the tokens it was still owed."""
+        if self._waiting.pop(request_id, None) is not None and stream.newest is not None and any(stream.text):
+            if stream.request.stream:
+                self._send(stream, stream.newest, "".join(stream.text))
+        if kind in (ErrorKind.CANCELLED, ErrorKind.INTERNAL):
+            self._observed.ended_early.append(kind)
+        self._observed.num_sends += 1
         _safe(lambda: stream.sink.fail(message, kind))
 
-    def _send(self, stream: Stream, delta: RequestDelta, text: str) -> None:
-        if stream.request.stream:
-            stream.text.clear()  # streamed text is not needed again
-        logprobs = stream.unsent_logprobs if stream.request.params.logprobs is not None else None
-        response = Response(text, delta.finish_reason, delta.num_prompt_tokens, stream.num_unsent_tokens,
-                            delta.cumulative_logprob, logprobs, delta.finished, delta.num_cached_tokens)
-        stream.num_unsent_tokens, stream.unsent_logprobs = 0, []
-        _safe(lambda: stream.sink.send(response))
+    def _report(self) -> None:
+        if self.metrics is not None and self._observed:
+            self.metrics.put(self._observed)
+            self._observed = Observed()
 
     def _logprob_entries(self, delta: RequestDelta) -> list[dict]:
         return [{str(token_id): {"logprob": logprob, "rank": rank, "decoded_token": self._decode([token_id])}

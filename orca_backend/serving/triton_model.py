@@ -13,12 +13,14 @@ import threading
 
 import triton_python_backend_utils as pb_utils
 
+from ..core.threads import NamedThread
 from ..core.errors import OrcaError
 from ..engine.llm_engine import LLMEngine
 from ..executors.factory import executor_factory_for
 from ..executors.stages import StagedFactory
 from .inputs import GenerateRequest
 from .loop import EngineLoop
+from .metric_series import MetricsRecorder
 from .metrics import TritonMetrics
 from .parameters import engine_config_from_parameters, instance_device, model_parameters, serving_options
 from .sender import ErrorKind, Response
@@ -41,10 +43,10 @@ class TritonPythonModel:
                    else executor_factory_for(engine_config))
         self.engine = LLMEngine(engine_config, factory)
         stage_stats = factory.stage_stats if isinstance(factory, StagedFactory) else None
-        metrics = TritonMetrics(name, args.get("model_version", "1"),
-                                self.engine.rules.max_model_len if options.vllm_metrics else None)
+        metrics = MetricsRecorder(TritonMetrics(name, args.get("model_version", "1"),
+                                                self.engine.rules.max_model_len if options.vllm_metrics else None))
         self.loop = EngineLoop(self.engine, metrics, trace_path(options.iteration_trace, name),
-                               options.max_queue_size, stage_stats)
+                               options.max_queue_size, stage_stats, options.stream_interval)
         self.loop.start()
         _close_on_interrupt(self.loop)
 
@@ -86,7 +88,7 @@ def _close_on_interrupt(loop: EngineLoop) -> None:
             pass
         loop.close()
 
-    threading.Thread(target=watch, name="orca-interrupt", daemon=True).start()
+    NamedThread(target=watch, name="orca-interrupt", daemon=True).start()
 
 
 class _TritonSink:

@@ -1,0 +1,68 @@
+"""`engine: null`: a runner that does no model work, to measure the host path alone.
+
+Every request that samples gets the next token of a fixed English text (so the detokenizer,
+stop strings and the response path do real work), after `null_step_seconds` per iteration
+spent in `time.sleep`: the GIL is free meanwhile, as while a GPU computes. Everything else
+(scheduler, K/V blocks, messages, the executors, detokenizing, streaming, metrics) runs as
+with a model.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from ..core.messages import RunnerOutput, SampledToken, SchedulerOutput
+
+TEXT = ("The quick brown fox jumps over the lazy dog while the sun sets behind the hills, and "
+        "a small boat drifts slowly across the quiet lake toward the old stone bridge. ")
+_LOGPROB = -0.5  # of every token it returns, when one is asked for
+
+
+class NullRunner:
+    def __init__(self, model_path: str, step_seconds: float) -> None:
+        self._token_ids = Tokenizer.from_file(str(Path(model_path) / "tokenizer.json")).encode(
+            TEXT, add_special_tokens=False).ids
+        self._step_seconds = step_seconds
+        self._num_sampled: dict[str, int] = {}  # per request: tokens returned so far
+        self._top_n: dict[str, int | None] = {}  # per request: the top logprobs it asks for
+        self._wants_logprob: set[str] = set()
+
+    def execute(self, message: SchedulerOutput) -> RunnerOutput:
+        start = time.perf_counter()
+        for request_id in message.finished_request_ids:
+            self._num_sampled.pop(request_id, None)
+            self._top_n.pop(request_id, None)
+            self._wants_logprob.discard(request_id)
+        for new in message.new_requests:
+            self._num_sampled[new.request_id] = 0
+            self._top_n[new.request_id] = new.params.logprobs
+            if new.wants_logprob:
+                self._wants_logprob.add(new.request_id)
+        if message.scheduled and self._step_seconds:
+            time.sleep(self._step_seconds)
+        out = RunnerOutput(message.iteration_id)
+        for s in message.scheduled:
+            if s.sample:
+                out.sampled[s.request_id] = self._next(s.request_id)
+        out.forward_seconds = time.perf_counter() - start
+        return out
+
+    def _next(self, request_id: str) -> SampledToken:
+        n = self._num_sampled[request_id]
+        self._num_sampled[request_id] = n + 1
+        token_id = self._token_ids[n % len(self._token_ids)]
+        top_n = self._top_n[request_id]
+        if top_n is None and request_id not in self._wants_logprob:
+            return SampledToken(token_id)
+        # The sampled token ranks first, then the text's next ones (fewer where they repeat).
+        top = ({self._token_ids[(n + k) % len(self._token_ids)]: (_LOGPROB - k, k + 1) for k in range(top_n)}
+               if top_n else None)
+        return SampledToken(token_id, _LOGPROB, top)
+
+    def check_health(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
