@@ -52,10 +52,12 @@ class FakeRunner:
         self.block_tables: dict[str, list[int]] = {}
         self.block_size = block_size  # None: no K/V pool kept
         self.slots: dict[int, int] = {}
+        self.last_sampled: dict[str, int] = {}  # for async scheduling's placeholders
 
     def execute(self, message: SchedulerOutput) -> tuple[RunnerOutput, Fed]:
         for request_id in message.finished_request_ids:
             del self.token_ids[request_id], self.num_prompt_tokens[request_id], self.block_tables[request_id]
+            self.last_sampled.pop(request_id, None)
         for request_id in message.preempted_request_ids:
             self.block_tables[request_id] = []
         for new in message.new_requests:
@@ -67,6 +69,9 @@ class FakeRunner:
         for s in message.scheduled:
             tokens = self.token_ids[s.request_id]
             tokens += s.new_token_ids
+            if s.num_placeholders:  # the token it sampled for the request in the iteration before
+                assert s.num_placeholders == 1 and s.request_id in self.last_sampled, "a placeholder with no token"
+                tokens.append(self.last_sampled.pop(s.request_id))
             self.block_tables[s.request_id] += s.new_block_ids
             start, n = s.num_computed_tokens, s.num_scheduled_tokens
             assert start + n <= len(tokens), "the message left out tokens the runner needs"
@@ -77,7 +82,9 @@ class FakeRunner:
             fed.sample.append(s.sample)
             fed.block_tables.append(list(self.block_tables[s.request_id]))
             if s.sample:
-                out.sampled[s.request_id] = SampledToken(1000 + len(tokens) - self.num_prompt_tokens[s.request_id])
+                token = 1000 + len(tokens) - self.num_prompt_tokens[s.request_id]
+                out.sampled[s.request_id] = SampledToken(token)
+                self.last_sampled[s.request_id] = token
         if self.block_size is not None:
             # Every row reads its context before any row writes: K/V another row of the same
             # iteration writes is not there yet for this one.

@@ -118,8 +118,8 @@ def test_tensor_parallel_and_two_server_models_give_the_single_rank_text(first, 
         assert_no_leak(first, model)
         return
     _assert_stages_hold_nothing(first, model)
-    assert stage_metric(first, "orca_stage_iterations_total", model, 1) == \
-        stage_metric(first, "orca_stage_iterations_total", model, 0) > 0
+    wait_until(lambda: stage_metric(first, "orca_stage_iterations_total", model, 1) ==
+               stage_metric(first, "orca_stage_iterations_total", model, 0) > 0, 10, "both stages' iterations")
 
 
 def _rank_pids(parent_cmd: str) -> list[int]:
@@ -153,7 +153,7 @@ def test_a_killed_rank_ends_its_requests_with_internal_and_the_model_serves_on(f
     assert_no_leak(first, "tp2")
     results = run_prompts(first, "tp2")
     assert [r.text for r in results] == reference
-    assert first.metric("orca_runner_restarts_total", "tp2") == 1
+    wait_until(lambda: first.metric("orca_runner_restarts_total", "tp2") == 1, 10, "the restart counted")
 
 
 def _parent_serves(pid: int, model: str) -> bool:

@@ -236,9 +236,11 @@ def test_abort_frees_blocks_and_spares_the_others(llm):
     kept = []
     for _ in range(3):
         kept += [t for d in engine.step() if d.request_id == "keeper" for t in d.token_ids]
-    used = engine.kv.num_used_blocks
+    assert "victim" in engine.kv.block_tables
     assert engine.abort_request("victim") and not engine.abort_request("victim")
-    assert engine.kv.num_used_blocks < used
+    if "victim" in engine.kv.block_tables:  # in flight (async scheduling): freed when it returns
+        kept += [t for d in engine.step() if d.request_id == "keeper" for t in d.token_ids]
+    assert "victim" not in engine.kv.block_tables
     while engine.has_unfinished_requests():
         kept += [t for d in engine.step() if d.request_id == "keeper" for t in d.token_ids]
     assert kept == expected

@@ -23,8 +23,9 @@ from helpers import wait_until
 
 
 def _engine(default_model, executor: HeldExecutor, **options) -> LLMEngine:
+    # Disjoint iterations in flight (a pipeline's rule); async scheduling has tests of its own.
     config = {"model": str(default_model), "kv_cache_tokens": 256, "block_size": 4, "max_inflight": 3,
-              **options}
+              "async_scheduling": False, **options}
     engine = LLMEngine(EngineConfig(**config), lambda spec: executor)  # no weights: the runner is fake
     executor.kv = engine.kv
     return engine

@@ -318,11 +318,17 @@ def test_vllm_metrics_count_a_known_workload(api, server):
     lengths = [3, 5, 8]
     usages = [api.completions.create(model="orca", prompt=f"Story number {i}:", max_tokens=n, temperature=0,
                                      extra_body={"ignore_eos": True}).usage for i, n in enumerate(lengths)]
-    after = metric_lines(server)
+    after = {}
 
     def delta(name, labels=VLLM):
         key = f"{name}{{{labels}}}"
         return after[key] - before.get(key, 0)
+
+    def counted() -> bool:  # the metrics thread sends them shortly after the responses
+        after.update(metric_lines(server))
+        return delta("vllm:e2e_request_latency_seconds_count") == 3 and delta("vllm:num_requests_running") == 0
+
+    wait_until(counted, 10, "the three requests counted")
 
     prompt_tokens = sum(u.prompt_tokens for u in usages)
     assert delta("vllm:generation_tokens_total") == sum(lengths)
@@ -337,7 +343,7 @@ def test_vllm_metrics_count_a_known_workload(api, server):
     assert delta("vllm:request_prompt_tokens_count") == 3
     assert delta("vllm:request_prompt_tokens_sum") == prompt_tokens
     assert delta("vllm:request_generation_tokens_sum") == sum(lengths)
-    assert delta("vllm:request_generation_tokens_bucket", f'{VLLM},le="5"') == 2  # 3 and 5 tokens
+    assert delta("vllm:request_generation_tokens_bucket", f'le="5",{VLLM}') == 2  # 3 and 5 tokens
     assert delta("vllm:request_params_n_count") == 3
     assert delta("vllm:num_preemptions_total") == 0
     assert delta("vllm:prefix_cache_queries_total") == delta("orca_prefix_cache_queries_total", 'model="orca"')

@@ -121,15 +121,15 @@ def test_greedy_tokens_equal_the_single_stage_model(server, reference, model):
     assert [r.text for r in results] == reference["greedy"]
     assert_stages_hold_nothing(server, model)
     # Every iteration went through both stages.
-    assert stage_metric(server, "orca_stage_iterations_total", model, 1) == \
-        stage_metric(server, "orca_stage_iterations_total", model, 0) > 0
+    wait_until(lambda: stage_metric(server, "orca_stage_iterations_total", model, 1) ==
+               stage_metric(server, "orca_stage_iterations_total", model, 0) > 0, 10, "both stages' iterations")
 
 
 def test_preempted_requests_resume_exactly_through_the_stages(server, reference):
     results = run_staggered(server, "pe", [greedy(n) for n in MAX_TOKENS], gap=0.02)
     assert [r.error for r in results] == [None] * len(PROMPTS)
     assert [r.text for r in results] == reference["greedy"]
-    assert server.metric("orca_preemptions_total", "pe") > 0
+    wait_until(lambda: server.metric("orca_preemptions_total", "pe") > 0, 10, "preemptions counted")
     assert_stages_hold_nothing(server, "pe")
 
 
@@ -144,7 +144,7 @@ def test_cancelling_mid_stream_frees_the_blocks_of_every_stage(server):
     request_id = c.send("Tell me everything about the sea.", sampling={**greedy(400), "ignore_eos": True})
     wait_until(lambda: len(c._results[request_id].responses) >= 5, what="five tokens")
     for stage in (0, 1):  # the stages hold the request's block table while it runs
-        assert stage_metric(server, "orca_stage_kv_blocks_used", "p2", stage) > 0
+        wait_until(lambda: stage_metric(server, "orca_stage_kv_blocks_used", "p2", stage) > 0, 10, "its blocks")
     c.close(cancel=True)
     assert_stages_hold_nothing(server, "p2")
 
@@ -154,11 +154,12 @@ def test_a_stage_that_does_not_answer_fails_its_requests_by_the_deadline(server)
         started = time.monotonic()
         stalled = c.generate(PROMPTS[3], sampling=greedy(8))  # stage 1 sleeps through iteration 1
         waited = time.monotonic() - started
+    # The deadline ended it, not the stage: a stage that wakes answers, and the request would
+    # have gone on; the error says which deadline.
     assert stalled.error is not None
-    assert "pipeline stage 1 (model pf_stage_1, layers [15, 30))" in stalled.error
-    assert "iteration 1" in stalled.error
+    assert f"pipeline stage 1 (model pf_stage_1, layers [15, 30)) did not answer iteration 1 within " \
+           f"{DEADLINE_SECONDS} s" in stalled.error, stalled.error
     assert len(stalled.responses) == 1  # iteration 0's token came out
-    assert waited < STALL_SECONDS  # the deadline ended it, not the stage
     time.sleep(max(0.0, STALL_SECONDS + 1 - waited))  # the stage wakes; the next test starts afresh
 
 

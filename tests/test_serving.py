@@ -60,7 +60,11 @@ def test_config_parameters_become_engine_options():
     assert engine_config_from_parameters({"attention": "auto"}).attention_backend == "torch"
     c = engine_config_from_parameters({"executor": "pipeline", "pipeline_stages": "3", "max_inflight": "auto"})
     assert (c.executor, c.pipeline_stages, c.max_inflight) == ("pipeline", 3, 3)
-    assert engine_config_from_parameters({"max_inflight": "auto"}).max_inflight == 1
+    assert engine_config_from_parameters({"max_inflight": "auto"}).max_inflight == 2  # async scheduling
+    c = engine_config_from_parameters({"max_inflight": "auto", "async_scheduling": "false"})
+    assert (c.async_scheduling, c.max_inflight) == (False, 1)
+    c = engine_config_from_parameters({"engine": "null", "null_step_seconds": "0.01"})
+    assert (c.engine, c.null_step_seconds) == ("null", 0.01)
 
 
 def test_a_models_args_give_its_parameters_and_device():

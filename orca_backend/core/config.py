@@ -55,8 +55,12 @@ class EngineConfig:
     stage_transport: str = "bls"  # "stages": BLS calls per stage from this model, or one "ensemble" call,
     # or "grpc": stage i in the tritonserver at stage_urls' i-th host:port (empty: this one, over BLS)
     stage_urls: str = ""  # with "grpc": one gRPC URL per stage, comma-separated
-    max_inflight: int | None = None  # iterations out at once; None: pipeline_stages for a pipeline, else 1
-    # (the ensemble transport runs one iteration at a time: Triton does not order concurrent calls)
+    max_inflight: int | None = None  # iterations out at once; None: pipeline_stages for a pipeline, 2 with
+    # async scheduling, else 1 (the ensemble transport runs one iteration at a time: Triton does not order
+    # concurrent calls)
+    # The host prepares iteration k+1 while k runs (a request scheduled again before its token is
+    # back); None: on for one stage (inline, process), off for pipelines (their first stage does not sample)
+    async_scheduling: bool | None = None
     iteration_timeout_seconds: int = 600  # a runner silent this long is treated as dead
     attention: str = "auto"  # "torch" (SDPA), "triton" (our kernel) or "auto"
     cuda_graphs: bool = True  # decode iterations replayed from CUDA graphs (kernel backend)
@@ -85,9 +89,16 @@ class EngineConfig:
             _need(self.device == "cpu" and self.dtype == "float32" and self.engine == "torch",
                   "quantization", self.quantization, "'none' except on the CPU with dtype float32 "
                   "and engine 'torch' ('int8' is fbgemm's CPU GEMM)")
+        one_stage = self.executor in ("inline", "process")
+        if self.async_scheduling is None:
+            self.async_scheduling = one_stage
+        _need(isinstance(self.async_scheduling, bool), "async_scheduling", self.async_scheduling, "true or false")
+        _need(one_stage or not self.async_scheduling, "async_scheduling", self.async_scheduling,
+              "false with executor 'pipeline' or 'stages' (their first stage does not sample the tokens it "
+              "would take as placeholders)")
         if self.max_inflight is None:
             pipelined = self.executor == "pipeline" or (self.executor == "stages" and self.stage_transport != "ensemble")
-            self.max_inflight = self.pipeline_stages if pipelined else 1
+            self.max_inflight = self.pipeline_stages if pipelined else (2 if self.async_scheduling else 1)
         for name in ("max_batch_size", "max_num_batched_tokens", "block_size", "max_prompt_bytes",
                      "max_inflight", "iteration_timeout_seconds", "pipeline_stages", "tensor_parallel_size"):
             value = getattr(self, name)

@@ -5,7 +5,9 @@ and Triton models as it is. It is diff-based: a request's prompt and sampling pa
 once, in `new_requests`; afterwards each iteration sends only the tokens and K/V blocks the
 runner has not seen. The scheduler's `Request` objects never cross; the runner keeps its own
 per-request state (generators, token history, block table) and drops it when a request id
-appears in `finished_request_ids`.
+appears in `finished_request_ids`. With async scheduling a request may be scheduled again
+before its previous iteration returns: its row then ends with a placeholder for the token that
+iteration samples, which the runner fills in itself.
 
 `encode` / `decode_*` give the wire form (msgpack of lists in field order).
 """
@@ -44,6 +46,9 @@ class ScheduledRequest:
     new_token_ids: list[int]  # tokens the runner has not been sent yet (fed back outputs)
     new_block_ids: list[int]
     sample: bool  # the last row yields this request's next token
+    # Async scheduling: the row's last tokens are ones the runner itself sampled in the
+    # iteration before, not yet fed back (the scheduler does not know them yet).
+    num_placeholders: int = 0
 
 
 @dataclass(slots=True)
@@ -82,7 +87,7 @@ class SchedulerOutput:
                 [[r.request_id, r.prompt_token_ids, [getattr(r.params, n) for n in _PARAM_FIELDS],
                   r.wants_logprob] for r in self.new_requests],
                 [[s.request_id, s.num_computed_tokens, s.num_scheduled_tokens, s.new_token_ids,
-                  s.new_block_ids, s.sample] for s in self.scheduled],
+                  s.new_block_ids, s.sample, s.num_placeholders] for s in self.scheduled],
                 self.finished_request_ids, self.preempted_request_ids]
 
     @classmethod

@@ -53,8 +53,16 @@ class Request:
     # What the runner has been sent, so that each message carries only what is new to it.
     num_sent_tokens: int = 0  # 0: the runner does not know this request
     num_sent_blocks: int = 0
-    in_flight: bool = False  # in an iteration that has not returned: not scheduled again
+    # In iterations that have not returned: how many, their tokens, and their rows that sample
+    # (each a token still to come: with async scheduling the next row takes it as a placeholder).
+    num_in_flight: int = 0
+    num_in_flight_tokens: int = 0
+    num_placeholders: int = 0
     finish_on_return: RequestStatus | None = None  # finished while in flight: applied on return
+
+    @property
+    def in_flight(self) -> bool:
+        return self.num_in_flight > 0
 
     @property
     def num_prompt_tokens(self) -> int:

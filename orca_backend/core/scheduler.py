@@ -23,6 +23,9 @@ class SchedulerConfig:
     policy: str = "paged"
     batching: str = "iteration"
     max_inflight: int = 1  # iterations submitted and not yet returned
+    # A request in flight may be scheduled again, one step ahead, its next token a placeholder
+    # (the runner that samples it fills it in): one stage only, whose runner samples.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_num_batched_tokens", "max_inflight"):
@@ -37,9 +40,14 @@ class SchedulerConfig:
 class Scheduler:
     """Bookkeeping only: which requests run, how many tokens each, which K/V blocks they own.
 
-    Several iterations may be in flight. A request in an unreturned iteration is not
-    scheduled again, is never preempted, and keeps its K/V blocks until that iteration
-    returns: finishing it then (an abort) takes effect on return, and its output is dropped.
+    Several iterations may be in flight. A request in an unreturned iteration is never
+    preempted and keeps its K/V blocks until that iteration returns: finishing it then (an
+    abort) takes effect on return, and its output is dropped. It is not scheduled again, except
+    with async scheduling: then the next iteration may take it too, its input ending with a
+    placeholder for the token still to come (vLLM's async scheduling, SGLang's overlap), so
+    that the host prepares iteration k+1 while k runs. Such a row is not scheduled if it would
+    need a preemption, or go past `max_tokens`; an end found when k returns applies when k+1
+    does, and k+1's extra token is dropped.
     """
 
     def __init__(self, config: SchedulerConfig, kv: BlockManager) -> None:
@@ -50,7 +58,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_iterations = 0
         self._iteration_ids = itertools.count()
-        self._in_flight: dict[int, list[tuple[Request, int]]] = {}
+        self._in_flight: dict[int, list[tuple[Request, int, bool]]] = {}  # rows: (request, tokens, samples)
         # For the runner, since the last message: requests to forget, tables to drop.
         self._finished_ids: list[str] = []
         self._preempted_ids: list[str] = []
@@ -117,6 +125,11 @@ class Scheduler:
             req = self.running[i]
             i += 1
             if req.in_flight:
+                n = self._ahead(req, budget)
+                if n:
+                    self.kv.allocate(req.request_id, req.num_computed_tokens + req.num_in_flight_tokens + n)
+                    scheduled.append((req, n))
+                    budget -= n
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._make_room(req, req.num_computed_tokens + n):
@@ -125,6 +138,19 @@ class Scheduler:
             scheduled.append((req, n))
             budget -= n
         return budget
+
+    def _ahead(self, req: Request, budget: int) -> int:
+        """Async scheduling: how many tokens of an in-flight request to schedule now; 0 when
+        it waits for its iteration (an end pending, its last token coming, no free blocks)."""
+        if not self.config.async_scheduling or req.finish_on_return is not None:
+            return 0
+        if req.num_output_tokens + req.num_placeholders >= req.params.max_tokens:
+            return 0
+        start = req.num_computed_tokens + req.num_in_flight_tokens
+        n = min(req.num_tokens + req.num_placeholders - start, budget)
+        if n <= 0 or not self.kv.can_allocate(req.request_id, start + n):
+            return 0
+        return n
 
     def _make_room(self, req: Request, num_tokens: int) -> bool:
         """Preempt the newest running requests not in flight until `req` fits; False if
@@ -154,8 +180,9 @@ class Scheduler:
         request_mode = c.batching == "request"
         if request_mode and self.running:
             return  # request-level batching: nobody joins a batch that is running
-        while (self.waiting and len(scheduled) < c.max_batch_size
-               and len(self.running) < c.max_batch_size * c.max_inflight):
+        # In flight at once: one batch of requests (rescheduled ahead), or max_inflight disjoint ones.
+        max_running = c.max_batch_size * (1 if c.async_scheduling else c.max_inflight)
+        while self.waiting and len(scheduled) < c.max_batch_size and len(self.running) < max_running:
             if budget <= 0 and not request_mode:
                 break
             req = self.waiting[0]
@@ -189,20 +216,28 @@ class Scheduler:
         out = SchedulerOutput(next(self._iteration_ids), finished_request_ids=self._finished_ids,
                               preempted_request_ids=self._preempted_ids)
         self._finished_ids, self._preempted_ids = [], []
+        rows = []
         for req, n in scheduled:
             if not req.num_sent_tokens:
                 out.new_requests.append(NewRequest(req.request_id, req.prompt_token_ids, req.params,
                                                    req.wants_logprob))
                 req.num_sent_tokens = req.num_prompt_tokens
-            end = req.num_computed_tokens + n
-            new_token_ids = req.token_slice(req.num_sent_tokens, end) if end > req.num_sent_tokens else []
+            start = req.num_computed_tokens + req.num_in_flight_tokens
+            end = start + n
+            known = min(end, req.num_tokens)  # beyond: tokens the runner samples and fills in
+            new_token_ids = req.token_slice(req.num_sent_tokens, known) if known > req.num_sent_tokens else []
+            num_placeholders = max(0, end - max(req.num_sent_tokens, req.num_tokens))
             req.num_sent_tokens = max(req.num_sent_tokens, end)
             table = self.kv.block_tables[req.request_id]
             new_block_ids, req.num_sent_blocks = table[req.num_sent_blocks:], len(table)
-            out.scheduled.append(ScheduledRequest(req.request_id, req.num_computed_tokens, n,
-                                                  new_token_ids, new_block_ids, end == req.num_tokens))
-            req.in_flight = True
-        self._in_flight[out.iteration_id] = scheduled
+            sample = end == req.num_tokens + req.num_placeholders
+            out.scheduled.append(ScheduledRequest(req.request_id, start, n, new_token_ids, new_block_ids,
+                                                  sample, num_placeholders))
+            req.num_in_flight += 1
+            req.num_in_flight_tokens += n
+            req.num_placeholders += sample
+            rows.append((req, n, sample))
+        self._in_flight[out.iteration_id] = rows
         return out
 
     # -- an iteration returns ---------------------------------------------------------------
@@ -223,12 +258,13 @@ class Scheduler:
         return [req for req, _ in self._returned(iteration_id)]
 
     def _returned(self, iteration_id: int) -> list[tuple[Request, int]]:
-        scheduled = self._in_flight.pop(iteration_id)
         live = []
-        for req, n in scheduled:
-            req.in_flight = False
-            if req.finish_on_return is not None:
-                self.finish(req, req.finish_on_return)
-            else:
+        for req, n, sample in self._in_flight.pop(iteration_id):
+            req.num_in_flight -= 1
+            req.num_in_flight_tokens -= n
+            req.num_placeholders -= sample
+            if req.finish_on_return is None:
                 live.append((req, n))
+            elif not req.in_flight:  # its last iteration is back: the end applies now
+                self.finish(req, req.finish_on_return)
         return live

@@ -94,7 +94,8 @@ class LLMEngine:
                                namespace=str(self.rules.model_path))
         self.scheduler = Scheduler(SchedulerConfig(
             max_batch_size=c.max_batch_size, max_num_batched_tokens=c.max_num_batched_tokens,
-            policy=c.policy, batching=c.batching, max_inflight=c.max_inflight), self.kv)
+            policy=c.policy, batching=c.batching, max_inflight=c.max_inflight,
+            async_scheduling=c.async_scheduling), self.kv)
         if old is not None:  # counters run on across a reset
             self.scheduler.num_preemptions = old.num_preemptions
             self.kv.stats = old.kv.stats
@@ -306,9 +307,10 @@ class LLMEngine:
         if status is not None:
             self.scheduler.finish(req, status)
             del self._tracked[req.request_id]
-        return RequestDelta(
+        return RequestDelta(  # the status, not the request's: an end in flight applies on return
             req.request_id, [token.token_id], tracked.detokenizer.take_delta(final=status is not None),
-            req.finish_reason, req.num_prompt_tokens, req.num_output_tokens, tracked.cumulative_logprob,
+            status.reason if status is not None else None, req.num_prompt_tokens, req.num_output_tokens,
+            tracked.cumulative_logprob,
             [token.top_logprobs] if token.top_logprobs is not None else None,
             torch.frombuffer(bytearray(logits), dtype=torch.float32) if logits is not None else None,
             num_cached_tokens=req.num_cached_tokens or 0)

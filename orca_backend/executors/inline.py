@@ -1,29 +1,50 @@
-"""The `inline` executor: the runner in the engine's process, run at submit (the default)."""
+"""The `inline` executor: the runner in the engine's process (the default), on a thread of its
+own. `submit` returns at once and iterations run in submission order, so that the engine
+thread prepares the next iteration and handles the last one's results while one runs."""
 from __future__ import annotations
 
+import queue
 from concurrent.futures import Future
 
+import torch
+
 from ..core.messages import RunnerOutput, SchedulerOutput
+from ..core.threads import NamedThread
 from ..runner.build import build_runner
 from ..runner.spec import RunnerSpec
 from .base import Executor
+
+STOP_TIMEOUT_SECONDS = 10
 
 
 class InlineExecutor(Executor):
     def __init__(self, spec: RunnerSpec) -> None:
         self.runner = build_runner(spec)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # (message, future) | None: stop
+        self._thread = NamedThread(target=self._main, name="orca-runner", daemon=True)
+        self._thread.start()
 
     def submit(self, message: SchedulerOutput) -> Future[RunnerOutput]:
         future: Future[RunnerOutput] = Future()
-        try:
-            self.check_health()
-            future.set_result(self.runner.execute(message))
-        except Exception as e:  # RunnerDiedError: a tensor-parallel rank failed, for good
-            future.set_exception(e)
+        self._inbox.put((message, future))
         return future
+
+    def _main(self) -> None:
+        device = getattr(self.runner, "device", None)
+        if isinstance(device, torch.device) and device.type == "cuda":
+            torch.cuda.set_device(device)  # the current device is per thread
+        while (item := self._inbox.get()) is not None:
+            message, future = item
+            try:
+                self.check_health()
+                future.set_result(self.runner.execute(message))
+            except BaseException as e:  # RunnerDiedError: a tensor-parallel rank failed, for good
+                future.set_exception(e)
 
     def check_health(self) -> None:
         self.runner.check_health()
 
     def shutdown(self) -> None:
+        self._inbox.put(None)
+        self._thread.join(STOP_TIMEOUT_SECONDS)  # a runner hung in an iteration is left behind
         self.runner.shutdown()

@@ -72,6 +72,7 @@ class ModelRunner:
         hidden states; a stage before the last returns its own [num_tokens, hidden]. Rank 0
         of a tensor-parallel runner hands the message to the other ranks first; if anything
         fails then, the group is over (`RunnerDiedError`, naming the rank)."""
+        self._fill_placeholders(message)  # before the other ranks see it: they did not sample
         if self.group is None:
             return self._execute(message, hidden)
         self.group.send(message)
@@ -154,6 +155,23 @@ class ModelRunner:
             hidden = self.model.embed_tokens(input_ids, meta)  # [num_tokens, hidden]
         return self.model.run_layers(hidden, meta, self.kv_caches, self.model.layer_range)
 
+    def _fill_placeholders(self, message: SchedulerOutput) -> None:
+        """Async scheduling: a row's placeholder is the token this runner sampled last for its
+        request. If that sampling failed, the row runs on a stand-in and the request fails
+        here too (it has already failed in the engine)."""
+        for s in message.scheduled:
+            if not s.num_placeholders:
+                continue
+            state = self.requests.get(s.request_id)
+            if state is None or s.num_placeholders != 1:
+                raise RunnerError(f"request {s.request_id!r} has {s.num_placeholders} placeholder(s), and "
+                                  "the runner fills one, of a request it holds")
+            token, state.last_sampled = state.last_sampled, None
+            if token is None:
+                token, state.failure = 0, "its previous token was not sampled"
+            s.new_token_ids = [*s.new_token_ids, token]
+            s.num_placeholders = 0
+
     def _apply(self, message: SchedulerOutput) -> tuple[BatchLayout, list[int], list]:
         """Bring the per-request state up to date; returns the rows to run."""
         for request_id in message.finished_request_ids:
@@ -223,7 +241,9 @@ class ModelRunner:
         for i, state in enumerate(states):
             error = sampled.errors[i] if sampled.errors else None
             if error is not None:
+                state.last_sampled = None
                 out.errors[state.request_id] = error
             else:
+                state.last_sampled = sampled.token_ids[i]
                 out.sampled[state.request_id] = SampledToken(
                     sampled.token_ids[i], sampled.sampled_logprobs[i], sampled.top_logprobs[i])

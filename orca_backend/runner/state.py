@@ -19,6 +19,7 @@ class RunnerRequest:
     block_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None  # its own: seeded, not greedy, and this runner samples
     failure: str | None = None  # why it cannot sample (its seed broke the generator): it fails alone
+    last_sampled: int | None = None  # its token this runner sampled last, until a placeholder takes it
 
     @classmethod
     def new(cls, new: NewRequest, sampling_device: torch.device | None) -> RunnerRequest:

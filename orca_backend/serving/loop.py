@@ -217,6 +217,16 @@ class EngineLoop:
         for request_id in self.engine.unfinished_request_ids():
             self.engine.abort_request(request_id)
             self.sender.put(Fail(request_id, message, kind))
+        # An abort in flight takes effect when its iteration returns: collect what is out
+        # (nothing new is scheduled for ended requests), so that every block comes back.
+        for _ in range(self.engine.config.max_inflight + 1):
+            if not self.engine.has_unfinished_requests():
+                break
+            try:
+                self.engine.step()
+            except Exception:
+                log.exception("collecting the iterations in flight at shutdown failed")
+                break
         self._report(self._stats())
 
     def _settle(self, request_id: str) -> None:

@@ -240,7 +240,9 @@ def stage_worker_engine(folder: Path, options: dict, stages: HandDrivenStages | 
     from orca_backend import EngineConfig, LLMEngine
 
     stages = stages or hand_driven_stages(folder, options)
-    return LLMEngine(EngineConfig(model=str(folder), **options), stages.configured), stages
+    # Stages: the first does not sample, so it cannot fill async scheduling's placeholders.
+    config = EngineConfig(model=str(folder), async_scheduling=False, **options)
+    return LLMEngine(config, stages.configured), stages
 
 
 def stage_workers(ctx: Context, rec: dict, folder: Path, options: dict, prompts, max_tokens,
