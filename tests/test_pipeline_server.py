@@ -157,8 +157,8 @@ def test_a_stage_that_does_not_answer_fails_its_requests_by_the_deadline(server)
     # The deadline ended it, not the stage: a stage that wakes answers, and the request would
     # have gone on; the error says which deadline.
     assert stalled.error is not None
-    assert f"pipeline stage 1 (model pf_stage_1, layers [15, 30)) did not answer iteration 1 within " \
-           f"{DEADLINE_SECONDS} s" in stalled.error, stalled.error
+    assert f"returned no iteration in {DEADLINE_SECONDS} s (iteration 1 was due; pipeline stage 1 (model " \
+           f"pf_stage_1, layers [15, 30)) has had iteration 1 for" in stalled.error, stalled.error
     assert len(stalled.responses) == 1  # iteration 0's token came out
     time.sleep(max(0.0, STALL_SECONDS + 1 - waited))  # the stage wakes; the next test starts afresh
 

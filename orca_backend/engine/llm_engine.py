@@ -117,15 +117,18 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int],
-                    params: SamplingParams | None = None, track_logprob: bool = False) -> Request:
+                    params: SamplingParams | None = None, track_logprob: bool = False,
+                    prepared: bool = False) -> Request:
         """Validate and queue a request; raises InvalidRequestError naming what is wrong.
 
-        `track_logprob` keeps a cumulative log-probability even when `params.logprobs` is unset.
+        `track_logprob` keeps a cumulative log-probability even when `params.logprobs` is unset;
+        `prepared`: `prompt` is the token ids `prepare` returned (a server's tokenizer thread
+        checked them), not checked again here.
         """
         params = params or SamplingParams()
         if request_id in self._tracked:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        token_ids = self.prepare(prompt, params)
+        token_ids = prompt if prepared else self.prepare(prompt, params)
         params = self._resolved(params, len(token_ids))
         req = Request(request_id, token_ids, params, track_logprob=track_logprob)
         self._tracked[request_id] = _Tracked(req, self.rules.detokenizer(token_ids, params))

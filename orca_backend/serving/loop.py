@@ -183,7 +183,7 @@ class EngineLoop:
             return
         try:
             self.engine.add_request(add.request_id, add.token_ids, add.request.params,
-                                    track_logprob=add.request.return_cumulative_logprob)
+                                    track_logprob=add.request.return_cumulative_logprob, prepared=True)
         except Exception as e:
             self.engine.abort_request(add.request_id)  # in case it got halfway in
             self.sender.put(_refusal(add.request_id, e, "adding the request"))
@@ -241,8 +241,10 @@ class EngineLoop:
             self._num_engine_waiting = num_waiting
 
     def _report(self, stats: Stats) -> None:
+        # Through the sender, after the deltas before it: a reader of the metrics never sees
+        # a request's blocks freed before its tokens are counted.
         if self._metrics is not None:
-            self._metrics.put(stats)
+            self.sender.put(stats)
 
     def _stats(self, iteration: IterationRecord | None = None) -> Stats:
         """Gauges and counters for the metrics; `iteration` when one has just run."""

@@ -97,8 +97,6 @@ class TritonMetrics:
         for key, counter in self._engine_counters.items():
             counter.follow(getattr(s, key))
         self.restarts.follow(stats.num_engine_restarts)
-        if stats.batch_size:
-            self.batch_size.observe(stats.batch_size)
         if self.vllm is not None:
             self.vllm.apply_stats(s)
         for stage in stats.stages or ():
@@ -110,6 +108,7 @@ class TritonMetrics:
         self.itl.observe_all(o.itl)
         self.e2e.observe_all(o.e2e)
         self.sender_lag.observe_all(o.sender_lag)
+        self.batch_size.observe_all(o.batch_sizes)
         self.generated_tokens.add(o.num_generated_tokens)
         self.prompt_tokens.add(sum(o.num_prompt_tokens))
         self.rejected.add(o.num_rejected)

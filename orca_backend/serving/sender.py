@@ -154,10 +154,11 @@ class Observed:
     num_sends: int = 0  # responses (errors included) sent to tritonserver
     num_cancel_checks: int = 0
     sender_lag: list[float] = field(default_factory=list)  # per batch of deltas: made -> answered
+    batch_sizes: list[int] = field(default_factory=list)  # of each iteration that returned
 
     def __bool__(self) -> bool:
         return bool(self.num_sends or self.num_cancel_checks or self.num_rejected or self.ended_early
-                    or self.num_generated_tokens or self.sender_lag)
+                    or self.num_generated_tokens or self.sender_lag or self.batch_sizes)
 
 
 class Sender:
@@ -173,6 +174,7 @@ class Sender:
         self._waiting: dict[str, Stream] = {}  # streams with deltas not yet answered, in order
         self._observed = Observed()
         self._made: list[float] = []  # when each batch of deltas taken since the last answer was made
+        self._stats: Stats | None = None  # the engine's newest, for the metrics
         self._thread = NamedThread(target=self._main, name="orca-sender", daemon=True)
 
     def start(self) -> None:
@@ -234,6 +236,10 @@ class Sender:
             self._take_deltas(message)
         elif isinstance(message, Rejected):
             self._observed.num_rejected += 1
+        elif isinstance(message, Stats):
+            if message.batch_size:
+                self._observed.batch_sizes.append(message.batch_size)
+            self._stats = message  # the newest stands for the others
 
     def _take_deltas(self, message: Deltas) -> None:
         for delta in message.deltas:
@@ -345,9 +351,15 @@ class Sender:
         _safe(lambda: stream.sink.fail(message, kind))
 
     def _report(self) -> None:
-        if self.metrics is not None and self._observed:
+        """What this wake-up saw, then the engine's newest gauges, to the metrics thread."""
+        if self.metrics is None:
+            return
+        if self._observed:
             self.metrics.put(self._observed)
             self._observed = Observed()
+        if self._stats is not None:
+            self.metrics.put(self._stats)
+            self._stats = None
 
     def _logprob_entries(self, delta: RequestDelta) -> list[dict]:
         return [{str(token_id): {"logprob": logprob, "rank": rank, "decoded_token": self._decode([token_id])}

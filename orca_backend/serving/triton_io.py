@@ -28,18 +28,21 @@ def parse_request(request) -> GenerateRequest:
 def response_tensors(parsed: GenerateRequest, r: Response, batched: bool = False) -> list:
     """The output tensors of one response: text_output, and the outputs the request's flags
     ask for. `batched`: with a leading batch axis of 1, for a model with max_batch_size > 0."""
-    optional = {  # output name -> (the flag that asks for it, its value)
-        "finish_reason": ("return_finish_reason", _bytes(str(r.finish_reason))),
-        "cumulative_logprob": ("return_cumulative_logprob",
-                               np.array([r.cumulative_logprob or 0.0], dtype=np.float32)),
-        "logprobs": ("return_logprobs", _bytes(json.dumps(r.logprobs))),
-        "num_input_tokens": ("return_num_input_tokens", np.array([r.num_input_tokens], dtype=np.uint32)),
-        "num_output_tokens": ("return_num_output_tokens", np.array([r.num_output_tokens], dtype=np.uint32)),
-        "num_cached_tokens": ("return_num_cached_tokens", np.array([r.num_cached_tokens], dtype=np.uint32)),
-    }
     values = [("text_output", _bytes(r.text))]
-    values += [(name, value) for name, (flag, value) in optional.items() if getattr(parsed, flag)]
+    values += [(name, build(r)) for name, flag, build in _OPTIONAL if getattr(parsed, flag)]  # only those asked for
     return [pb_utils.Tensor(name, value[None] if batched else value) for name, value in values]
+
+
+# Output name, the flag that asks for it, and how it is built from a Response.
+_OPTIONAL = (
+    ("finish_reason", "return_finish_reason", lambda r: _bytes(str(r.finish_reason))),
+    ("cumulative_logprob", "return_cumulative_logprob",
+     lambda r: np.array([r.cumulative_logprob or 0.0], dtype=np.float32)),
+    ("logprobs", "return_logprobs", lambda r: _bytes(json.dumps(r.logprobs))),
+    ("num_input_tokens", "return_num_input_tokens", lambda r: np.array([r.num_input_tokens], dtype=np.uint32)),
+    ("num_output_tokens", "return_num_output_tokens", lambda r: np.array([r.num_output_tokens], dtype=np.uint32)),
+    ("num_cached_tokens", "return_num_cached_tokens", lambda r: np.array([r.num_cached_tokens], dtype=np.uint32)),
+)
 
 
 def error_response(message: str, kind: ErrorKind):
