@@ -9,6 +9,7 @@ import json
 import pytest
 
 from orca_backend.engine.outputs import RequestDelta
+from orca_backend.serving import sender as sender_module
 from orca_backend.serving.inputs import GenerateRequest
 from orca_backend.serving.sender import (CANCEL_CYCLE_SECONDS, CANCEL_POLL_SECONDS, Deltas, ErrorKind, Fail,
                                          Observed, Open, Sender, Stop, Stream)
@@ -58,10 +59,10 @@ def _run(messages, stream_interval: int = 1, metrics=None) -> Sender:
     return sender
 
 
-def _by_wakeups(wakeups, stream_interval: int = 1, metrics=None) -> Sender:
+def _by_wakeups(wakeups, stream_interval: int = 1, metrics=None, sender: Sender | None = None) -> Sender:
     """A sender driven by hand: each item of `wakeups` (a list of messages) is what it finds
     at one wake-up."""
-    sender = Sender(lambda ids: f"<{ids[0]}>", metrics, lambda request_id: None, stream_interval)
+    sender = sender or Sender(lambda ids: f"<{ids[0]}>", metrics, lambda request_id: None, stream_interval)
     for messages in wakeups:
         for message in messages:
             sender._handle(message)
@@ -132,7 +133,7 @@ def test_the_metrics_see_each_token_once_by_the_engines_clock_however_responses_
     assert metrics.sum("num_generated_tokens") == 2 * len(TEXTS)
     assert metrics.sum("finish_reasons") == ["length", "length"]
     assert metrics.sum("num_sends") == 2  # one merged response each
-    assert len(metrics.sum("sender_lag")) == 2 * len(TEXTS)  # one per batch of deltas
+    assert len(metrics.sum("sender_lag")) == 2  # one per response
 
 
 def test_each_tick_checks_a_bounded_share_and_every_stream_within_the_cycle():
@@ -151,3 +152,21 @@ def test_each_tick_checks_a_bounded_share_and_every_stream_within_the_cycle():
             assert sender._observed.num_cancel_checks - before <= -(-n // ticks)
         assert aborted[-1:] == [f"r{late}"]
         sinks[late].cancelled = False
+
+
+def test_past_its_time_a_wake_answers_ends_and_first_tokens_then_one_more_and_the_rest_wait(monkeypatch):
+    monkeypatch.setattr(sender_module, "ANSWER_SECONDS", -1.0)  # always past the time
+    sinks = [FakeSink() for _ in range(4)]
+    times = [1.0 + i for i in range(len(TEXTS))]
+    deltas = {f"s{i}": _deltas(f"s{i}", times) for i in range(3)}
+    sender = _by_wakeups([[_open(sink, f"s{i}") for i, sink in enumerate(sinks)],
+                          [deltas[f"s{i}"][0] for i in range(3)]])  # three first tokens: all urgent
+    assert [len(s.responses) for s in sinks] == [1, 1, 1, 0]
+    wake = [deltas[f"s{i}"][k] for k in (1, 2) for i in range(3)]  # two more tokens each: none urgent
+    sender = _by_wakeups([wake], sender=sender)
+    assert [len(s.responses) for s in sinks] == [2, 1, 1, 0]  # one, and the others wait
+    sender = _by_wakeups([[], []], sender=sender)  # the waiting ones, one a wake, tokens merged
+    assert [len(s.responses) for s in sinks] == [2, 2, 2, 0]
+    assert [s.responses[-1].num_output_tokens for s in sinks[:3]] == [2, 2, 2]
+    sender = _by_wakeups([[deltas["s2"][k] for k in range(3, 6)]], sender=sender)  # its end: urgent
+    assert sinks[2].responses[-1].final and sinks[2].num_output_tokens == len(TEXTS)

@@ -32,6 +32,7 @@ CANCEL_POLL_SECONDS = 0.05  # a tick: cancellation checks run this often
 # this much, plus an iteration, after the cancel): each tick checks that share of them.
 CANCEL_CYCLE_SECONDS = 0.2
 MAX_MESSAGES_PER_WAKE = 4096  # then the responses go out before more is taken
+ANSWER_SECONDS = 0.01  # of sending, after the ends and first tokens, before taking messages again
 
 
 class ErrorKind(str, enum.Enum):
@@ -87,6 +88,7 @@ class Stream:
     num_unsent_tokens: int = 0
     unsent_logprobs: list[dict] = field(default_factory=list)
     newest: RequestDelta | None = None  # the last delta taken, not yet answered
+    oldest_made: float = 0.0  # when the engine made the oldest delta not yet answered
     num_responses: int = 0
 
 
@@ -153,7 +155,7 @@ class Observed:
     num_rejected: int = 0
     num_sends: int = 0  # responses (errors included) sent to tritonserver
     num_cancel_checks: int = 0
-    sender_lag: list[float] = field(default_factory=list)  # per batch of deltas: made -> answered
+    sender_lag: list[float] = field(default_factory=list)  # per response: its oldest token made -> sent
     batch_sizes: list[int] = field(default_factory=list)  # of each iteration that returned
 
     def __bool__(self) -> bool:
@@ -173,7 +175,6 @@ class Sender:
         self._to_check: deque[str] = deque()  # cancellation checks, round robin
         self._waiting: dict[str, Stream] = {}  # streams with deltas not yet answered, in order
         self._observed = Observed()
-        self._made: list[float] = []  # when each batch of deltas taken since the last answer was made
         self._stats: Stats | None = None  # the engine's newest, for the metrics
         self._thread = NamedThread(target=self._main, name="orca-sender", daemon=True)
 
@@ -260,7 +261,6 @@ class Sender:
                 self._abort(delta.request_id)
                 continue
             self._waiting[delta.request_id] = stream
-        self._made.append(message.time)
 
     def _add(self, stream: Stream, delta: RequestDelta, made: float) -> None:
         observed = self._observed
@@ -275,6 +275,8 @@ class Sender:
         stream.num_unsent_tokens += len(delta.token_ids)
         stream.unsent_logprobs += self._logprob_entries(delta)
         stream.text.append(delta.text)
+        if stream.newest is None:
+            stream.oldest_made = made
         stream.newest = delta
         if delta.finished:
             observed.e2e.append(made - stream.arrival)
@@ -283,9 +285,18 @@ class Sender:
             observed.finish_reasons.append(delta.finish_reason)
 
     def _answer(self) -> None:
-        """One response per stream with something to say (its waiting deltas merged)."""
+        """One response per stream with something to say (its waiting deltas merged): ends and
+        first tokens first (a client waits on them to send its next request), then the rest
+        for up to ANSWER_SECONDS; streams left over go first next time, their tokens merging
+        meanwhile, so that the sender soon takes new ends again however far behind it is."""
         waiting, self._waiting = self._waiting, {}
-        for request_id, stream in waiting.items():
+        urgent = [(r, s) for r, s in waiting.items() if s.newest.finished or not s.num_responses]
+        order = list((dict(urgent) | waiting).items()) if urgent else list(waiting.items())
+        deadline = time.monotonic() + ANSWER_SECONDS
+        for i, (request_id, stream) in enumerate(order):
+            if i > len(urgent) and time.monotonic() > deadline:  # one more at least: no stream starves
+                self._waiting = dict(order[i:])
+                return
             delta = stream.newest
             if delta.finished:
                 del self._streams[request_id]
@@ -299,9 +310,6 @@ class Sender:
                 text = "".join(stream.text)
                 text = text if stream.request.exclude_input_in_output else stream.request.prompt + text
             self._send(stream, delta, text)
-        now = time.monotonic()
-        self._observed.sender_lag += [now - made for made in self._made]
-        self._made.clear()
 
     def _due(self, stream: Stream) -> bool:
         """Whether an unfinished stream's waiting tokens go out now."""
@@ -319,6 +327,7 @@ class Sender:
         stream.num_responses += 1
         self._observed.num_sends += 1
         _safe(lambda: stream.sink.send(response))
+        self._observed.sender_lag.append(time.monotonic() - stream.oldest_made)
 
     def _check_cancellations(self) -> None:
         """A share of the open streams each tick, so that each is checked every cycle."""
