@@ -155,21 +155,24 @@ class BlockManager:
     def can_allocate(self, request_id: str, num_tokens: int, cached_block_ids: list[int] = ()) -> bool:
         """Whether `allocate` with the same arguments would succeed. Hits that nobody holds
         are counted out of the evictable blocks: they join the table, they are not taken."""
-        needed = self.num_new_blocks(request_id, num_tokens, len(cached_block_ids))
-        unheld_hits = sum(1 for b in cached_block_ids if b not in self._ref_counts)
+        return self._fits(self.num_new_blocks(request_id, num_tokens, len(cached_block_ids)), cached_block_ids)
+
+    def _fits(self, needed: int, cached_block_ids: list[int]) -> bool:
+        if not needed:
+            return True  # the common decode step: the last block has room
+        unheld_hits = sum(1 for b in cached_block_ids if b not in self._ref_counts) if cached_block_ids else 0
         return needed <= self.num_free_blocks - unheld_hits
 
     def allocate(self, request_id: str, num_tokens: int, cached_block_ids: list[int] = ()) -> list[int]:
         """Grow the request's block table to cover `num_tokens` tokens, starting with
         `cached_block_ids` (hits from `match_prefix`, for a request that holds no blocks
         yet), and return it."""
-        if not self.can_allocate(request_id, num_tokens, cached_block_ids):
-            raise RuntimeError(f"allocate({request_id!r}, {num_tokens}) needs "
-                               f"{self.num_new_blocks(request_id, num_tokens, len(cached_block_ids))} "
-                               f"blocks, {self.num_free_blocks} free; call can_allocate first")
+        needed = self.num_new_blocks(request_id, num_tokens, len(cached_block_ids))
+        if not self._fits(needed, cached_block_ids):
+            raise RuntimeError(f"allocate({request_id!r}, {num_tokens}) needs {needed} blocks, "
+                               f"{self.num_free_blocks} free; call can_allocate first")
         if cached_block_ids and request_id in self.block_tables:
             raise RuntimeError(f"cache hits for {request_id!r}, which holds blocks already")
-        needed = self.num_new_blocks(request_id, num_tokens, len(cached_block_ids))
         table = self.block_tables.setdefault(request_id, [])
         for block_id in cached_block_ids:
             self._evictable.pop(block_id, None)

@@ -59,14 +59,14 @@ class Request:
     num_in_flight_tokens: int = 0
     num_placeholders: int = 0
     finish_on_return: RequestStatus | None = None  # finished while in flight: applied on return
+    num_prompt_tokens: int = field(init=False, default=0)
 
     @property
     def in_flight(self) -> bool:
         return self.num_in_flight > 0
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.prompt_token_ids)  # read on every iteration: kept, not derived
 
     @property
     def num_output_tokens(self) -> int:
@@ -74,7 +74,7 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return self.num_prompt_tokens + self.num_output_tokens
+        return self.num_prompt_tokens + len(self.output_token_ids)
 
     @property
     def max_num_tokens(self) -> int:

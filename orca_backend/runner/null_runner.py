@@ -1,8 +1,8 @@
 """`engine: null`: a runner that does no model work, to measure the host path alone.
 
 Every request that samples gets the next token of a fixed English text (so the detokenizer,
-stop strings and the response path do real work), after `null_step_seconds` per iteration
-spent in `time.sleep`: the GIL is free meanwhile, as while a GPU computes. Everything else
+stop strings and the response path do real work); an iteration takes `null_step_seconds` in
+all, most of it in `time.sleep`: the GIL is free meanwhile, as while a GPU computes. Everything else
 (scheduler, K/V blocks, messages, the executors, detokenizing, streaming, metrics) runs as
 with a model.
 """
@@ -40,12 +40,12 @@ class NullRunner:
             self._top_n[new.request_id] = new.params.logprobs
             if new.wants_logprob:
                 self._wants_logprob.add(new.request_id)
-        if message.scheduled and self._step_seconds:
-            time.sleep(self._step_seconds)
         out = RunnerOutput(message.iteration_id)
         for s in message.scheduled:
             if s.sample:
                 out.sampled[s.request_id] = self._next(s.request_id)
+        if message.scheduled and self._step_seconds:  # the whole call takes the step, as a device's would
+            time.sleep(max(0.0, self._step_seconds - (time.perf_counter() - start)))
         out.forward_seconds = time.perf_counter() - start
         return out
 
