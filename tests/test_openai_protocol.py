@@ -227,3 +227,53 @@ def test_a_chat_template_that_cannot_be_used_stops_the_start(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             main(["--chat-template", str(given)])
         assert e.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_outputs_read_from_the_raw_contents_equal_tritonclients_numpy_reading():
+    import numpy as np
+    from tritonclient.grpc import InferResult, service_pb2
+    from tritonclient.utils import serialize_byte_tensor
+
+    from orca_backend.serving.grpc_io import _decode_with_numpy, decode_outputs
+
+    response = service_pb2.ModelInferResponse(id="r")
+    for name, datatype, array in (
+            ("text_output", "BYTES", np.array(["Grüße, 🙂".encode()], dtype=np.object_)),
+            ("finish_reason", "BYTES", np.array([b"None"], dtype=np.object_)),
+            ("num_output_tokens", "UINT32", np.array([7], dtype=np.uint32)),
+            ("cumulative_logprob", "FP32", np.array([-1.25], dtype=np.float32)),
+            ("something_else", "UINT32", np.array([1], dtype=np.uint32))):
+        response.outputs.add(name=name, datatype=datatype, shape=[1])
+        raw = serialize_byte_tensor(array).item() if datatype == "BYTES" else array.tobytes()
+        response.raw_output_contents.append(raw)
+    result = InferResult(response)
+    assert decode_outputs(result) == _decode_with_numpy(result) == {
+        "text_output": "Grüße, 🙂", "finish_reason": "None", "num_output_tokens": 7, "cumulative_logprob": -1.25}
+
+
+class _Pieces(_OneModel):
+    """A model whose stream is ten one-token pieces, the last finished."""
+
+    async def generate(self, model, prompt: str, sampling: dict, stream: bool):
+        for i in range(10):
+            yield Piece(f"t{i} ", "length" if i == 9 else None, 4, 1, 0, [{str(i): {"logprob": -1.0}}])
+
+
+def test_what_a_slow_reader_missed_comes_merged_in_one_chunk_saying_all_of_it():
+    from orca_backend.serving.openai_api.generation import Generation
+
+    async def run():
+        backend = _Pieces(None)
+        generation = Generation(backend, backend.served, ["p"], {}, 1, True)
+        await generation.start()
+        read = []
+        async for choice, piece in generation.pieces():
+            read.append(piece)
+            if len(read) == 1:  # a slow reader: everything else arrives meanwhile
+                await asyncio.wait(generation._tasks)
+        return read, generation.choices[0]
+
+    read, choice = asyncio.run(run())
+    assert len(read) == 2 and read[1].text == "".join(f"t{i} " for i in range(1, 10))
+    assert (read[1].num_output_tokens, read[1].finish_reason, len(read[1].logprobs)) == (9, "length", 9)
+    assert (choice.text, choice.num_output_tokens, len(choice.entries)) == ("".join(f"t{i} " for i in range(10)), 10, 10)

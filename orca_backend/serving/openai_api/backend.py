@@ -27,6 +27,10 @@ _FLAGS = {name: True for name in ("return_finish_reason", "return_num_input_toke
 # build) crashed once on that path in our tests, so it is used only when asked for
 # (--grpc-status-codes, for newer servers) and the model's messages are read otherwise.
 STATUS_CODE_HEADERS = {"triton_grpc_error": "true"}
+# The outputs it reads, and only those: each costs the server a tensor and this process a read.
+_OUTPUTS = requested_outputs(("text_output", "finish_reason", "num_input_tokens", "num_output_tokens",
+                              "num_cached_tokens"))
+_WITH_LOGPROBS = _OUTPUTS + requested_outputs(("logprobs",))
 _INDEX_SECONDS = 2.0  # how long the list of ready models is trusted
 
 
@@ -49,6 +53,14 @@ class Piece:
     num_output_tokens: int  # in this response
     num_cached_tokens: int
     logprobs: list[dict] | None  # per token {token_id: {logprob, rank, decoded_token}}, sampled first
+
+    def followed_by(self, later: Piece) -> Piece:
+        """This piece and a later one of the same request, as one."""
+        logprobs = None if self.logprobs is None and later.logprobs is None else \
+            (self.logprobs or []) + (later.logprobs or [])
+        return Piece(self.text + later.text, later.finish_reason, later.num_input_tokens or self.num_input_tokens,
+                     self.num_output_tokens + later.num_output_tokens,
+                     later.num_cached_tokens or self.num_cached_tokens, logprobs)
 
 
 class Backend:
@@ -142,7 +154,8 @@ class Backend:
         flags = {**_FLAGS, "return_logprobs": True} if sampling.get("logprobs") is not None else _FLAGS
         inputs = build_inputs(prompt, sampling, stream=stream, exclude_input=True, flags=flags,
                               batched=model.batched)
-        request = {"model_name": model.name, "inputs": inputs, "outputs": requested_outputs(),
+        request = {"model_name": model.name, "inputs": inputs,
+                   "outputs": _WITH_LOGPROBS if "return_logprobs" in flags else _OUTPUTS,
                    "request_id": uuid.uuid4().hex}
 
         async def requests():

@@ -30,12 +30,6 @@ class Generation:
     async def start(self) -> None:
         """Send every request and wait for each one's first response; raises APIError if
         one fails first (and cancels the rest)."""
-        if len(self.choices) == 1:  # one choice: its stream is read here, no task in between
-            try:
-                self._early.append((self.choices[0], await anext(self._streams[0])))
-            except StopAsyncIteration:
-                self._open = 0
-            return
         self._tasks = [asyncio.create_task(self._pump(c, s)) for c, s in zip(self.choices, self._streams)]
         waiting = set(range(len(self.choices)))
         try:
@@ -53,26 +47,26 @@ class Generation:
             raise
 
     async def pieces(self) -> AsyncIterator[tuple[Choice, Piece]]:
-        """Every response after start(), each added to its choice; raises APIError."""
+        """Every response after start(), each added to its choice; raises APIError. What
+        has arrived while the caller was busy (an HTTP client reading slowly) comes merged,
+        one piece per choice, so that a slow reader gets fewer, larger chunks."""
         try:
-            for choice, piece in self._early:
-                choice.add(piece)
-                yield choice, piece
-            self._early = []
-            if len(self.choices) == 1 and self._open:
-                async for piece in self._streams[0]:
-                    self.choices[0].add(piece)
-                    yield self.choices[0], piece
-                return
-            while self._open:
-                choice, item = await self._queue.get()
-                if isinstance(item, APIError):
-                    raise item
-                if item is _END:
-                    self._open -= 1
-                    continue
-                choice.add(item)
-                yield choice, item
+            batch, self._early = self._early, []
+            while True:
+                for choice, piece in _merged(batch):
+                    choice.add(piece)
+                    yield choice, piece
+                if not self._open:
+                    return
+                batch = []
+                for item in [await self._queue.get(), *_drained(self._queue)]:
+                    choice, piece = item
+                    if isinstance(piece, APIError):
+                        raise piece
+                    if piece is _END:
+                        self._open -= 1
+                    else:
+                        batch.append(item)
         finally:
             await self.aclose()
 
@@ -107,6 +101,24 @@ class Generation:
         except Exception:  # a bug here must end the request, not leave it waiting
             log.exception("a generation failed")
             self._queue.put_nowait((choice, APIError(500, "internal error")))
+
+
+def _drained(q: asyncio.Queue) -> list:
+    items = []
+    while not q.empty():
+        items.append(q.get_nowait())
+    return items
+
+
+def _merged(items: list[tuple[Choice, Piece]]) -> list[tuple[Choice, Piece]]:
+    """Consecutive pieces of a choice as one (text, tokens and logprobs joined), in order."""
+    out: list[tuple[Choice, Piece]] = []
+    for choice, piece in items:
+        if out and out[-1][0] is choice:
+            out[-1] = (choice, out[-1][1].followed_by(piece))
+        else:
+            out.append((choice, piece))
+    return out
 
 
 def _nth(sampling: dict, i: int) -> dict:
