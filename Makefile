@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install model serve test test-fast bench bench-full bench-prefix bench-engine bench-cpu bench-executors bench-pipeline bench-tp bench-startup perf simulate clean
+.PHONY: install model serve test test-fast bench bench-full bench-prefix bench-engine bench-cpu bench-executors bench-pipeline bench-tp bench-startup bench-host perf simulate clean
 
 install: $(STAMP)
 
@@ -79,6 +79,13 @@ bench-cpu: model
 simulate: model
 	$(PY) benchmarks/profile_cpu.py --out docs/benchmarks/simulation_cpu.json --samples docs/benchmarks/simulation_profile.json
 	$(PY) benchmarks/bench_simulate.py
+
+# The host path alone (engine null: a runner that costs nothing, at once or after 10 ms a step)
+# beside Triton's floor, 16/64/256 streams, our client, the OpenAI API and perf_analyzer (when
+# make perf has installed it), and one stream of the default model served against offline;
+# writes docs/benchmarks/host.md (about 10 minutes).
+bench-host: model
+	$(PY) benchmarks/bench_host.py --markdown docs/benchmarks/host.md
 
 # The chat CLI's time to first token and the OpenAI API's start to ready, chat templates by
 # jinja2 beside transformers' import and render; writes docs/benchmarks/startup.md.

@@ -45,18 +45,24 @@ FLOOR = "floor"
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def model_name(step_ms: float) -> str:
-    return f"orca_null_{step_ms:g}ms"
+def model_name(step_ms: float, executor: str = "inline") -> str:
+    """`orca` with engine null and this step; with executor process, the runner in a child."""
+    return f"orca_null_{step_ms:g}ms" + ("" if executor == "inline" else f"_{executor}")
 
 
-def repository(folder: Path, steps_ms: list[float], max_batch_size: int) -> Path:
-    """The floor, and `orca` with engine null for each step."""
+def repository(folder: Path, steps_ms: list[float], max_batch_size: int, real_model: bool = False) -> Path:
+    """The floor, `orca` with engine null for each step, and (`real_model`) `orca` as shipped."""
     shutil.copytree(REPO_ROOT / "benchmarks" / "host_floor", folder / FLOOR,
                     ignore=shutil.ignore_patterns("__pycache__"))
+    if real_model:
+        copy_orca(folder, "orca")
+        copy_orca(folder, "orca_process", executor="process")  # the runner out of the stub's GIL
     for step in steps_ms:
-        copy_orca(folder, model_name(step), engine="null", null_step_seconds=str(step / 1000),
-                  max_batch_size=str(max_batch_size), max_num_batched_tokens=str(max(8192, 16 * max_batch_size)),
-                  kv_cache_tokens=str(1 << 20), iteration_trace=str(folder.parent / "trace_{model}.jsonl"))
+        for executor in ("inline", "process"):
+            copy_orca(folder, model_name(step, executor), engine="null", null_step_seconds=str(step / 1000),
+                      executor=executor, max_batch_size=str(max_batch_size),
+                      max_num_batched_tokens=str(max(8192, 16 * max_batch_size)), kv_cache_tokens=str(1 << 20),
+                      iteration_trace=str(folder.parent / "trace_{model}.jsonl"))
     return folder
 
 
@@ -84,10 +90,12 @@ def expected_text(folder: Path, tokens: int) -> tuple[str, list[int]]:
 
 # -- CPU, per process and per thread, from /proc -------------------------------------------
 def processes(server: Server, frontend: Frontend | None) -> dict[str, int]:
-    """tritonserver, each model's stub (by model name), the frontend and this client."""
+    """tritonserver, each model's stub (by model name) and runner process (executor process),
+    the frontend and this client."""
     found = {"tritonserver": server.process.pid, "client": os.getpid()}
     if frontend is not None:
         found["openai frontend"] = frontend.process.pid
+    children: dict[int, list[tuple[int, list[bytes]]]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -96,9 +104,13 @@ def processes(server: Server, frontend: Frontend | None) -> dict[str, int]:
             ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == server.process.pid and b"stub" in cmdline[0]:
-            model_path = Path(cmdline[1].decode()) if len(cmdline) > 1 else Path("?/?/?")
-            found[f"stub {model_path.parent.parent.name}"] = int(entry.name)  # <model>/<version>/model.py
+        children.setdefault(ppid, []).append((int(entry.name), cmdline))
+    for pid, cmdline in children.get(server.process.pid, []):
+        if b"stub" in cmdline[0]:
+            model = Path(cmdline[1].decode()).parent.parent.name if len(cmdline) > 1 else "?"  # <model>/<v>/model.py
+            found[f"stub {model}"] = pid
+            for child, _ in children.get(pid, []):
+                found[f"runner {model}"] = child
     return found
 
 
@@ -183,16 +195,56 @@ def measure(run: Run, load, server: Server, pids: dict[str, int], args) -> Run:
     return run
 
 
+OFFLINE = """
+import statistics, sys, time
+from orca_backend import EngineConfig, LLMEngine, SamplingParams
+engine = LLMEngine(EngineConfig())
+times = []
+engine.add_request("one", sys.argv[1], SamplingParams(max_tokens=int(sys.argv[2]), ignore_eos=True, temperature=0))
+while engine.has_unfinished_requests():
+    if engine.step():
+        times.append(time.perf_counter())
+engine.shutdown()
+print(statistics.median(b - a for a, b in zip(times, times[1:])) * 1e3)
+"""
+
+
+def offline_ms_per_token(tokens: int) -> float:
+    """The default model's engine (the served model's defaults), one request, in a fresh
+    process as a server's model is: the median time between its tokens."""
+    done = subprocess.run([sys.executable, "-c", OFFLINE, PROMPT, str(tokens)], cwd=REPO_ROOT, check=True,
+                          capture_output=True, text=True, timeout=600)
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+def real_model_rows(server: Server, tokens: int, rounds: int) -> list[list]:
+    """One stream of the default model: the engine offline against the served model (gRPC
+    streaming), alternating, `rounds` times."""
+    ways = {"offline (LLMEngine.step)": [], "served (gRPC streaming)": [],
+            "served, executor process (the runner in a child)": []}
+    for i in range(rounds):
+        log(f"the default model, round {i + 1}: offline, then served, then served with executor process")
+        ways["offline (LLMEngine.step)"].append(offline_ms_per_token(tokens))
+        for name, model in (("served (gRPC streaming)", "orca"),
+                            ("served, executor process (the runner in a child)", "orca_process")):
+            ways[name].append(TritonLoad(server.grpc_url, model, 1, tokens, None).run(2.0, 8.0).gap_ms(50))
+    base = statistics.median(ways["offline (LLMEngine.step)"])
+    return [[name, " / ".join(f"{x:.1f}" for x in values), f"{statistics.median(values):.1f}",
+             f"{statistics.median(values) / base:.2f}"] for name, values in ways.items()]
+
+
 def run_perf_analyzer(tools: Path, server: Server, model: str, streams: int, tokens: int, work: Path) -> dict:
     data = work / f"perf_input_{model}.json"
     data.write_text(json.dumps({"data": [{"text_input": [PROMPT], "stream": [True],
                                           "sampling_parameters": [json.dumps({"max_tokens": tokens, "ignore_eos": True})],
                                           "return_num_output_tokens": [True]}]}))
     csv_path = work / f"perf_{model}_{streams}.csv"
-    subprocess.run([str(tools / "bin" / "perf_analyzer"), "-m", model, "-u", server.grpc_url, "-i", "grpc",
-                    "--streaming", "--input-data", str(data), "--concurrency-range", str(streams),
-                    "--measurement-interval", "8000", "--stability-percentage", "50", "--max-trials", "5",
-                    "-f", str(csv_path)], check=True, capture_output=True, timeout=600)
+    done = subprocess.run([str(tools / "bin" / "perf_analyzer"), "-m", model, "-u", server.grpc_url, "-i", "grpc",
+                           "--streaming", "--input-data", str(data), "--concurrency-range", str(streams),
+                           "--measurement-interval", "10000", "--stability-percentage", "100", "--max-trials", "3",
+                           "-f", str(csv_path)], capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"perf_analyzer failed: {(done.stdout + done.stderr).strip()[-500:]}")
     import csv
 
     with open(csv_path) as f:
@@ -241,7 +293,8 @@ def thread_rows(runs: list[Run]) -> list[list]:
     return rows
 
 
-def report(args, runs: list[Run], perf: list[tuple[str, int, dict]], started: datetime.datetime) -> list[str]:
+def report(args, runs: list[Run], perf: list[tuple[str, int, dict]], real: list[list],
+           started: datetime.datetime) -> list[str]:
     lines = [f"# The host path (`make bench-host`, {started:%Y-%m-%d %H:%M})", "",
              f"`python benchmarks/bench_host.py --streams {args.streams_arg} --steps {args.steps_arg} "
              f"--tokens {args.tokens} --seconds {args.seconds}`: closed loop, {args.tokens} tokens a request "
@@ -257,9 +310,17 @@ def report(args, runs: list[Run], perf: list[tuple[str, int, dict]], started: da
                      "server us/tok", "client us/tok", "calls/tok", "period p50/p99", "lag ms", "wrong"],
                     summary_rows(runs)), ""]
     if perf:
-        lines += ["perf_analyzer (`--streaming`, the same requests, closed loop):", "",
-                  *table(["model", "streams", "requests/s", "responses/s"],
-                         [[m, s, f"{p['requests/s']:.1f}", f"{p['responses/s']:,.0f}"] for m, s, p in perf]), ""]
+        lines += ["perf_analyzer (`--streaming`, the same requests, closed loop; tokens/s is its requests/s "
+                  f"times {args.tokens}: it counts responses, and a response may carry several tokens):", "",
+                  *table(["model", "streams", "requests/s", "tokens/s", "responses/s"],
+                         [[m, s, f"{p['requests/s']:.1f}", f"{p['requests/s'] * args.tokens:,.0f}",
+                           f"{p['responses/s']:,.0f}"] if "error" not in p
+                          else [m, s, "-", "-", p["error"].replace("|", "/").replace("\n", " ")] for m, s, p in perf]),
+                  ""]
+    if real:
+        lines += [f"The default model (SmolLM2-135M, fp32, the CPU), one stream of {args.tokens} tokens: the "
+                  "median time between tokens, offline and served, alternating (ms; each round, then the "
+                  "median):", "", *table(["where", "rounds", "median", "ratio"], real), ""]
     lines += ["CPU per delivered token by thread (us; threads of one name summed, 1 us or more):", "",
               *table(["run", "process", "thread", "us/token"], thread_rows(runs)), "", *machine_lines(), ""]
     return lines
@@ -274,6 +335,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=float, default=3.0)
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--tools", type=Path, default=REPO_ROOT / "build" / "perf-tools")
+    p.add_argument("--real-rounds", type=int, default=3, help="rounds of the default model's check; 0: none")
     p.add_argument("--markdown", type=Path)
     args = p.parse_args()
     args.streams = [int(s) for s in args.streams_arg.split(",")]
@@ -287,10 +349,10 @@ def main() -> None:
     started = datetime.datetime.now()
     folder = prepare_default_model()
     expected, prefix_lengths = expected_text(folder, args.tokens)
-    runs, perf = [], []
+    runs, perf, real = [], [], []
     with tempfile.TemporaryDirectory(prefix="orca-host-") as tmp:
         args.work = Path(tmp)
-        repo = repository(args.work / "repo", args.steps, max(args.streams + args.openai))
+        repo = repository(args.work / "repo", args.steps, max(args.streams + args.openai), args.real_rounds > 0)
         server = Server(args.work, repo)
         frontend = None
         try:
@@ -298,7 +360,12 @@ def main() -> None:
             pids = processes(server, None)
             for step in args.steps:
                 for streams in args.streams:
-                    for model in (FLOOR, model_name(step)) if step == args.steps[0] else (model_name(step),):
+                    models = [model_name(step)]
+                    if step == args.steps[0]:
+                        models.insert(0, FLOOR)
+                    if streams == max(args.streams):  # the runner in a child: its own GIL
+                        models.append(model_name(step, "process"))
+                    for model in models:
                         log(f"{model}, {streams} streams")
                         load = TritonLoad(server.grpc_url, model, streams, args.tokens,
                                           None if model == FLOOR else expected)
@@ -312,16 +379,22 @@ def main() -> None:
                     log(f"{model} through the OpenAI API, {streams} streams")
                     load = OpenAILoad("127.0.0.1", frontend.port, model, streams, args.tokens, expected, prefix_lengths)
                     runs.append(measure(Run(model, streams, "openai"), load, server, pids, args))
+            if args.real_rounds:
+                real = real_model_rows(server, args.tokens, args.real_rounds)
             if (args.tools / "bin" / "perf_analyzer").exists():
                 for model in (FLOOR, model_name(args.steps[0])):
                     log(f"perf_analyzer: {model}, {max(args.streams)} streams")
-                    perf.append((model, max(args.streams), run_perf_analyzer(
-                        args.tools, server, model, max(args.streams), args.tokens, args.work)))
+                    try:
+                        perf.append((model, max(args.streams), run_perf_analyzer(
+                            args.tools, server, model, max(args.streams), args.tokens, args.work)))
+                    except RuntimeError as e:  # reported, not fatal: the other figures stand
+                        log(str(e))
+                        perf.append((model, max(args.streams), {"error": str(e)[-200:]}))
         finally:
             if frontend is not None:
                 frontend.stop()
             server.stop()
-    lines = report(args, runs, perf, started)
+    lines = report(args, runs, perf, real, started)
     print("\n".join(lines))
     if args.markdown:
         args.markdown.write_text("\n".join(lines))

@@ -283,6 +283,20 @@ def test_a_chat_at_the_first_moment_the_api_says_ready_is_answered_five_starts_i
         assert "Traceback" not in f.log_path.read_text()
 
 
+def test_several_worker_processes_serve_the_api_with_its_key(server, tmp_path):
+    f = Frontend(tmp_path, server.grpc_url, api_key=KEY, args=["--workers", "2", "--model", "orca"])
+    try:
+        f.wait_ready()
+        client = openai.OpenAI(base_url=f.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+        for _ in range(4):  # the connections land on either worker
+            assert client.chat.completions.create(model="orca", messages=MESSAGES, max_tokens=3).choices
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f.url + "/v1", api_key="sk-wrong", max_retries=0).models.list()
+    finally:
+        f.stop()
+    assert KEY not in f.log_path.read_text() and KEY not in " ".join(f.process.args)
+
+
 def test_an_api_key_guards_every_v1_route_and_is_never_shown(server, tmp_path):
     f = Frontend(tmp_path, server.grpc_url, api_key=KEY)
     routes = [("GET", "/v1/models", None), ("GET", "/v1/models/orca", None),

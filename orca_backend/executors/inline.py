@@ -1,6 +1,10 @@
 """The `inline` executor: the runner in the engine's process (the default), on a thread of its
 own. `submit` returns at once and iterations run in submission order, so that the engine
-thread prepares the next iteration and handles the last one's results while one runs."""
+thread prepares the next iteration and handles the last one's results while one runs.
+
+The runner is built on that thread too: on the CPU, torch's OpenMP threads belong to the
+thread that calls into them, and a model loaded on one thread and run on another keeps two
+teams of them on the cores (a quarter slower here, `make bench-host`'s last table)."""
 from __future__ import annotations
 
 import queue
@@ -19,25 +23,32 @@ STOP_TIMEOUT_SECONDS = 10
 
 class InlineExecutor(Executor):
     def __init__(self, spec: RunnerSpec) -> None:
-        self.runner = build_runner(spec)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # (message, future) | None: stop
-        self._thread = NamedThread(target=self._main, name="orca-runner", daemon=True)
+        built: Future = Future()
+        self._thread = NamedThread(target=self._main, args=(spec, built), name="orca-runner", daemon=True)
         self._thread.start()
+        self.runner = built.result()  # raises what building raised
 
     def submit(self, message: SchedulerOutput) -> Future[RunnerOutput]:
         future: Future[RunnerOutput] = Future()
         self._inbox.put((message, future))
         return future
 
-    def _main(self) -> None:
-        device = getattr(self.runner, "device", None)
+    def _main(self, spec: RunnerSpec, built: Future) -> None:
+        try:
+            runner = build_runner(spec)
+        except BaseException as e:
+            built.set_exception(e)
+            return
+        device = getattr(runner, "device", None)
         if isinstance(device, torch.device) and device.type == "cuda":
             torch.cuda.set_device(device)  # the current device is per thread
+        built.set_result(runner)
         while (item := self._inbox.get()) is not None:
             message, future = item
             try:
                 self.check_health()
-                future.set_result(self.runner.execute(message))
+                future.set_result(runner.execute(message))
             except BaseException as e:  # RunnerDiedError: a tensor-parallel rank failed, for good
                 future.set_exception(e)
 

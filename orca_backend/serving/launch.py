@@ -266,6 +266,7 @@ def main() -> None:
                              "reachable from this host alone, the OpenAI API the one door from outside)")
     parser.add_argument("--no-openai", action="store_true", help="do not start the OpenAI-compatible API")
     parser.add_argument("--openai-host", default="0.0.0.0", help="address the OpenAI API listens on")
+    parser.add_argument("--openai-workers", type=int, default=1, help="processes serving the OpenAI API")
     args, extra = parser.parse_known_args()
     args.work_dir.mkdir(parents=True, exist_ok=True)
     if args.triton_address:
@@ -281,7 +282,8 @@ def main() -> None:
     grpc_host = "127.0.0.1" if args.triton_address in (None, "0.0.0.0") else args.triton_address
     frontend = subprocess.Popen([sys.executable, "-m", "orca_backend.serving.openai_api",
                                  "--url", f"{grpc_host}:{grpc_port}", "--host", args.openai_host,
-                                 *restricted_headers(extra)], cwd=REPO_ROOT, start_new_session=True)
+                                 "--workers", str(args.openai_workers), *restricted_headers(extra)],
+                                cwd=REPO_ROOT, start_new_session=True)
     server = subprocess.Popen(argv, env=env, start_new_session=True)
     openai_host = "127.0.0.1" if args.openai_host in ("0.0.0.0", "::") else args.openai_host
     ready_url = f"http://{openai_host}:{os.environ.get('OPENAI_PORT', 9000)}/health/ready"

@@ -4,7 +4,7 @@ Each call into Triton's metrics API is a blocking round trip from the stub to th
 (tens of microseconds on both sides), and the API has no way to observe many values at
 once. So the serving loop keeps every count here: counters and gauges as numbers, histograms
 as exact bucket counts, and a thread of their own (`MetricsRecorder`) sends what changed at
-most every `FLUSH_SECONDS`, and as soon as traffic pauses. A histogram reaches Triton as the
+most every `FLUSH_SECONDS`, and once traffic pauses for `QUIET_SECONDS`. A histogram reaches Triton as the
 series Prometheus' histograms are made of, cumulative `<name>_bucket{le}` counters, `<name>_sum`
 and `<name>_count`: the series dashboards query, at a cost per flush, not per token.
 
@@ -27,7 +27,9 @@ log = logging.getLogger(__name__)
 # The most often metrics reach tritonserver while traffic flows: its calls share one channel
 # with the responses (hundreds of calls a flush would slow them), and scrapes come every 5-15 s.
 FLUSH_SECONDS = 1.0
-QUIET_SECONDS = 0.02  # no news this long: flush now (a test, a dashboard sees the end at once)
+# No news this long: flush now (a reader soon sees a burst's end). Longer than a slow model's
+# time per token, so that one stream does not flush after each of its tokens.
+QUIET_SECONDS = 0.2
 
 MakeMetric = Callable[[str, str, str, dict], object]
 
