@@ -305,7 +305,8 @@ def report(args, runs: list[Run], perf: list[tuple[str, int, dict]], real: list[
              "of the client; calls from the stub into tritonserver per token (sends, metric updates, "
              "cancellation checks); the iteration period (median / p99, ms); the sender's lag from an "
              "iteration's return to its responses sent (mean, ms); requests whose tokens or text were "
-             "not exactly right, of those finished in the window.", "",
+             "not exactly right, of those finished in the window. The serving path before the host-path "
+             "work, measured the same way: [host_before.md](host_before.md).", "",
              *table(["model", "via", "streams", "tokens/s", "tokens/resp", "gap p50/p99", "stub us/tok",
                      "server us/tok", "client us/tok", "calls/tok", "period p50/p99", "lag ms", "wrong"],
                     summary_rows(runs)), ""]

@@ -74,6 +74,8 @@ def hostile(tmp_path_factory, default_model):
     # `triton` attention backend alone is the engine's (test_numerics.py), the same kernel.
     _model(repository, "orca_tensorrt_graph", {"engine": "tensorrt", "tensorrt_runtime": "torch",
                                                "kv_cache_tokens": "2048"})
+    # No model at all (engine null), a response every 4 tokens: the host path alone.
+    _model(repository, "orca_null_interval", {"engine": "null", "stream_interval": "4", "kv_cache_tokens": "4096"})
     # Listing the repository over gRPC needs a header (tritonserver's restricted protocols);
     # of this server's clients only the OpenAI API lists it.
     server = Server(root, model_repository=repository,
@@ -270,3 +272,26 @@ def test_the_openai_api_answers_a_full_queue_with_503_and_an_engine_fault_with_5
     names = {key.partition("{")[0] for key in metric_lines(hostile) if f'model="{model}"' in key}
     assert "orca_requests_running" in names and not any(n.startswith("vllm:") for n in names)
     assert 'vllm:num_requests_running{model="orca_faulty",version="1"}' in metric_lines(hostile)
+
+
+def test_a_null_engine_streams_a_response_every_stream_interval_tokens_and_counts_each_token(hostile, default_model):
+    """engine null (no model) and stream_interval 4 through tritonserver: the first token at
+    once, then 4 a response, the last with the end; the text is the null runner's, and the
+    metrics count every token once."""
+    from tokenizers import Tokenizer
+
+    from orca_backend.runner.null_runner import TEXT
+
+    model = "orca_null_interval"
+    before = hostile.metric("orca_generation_tokens_total", model)
+    with _stream(hostile, model) as c:
+        result = c.generate("Tell me a story", sampling={"max_tokens": 22, **GREEDY},
+                            flags={"return_num_output_tokens": True})
+    assert result.error is None
+    counts = [r["num_output_tokens"] for r in result.responses]
+    assert counts[0] == 1 and sum(counts) == 22 and all(c >= 4 for c in counts[1:-1]) and len(counts) <= 7
+    tokenizer = Tokenizer.from_file(str(default_model / "tokenizer.json"))
+    ids = tokenizer.encode(TEXT, add_special_tokens=False).ids
+    assert result.text == tokenizer.decode(ids[:22])
+    wait_until(lambda: hostile.metric("orca_generation_tokens_total", model) == before + 22, 10, "22 tokens counted")
+    assert_no_leak(hostile, model)

@@ -353,3 +353,20 @@ def test_a_config_json_without_a_needed_field_is_refused(capsys, tmp_path):
     assert code == 2 and "has no 'intermediate_size', which LlamaForCausalLM needs" in err
     code, _, err = _cli(capsys, "--model", "gpt-5")
     assert code == 2 and "model 'gpt-5' is neither a folder nor a bundled shape (gpt3-175b, llama-3-70b" in err
+
+
+def test_the_host_limit_overlapped_or_in_series_on_hand_computed_costs():
+    from orca_backend.simulate.host import AFTER, BEFORE, HostCosts, decode_device_seconds, host_limit
+    from orca_backend.simulate.host import main as host_main
+
+    costs = HostCosts("x", 1e-3, 10e-6, 5e-6, True, "by hand")
+    assert costs.host_seconds(100) == pytest.approx(1e-3 + 100 * 15e-6)
+    assert costs.period_seconds(100, 4e-3) == pytest.approx(4e-3)  # overlapped: the device's
+    assert costs.period_seconds(100, 2e-3) == pytest.approx(2.5e-3)  # the host's, longer
+    serial = HostCosts("y", 1e-3, 10e-6, 5e-6, False, "by hand")
+    assert serial.period_seconds(100, 4e-3) == pytest.approx(4e-3 + 1e-3 + 100 * 10e-6)
+    model = CostModel(ModelConfig.from_folder(MODELS_DIR / "llama-3-8b"), PRESETS["h200"])
+    assert decode_device_seconds(model, 64, 1024) > decode_device_seconds(model, 8, 1024)
+    before, after = host_limit(model, BEFORE, 1024), host_limit(model, AFTER, 1024)
+    assert before is not None and before < 64 and (after is None or after > 512)
+    host_main(["--batches", "1,256"])
