@@ -275,8 +275,8 @@ def test_the_openai_api_answers_a_full_queue_with_503_and_an_engine_fault_with_5
 
 
 def test_a_null_engine_streams_a_response_every_stream_interval_tokens_and_counts_each_token(hostile, default_model):
-    """engine null (no model) and stream_interval 4 through tritonserver: the first token at
-    once, then 4 a response, the last with the end; the text is the null runner's, and the
+    """engine null (no model) and stream_interval 4 through tritonserver: after the first, 4
+    tokens a response or more, the last with the end; the text is the null runner's, and the
     metrics count every token once."""
     from tokenizers import Tokenizer
 
@@ -288,8 +288,8 @@ def test_a_null_engine_streams_a_response_every_stream_interval_tokens_and_count
         result = c.generate("Tell me a story", sampling={"max_tokens": 22, **GREEDY},
                             flags={"return_num_output_tokens": True})
     assert result.error is None
-    counts = [r["num_output_tokens"] for r in result.responses]
-    assert counts[0] == 1 and sum(counts) == 22 and all(c >= 4 for c in counts[1:-1]) and len(counts) <= 7
+    counts = [r["num_output_tokens"] for r in result.responses]  # a sender behind merges more, never less
+    assert sum(counts) == 22 and all(c >= 4 for c in counts[1:-1]) and 2 <= len(counts) <= 7, counts
     tokenizer = Tokenizer.from_file(str(default_model / "tokenizer.json"))
     ids = tokenizer.encode(TEXT, add_special_tokens=False).ids
     assert result.text == tokenizer.decode(ids[:22])
