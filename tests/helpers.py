@@ -22,6 +22,22 @@ def assert_no_leak(server, model: str = "orca", timeout: float = 10.0) -> None:
     assert server.metric("orca_requests_running", model) == 0
 
 
+def settled_metrics(server, quiet: float = 0.5, timeout: float = 30.0) -> dict[str, float]:
+    """Every sample on /metrics once the model's metrics thread has sent all it had (it sends
+    within 0.2 s of a pause): two reads `quiet` apart agree. A count read before a test's
+    requests must be this, not a read that a late flush of the test before it may still change."""
+    deadline = time.monotonic() + timeout
+    last = metric_lines(server)
+    while True:
+        time.sleep(quiet)
+        now = metric_lines(server)
+        if now == last:
+            return now
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the metrics kept changing for {timeout} s")
+        last = now
+
+
 def metric_lines(server) -> dict[str, float]:
     """Every sample on the server's /metrics, by its name and labels as written there
     ('vllm:request_success_total{finished_reason="stop",model="orca",version="1"}')."""

@@ -15,7 +15,7 @@ import pytest
 from client.triton_client import StreamingClient
 from orca_backend.serving.launch import REPO_ROOT, Frontend, Server
 
-from helpers import assert_no_leak, metric_lines, wait_until
+from helpers import assert_no_leak, metric_lines, settled_metrics, wait_until
 
 pytestmark = pytest.mark.server  # slow group: a real tritonserver
 
@@ -283,7 +283,7 @@ def test_a_null_engine_streams_a_response_every_stream_interval_tokens_and_count
     from orca_backend.runner.null_runner import TEXT
 
     model = "orca_null_interval"
-    before = hostile.metric("orca_generation_tokens_total", model)
+    before = settled_metrics(hostile)[f'orca_generation_tokens_total{{model="{model}"}}']
     with _stream(hostile, model) as c:
         result = c.generate("Tell me a story", sampling={"max_tokens": 22, **GREEDY},
                             flags={"return_num_output_tokens": True})

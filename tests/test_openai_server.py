@@ -19,7 +19,7 @@ from client import generate as generate_cli
 from client.triton_client import StreamingClient
 from orca_backend.serving.launch import Frontend
 
-from helpers import assert_no_leak, metric_lines, wait_until
+from helpers import assert_no_leak, metric_lines, settled_metrics, wait_until
 
 pytestmark = pytest.mark.server  # slow group: a real tritonserver
 
@@ -328,7 +328,7 @@ VLLM = 'model="orca",version="1"'
 
 def test_vllm_metrics_count_a_known_workload(api, server):
     wait_until(lambda: server.metric("orca_requests_running") == 0, 30, "an idle server")
-    before = metric_lines(server)
+    before = settled_metrics(server)
     lengths = [3, 5, 8]
     usages = [api.completions.create(model="orca", prompt=f"Story number {i}:", max_tokens=n, temperature=0,
                                      extra_body={"ignore_eos": True}).usage for i, n in enumerate(lengths)]

@@ -15,7 +15,7 @@ import pytest
 from client.triton_client import StreamingClient
 from orca_backend.serving.launch import REPO_ROOT
 
-from helpers import assert_no_leak, metric_lines, wait_until
+from helpers import assert_no_leak, metric_lines, settled_metrics, wait_until
 
 PROMPT = "Once upon a time"
 HEALTHY_TOKENS = 8
@@ -238,7 +238,8 @@ def test_metrics_count_a_known_workload_exactly(server):
              "orca_request_latency_seconds_count", "orca_iteration_batch_size_count",
              "orca_iteration_batch_size_sum"]
     assert_no_leak(server)
-    before = _metrics(server, names)
+    settled = settled_metrics(server)
+    before = {name: settled[f'{name}{{model="orca"}}'] for name in names}
     lengths = [3, 5, 8]
     with StreamingClient(server.grpc_url) as c:
         ids = [c.send(PROMPT, sampling={"max_tokens": n, "ignore_eos": True, "temperature": 0},

@@ -11,7 +11,7 @@ from client.triton_client import StreamingClient
 from orca_backend import LLM, SamplingParams
 from orca_backend.serving.launch import Server
 
-from helpers import assert_no_leak, wait_until
+from helpers import assert_no_leak, settled_metrics, wait_until
 
 pytestmark = pytest.mark.server  # slow group: a real tritonserver
 
@@ -110,7 +110,9 @@ def test_every_return_flag_combination(client, stream):
     for i, (combo, rid) in enumerate(zip(combos, ids)):
         result = client.wait(rid)
         assert result.error is None
-        assert len(result.responses) == (3 if stream else 1)
+        # Streaming: a response a token, or fewer when the sender, behind, merged some.
+        assert 1 <= len(result.responses) <= 3 if stream else len(result.responses) == 1
+        counted, logged = 0, 0
         for n, r in enumerate(result.responses):
             wanted = {outputs[name] for name, on in zip(names, combo) if on} | {"text_output"}
             assert set(r) == wanted
@@ -120,19 +122,22 @@ def test_every_return_flag_combination(client, stream):
             if "num_input_tokens" in r:
                 assert r["num_input_tokens"] == 4
             if "num_output_tokens" in r:
-                assert r["num_output_tokens"] == (1 if stream else 3)
+                counted += r["num_output_tokens"]
             if "num_cached_tokens" in r:
                 assert r["num_cached_tokens"] == 0  # 4 tokens: less than a block
             if "logprobs" in r:
                 entries = json.loads(r["logprobs"])
                 if i % 2:
-                    assert len(entries) == (1 if stream else 3)
+                    assert len(entries) == r.get("num_output_tokens", len(entries)) >= 1
+                    logged += len(entries)
                     first = next(iter(entries[0].values()))
                     assert set(first) == {"logprob", "rank", "decoded_token"} and first["rank"] == 1
                 else:
                     assert entries is None
             if "cumulative_logprob" in r:
                 assert r["cumulative_logprob"] < 0
+        assert counted == (3 if "num_output_tokens" in result.responses[0] else 0)
+        assert logged == (3 if i % 2 and "logprobs" in result.responses[0] else 0)
 
 
 SYSTEM = ("You are the librarian of a small town. You answer questions about books, opening hours "
@@ -146,7 +151,8 @@ def _prefix_counters(server) -> tuple[float, float]:
 
 
 def test_a_second_turn_reuses_the_first_turns_blocks_and_the_metrics_count_it(client, server):
-    queried, hits = _prefix_counters(server)
+    settled = settled_metrics(server)
+    queried, hits = (settled[f'orca_prefix_cache_{k}_total{{model="orca"}}'] for k in ("queries", "hits"))
     first_turn = SYSTEM + "Question: when do you open on Sundays?"
     first = client.generate(first_turn, sampling=greedy(8), flags=CACHED)
     assert first.error is None and first.responses[-1]["num_cached_tokens"] == 0
