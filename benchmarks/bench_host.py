@@ -134,16 +134,6 @@ def cpu_delta(before: dict, after: dict) -> dict[tuple[str, str], float]:
 
 
 # -- the server's own counters -------------------------------------------------------------
-def metrics(server: Server) -> dict[str, float]:
-    _, text = server.http("/metrics", port=server.metrics_port)
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out
-
-
 def counted(values: dict[str, float], name: str, model: str) -> dict[str, float]:
     """The series of `name` for `model`, by their other labels."""
     found = {}
@@ -179,7 +169,7 @@ def measure(run: Run, load, server: Server, pids: dict[str, int], args) -> Run:
     marks = {}
 
     def mark(name: str) -> None:
-        marks[name] = (time.time(), cpu_seconds(pids), metrics(server))
+        marks[name] = (time.time(), cpu_seconds(pids), server.metrics())
 
     run.result = load.run(args.warmup, args.seconds, lambda: mark("start"), lambda: mark("end"))
     (wall0, cpu0, before), (wall1, cpu1, after) = marks["start"], marks["end"]

@@ -39,12 +39,5 @@ def settled_metrics(server, quiet: float = 0.5, timeout: float = 30.0) -> dict[s
 
 
 def metric_lines(server) -> dict[str, float]:
-    """Every sample on the server's /metrics, by its name and labels as written there
-    ('vllm:request_success_total{finished_reason="stop",model="orca",version="1"}')."""
-    _, text = server.http("/metrics", port=server.metrics_port)
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            samples[key] = float(value)
-    return samples
+    """Every sample on the server's /metrics, by its name and labels (`Server.metrics`)."""
+    return server.metrics()

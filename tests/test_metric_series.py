@@ -99,18 +99,17 @@ def test_the_recorder_flushes_while_items_flow_when_they_pause_and_when_it_stops
     assert target.flushed[-1] == [0, 1, 2, 3, 4, 5]
 
 
+def _flushes(flush_seconds: float, quiet_seconds: float) -> list[list]:
+    """What a recorder flushed of three items put at once, then stopped."""
+    target = _Target()
+    recorder = MetricsRecorder(target, flush_seconds=flush_seconds, quiet_seconds=quiet_seconds)
+    recorder.start()
+    for i in range(3):
+        recorder.put(i)
+    recorder.stop(10)
+    return target.flushed
+
+
 def test_a_recorder_under_steady_traffic_flushes_on_its_interval_not_per_item():
-    target = _Target()
-    recorder = MetricsRecorder(target, flush_seconds=0.0, quiet_seconds=3600)  # every item flushes
-    recorder.start()
-    for i in range(3):
-        recorder.put(i)
-    recorder.stop(10)
-    assert len(target.flushed) == 4  # after each item, and the last at stop
-    target = _Target()
-    recorder = MetricsRecorder(target, flush_seconds=3600, quiet_seconds=3600)  # only at stop
-    recorder.start()
-    for i in range(3):
-        recorder.put(i)
-    recorder.stop(10)
-    assert target.flushed == [[0, 1, 2]]
+    assert len(_flushes(0.0, 3600)) == 4  # an interval of 0: after each item, and the last at stop
+    assert _flushes(3600, 3600) == [[0, 1, 2]]  # only at stop

@@ -136,12 +136,22 @@ class Server:
             time.sleep(0.5)
         raise TimeoutError(f"tritonserver not ready in {timeout} s")
 
-    def metric(self, name: str, model: str = "orca") -> float:
+    def metrics(self) -> dict[str, float]:
+        """Every sample on /metrics, by its name and labels as written there
+        ('vllm:request_success_total{finished_reason="stop",model="orca",version="1"}')."""
         _, text = self.http("/metrics", port=self.metrics_port)
+        samples = {}
         for line in text.splitlines():
-            if line.startswith(f'{name}{{model="{model}"}}'):
-                return float(line.rsplit(" ", 1)[1])
-        raise KeyError(name)
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                samples[key] = float(value)
+        return samples
+
+    def metric(self, name: str, model: str = "orca") -> float:
+        try:
+            return self.metrics()[f'{name}{{model="{model}"}}']
+        except KeyError:
+            raise KeyError(name) from None
 
     def terminate(self) -> None:
         """Ask tritonserver to shut down as Ctrl+C in a terminal does: SIGINT to the group."""
