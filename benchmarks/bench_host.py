@@ -263,7 +263,7 @@ def summary_rows(runs: list[Run]) -> list[list]:
                   if len(run.periods) > 2 else "-")
         lag = f"{run.lag[1] / run.lag[0] * 1e3:.1f}" if run.lag and run.lag[0] else "-"
         rows.append([run.model, run.via, run.streams, f"{r.tokens_per_second:,.0f}", f"{r.tokens_per_response:.2f}",
-                     f"{r.gap_ms(50):.1f} / {r.gap_ms(99):.1f}",
+                     f"{r.gap_ms(50):.1f} / {r.gap_ms(99):.1f}", f"{r.ttft_ms(50):.0f} / {r.ttft_ms(99):.0f}",
                      f"{per_token_us(run, stub_label(run)):.0f}", f"{per_token_us(run, 'tritonserver'):.0f}",
                      f"{per_token_us(run, 'client'):.0f}",
                      f"{calls / r.tokens:.2f}" if run.calls and r.tokens else "-", period, lag,
@@ -291,13 +291,13 @@ def report(args, runs: list[Run], perf: list[tuple[str, int, dict]], real: list[
              f"(ignore_eos), {args.warmup:g} s of warm-up then {args.seconds:g} s measured; models in one "
              "tritonserver, the client in this process; every figure from one run.", "",
              "Columns: delivered tokens/s; tokens per response; the client's gap per token (median / "
-             "p99, ms); CPU per delivered token (us) of the model's stub process, of tritonserver and "
+             "p99, ms); its time to first token (ms, requests sent in the window); CPU per delivered token (us) of the model's stub process, of tritonserver and "
              "of the client; calls from the stub into tritonserver per token (sends, metric updates, "
              "cancellation checks); the iteration period (median / p99, ms); the sender's lag from an "
              "iteration's return to its responses sent (mean, ms); requests whose tokens or text were "
              "not exactly right, of those finished in the window. The serving path before the host-path "
              "work, measured the same way: [host_before.md](host_before.md).", "",
-             *table(["model", "via", "streams", "tokens/s", "tokens/resp", "gap p50/p99", "stub us/tok",
+             *table(["model", "via", "streams", "tokens/s", "tokens/resp", "gap p50/p99", "ttft p50/p99", "stub us/tok",
                      "server us/tok", "client us/tok", "calls/tok", "period p50/p99", "lag ms", "wrong"],
                     summary_rows(runs)), ""]
     if perf:
