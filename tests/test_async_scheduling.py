@@ -7,6 +7,8 @@ greedy (and seeded) output equal with async scheduling on and off under stops, a
 preemption, prefix caching, penalties and seeds, inline and in a child process."""
 from __future__ import annotations
 
+import gc
+import weakref
 from collections import deque
 
 import pytest
@@ -193,7 +195,7 @@ def test_greedy_and_seeded_output_is_the_same_with_async_scheduling_on_and_off(d
         engine = LLMEngine(EngineConfig(model=str(default_model), kv_cache_tokens=pool, max_batch_size=8,
                                         async_scheduling=on))
         results[on] = _run(engine, _requests(), abort="aborted")
-        if pool == 160:
+        if pool == 96:
             assert engine.scheduler.num_preemptions > 0
         engine.shutdown()
     assert results[True] == results[False]
@@ -219,3 +221,18 @@ def test_pipelines_refuse_async_scheduling_and_one_stage_has_it_by_default():
     assert EngineConfig(async_scheduling=False).max_inflight == 1
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineConfig(executor="pipeline", async_scheduling=True)
+
+
+def test_an_engine_dropped_without_shutdown_frees_its_runner_and_thread(default_model):
+    """The runner thread holds neither the executor nor the runner: a dropped engine's weights
+    are freed and its thread ends (a process that makes engines would otherwise grow)."""
+    engine = LLMEngine(EngineConfig(model=str(default_model), kv_cache_tokens=2048))
+    engine.add_request("a", list(range(5, 25)), SamplingParams(max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    runner, thread = weakref.ref(engine.executor.runner), engine.executor._thread
+    del engine
+    gc.collect()
+    assert runner() is None
+    thread.join(30)
+    assert not thread.is_alive()

@@ -8,6 +8,7 @@ teams of them on the cores (a quarter slower here, `make bench-host`'s last tabl
 from __future__ import annotations
 
 import queue
+import weakref
 from concurrent.futures import Future
 
 import torch
@@ -25,32 +26,20 @@ class InlineExecutor(Executor):
     def __init__(self, spec: RunnerSpec) -> None:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # (message, future) | None: stop
         built: Future = Future()
-        self._thread = NamedThread(target=self._main, args=(spec, built), name="orca-runner", daemon=True)
+        # The thread keeps only the inbox and a weak reference to the runner: the runner lives
+        # as long as this executor, and an executor dropped without shutdown() (a test's engine)
+        # frees its weights in the thread that dropped it and stops its thread.
+        start = {"spec": spec, "built": built}
+        self._thread = NamedThread(target=_serve, args=(start, self._inbox), name="orca-runner", daemon=True)
         self._thread.start()
         self.runner = built.result()  # raises what building raised
+        built = None  # it holds the runner too
+        weakref.finalize(self, self._inbox.put, None)
 
     def submit(self, message: SchedulerOutput) -> Future[RunnerOutput]:
         future: Future[RunnerOutput] = Future()
         self._inbox.put((message, future))
         return future
-
-    def _main(self, spec: RunnerSpec, built: Future) -> None:
-        try:
-            runner = build_runner(spec)
-        except BaseException as e:
-            built.set_exception(e)
-            return
-        device = getattr(runner, "device", None)
-        if isinstance(device, torch.device) and device.type == "cuda":
-            torch.cuda.set_device(device)  # the current device is per thread
-        built.set_result(runner)
-        while (item := self._inbox.get()) is not None:
-            message, future = item
-            try:
-                self.check_health()
-                future.set_result(runner.execute(message))
-            except BaseException as e:  # RunnerDiedError: a tensor-parallel rank failed, for good
-                future.set_exception(e)
 
     def check_health(self) -> None:
         self.runner.check_health()
@@ -59,3 +48,29 @@ class InlineExecutor(Executor):
         self._inbox.put(None)
         self._thread.join(STOP_TIMEOUT_SECONDS)  # a runner hung in an iteration is left behind
         self.runner.shutdown()
+
+
+def _serve(start: dict, inbox: queue.SimpleQueue) -> None:
+    """The runner thread: build the runner (`start` is emptied: the thread's arguments live as
+    long as it does), then run what arrives until None."""
+    spec, built = start.pop("spec"), start.pop("built")
+    try:
+        runner = build_runner(spec)
+    except BaseException as e:
+        built.set_exception(e)
+        return
+    device = getattr(runner, "device", None)
+    if isinstance(device, torch.device) and device.type == "cuda":
+        torch.cuda.set_device(device)  # the current device is per thread
+    built.set_result(runner)
+    runner_ref = weakref.ref(runner)
+    del built, runner
+    while (item := inbox.get()) is not None:
+        message, future = item
+        runner = runner_ref()  # alive: its executor submitted this
+        try:
+            runner.check_health()
+            future.set_result(runner.execute(message))
+        except BaseException as e:  # RunnerDiedError: a tensor-parallel rank failed, for good
+            future.set_exception(e)
+        del item, message, future, runner
