@@ -277,3 +277,30 @@ def test_what_a_slow_reader_missed_comes_merged_in_one_chunk_saying_all_of_it():
     assert len(read) == 2 and read[1].text == "".join(f"t{i} " for i in range(1, 10))
     assert (read[1].num_output_tokens, read[1].finish_reason, len(read[1].logprobs)) == (9, "length", 9)
     assert (choice.text, choice.num_output_tokens, len(choice.entries)) == ("".join(f"t{i} " for i in range(10)), 10, 10)
+
+
+class _PiecesThenError(_OneModel):
+    """Three one-token pieces, then the backend's error (tokens owed, then the failure)."""
+
+    async def generate(self, model, prompt: str, sampling: dict, stream: bool):
+        for i in range(3):
+            yield Piece(f"t{i} ", None, 4, 1, 0, None)
+        raise APIError(500, "the engine failed")
+
+
+def test_pieces_that_arrive_with_an_error_are_read_before_it():
+    from orca_backend.serving.openai_api.generation import Generation
+
+    async def run():
+        backend = _PiecesThenError(None)
+        generation = Generation(backend, backend.served, ["p"], {}, 1, True)
+        await generation.start()
+        read = []
+        with pytest.raises(APIError, match="the engine failed"):
+            async for choice, piece in generation.pieces():
+                read.append(piece.text)
+                if len(read) == 1:  # the rest and the error arrive while the reader is busy
+                    await asyncio.wait(generation._tasks)
+        return read
+
+    assert asyncio.run(run()) == ["t0 ", "t1 t2 "]

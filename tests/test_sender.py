@@ -12,7 +12,7 @@ from orca_backend.engine.outputs import RequestDelta
 from orca_backend.serving import sender as sender_module
 from orca_backend.serving.inputs import GenerateRequest
 from orca_backend.serving.sender import (CANCEL_CYCLE_SECONDS, CANCEL_POLL_SECONDS, Deltas, ErrorKind, Fail,
-                                         Observed, Open, Sender, Stop, Stream)
+                                         FailAll, Observed, Open, Sender, Stop, Stream)
 
 from fakes import FakeSink
 
@@ -120,6 +120,27 @@ def test_tokens_owed_go_out_before_an_error_ends_the_stream():
     assert sink.error == (ErrorKind.CANCELLED, "cancelled") and sink.num_finals == 1
 
 
+def test_tokens_that_stream_interval_holds_back_go_out_before_an_error():
+    sink = FakeSink()
+    first, second, third = _deltas("r", [1.0, 2.0, 3.0])[:3]
+    _by_wakeups([[_open(sink)], [first], [second], [third], [Fail("r", "broken", ErrorKind.INTERNAL)]], 4)
+    assert [r.text for r in sink.responses] == ["The", " quick"]  # the first at once; the held two
+    assert sum(r.num_output_tokens for r in sink.responses) == 3 and sink.error == (ErrorKind.INTERNAL, "broken")
+
+
+def test_a_stream_whose_end_arrived_before_a_fail_all_gets_its_end_not_an_error():
+    metrics, ended, open_ = _Collect(), FakeSink(), FakeSink()
+    aborted: list[str] = []
+    sender = Sender(lambda ids: "", metrics, aborted.append)
+    deltas = _deltas("done", [1.0 + i for i in range(len(TEXTS))])
+    _by_wakeups([[_open(ended, "done"), _open(open_, "open")],
+                 [*deltas, *_deltas("open", [1.0])[:1], FailAll("the engine thread failed")]], sender=sender)
+    assert ended.error is None and ended.num_finals == 1 and ended.num_output_tokens == len(TEXTS)
+    assert open_.error == (ErrorKind.INTERNAL, "the engine thread failed") and open_.num_finals == 1
+    assert open_.num_output_tokens == 1 and aborted == ["open"]
+    assert metrics.sum("finish_reasons") == ["length"] and metrics.sum("ended_early") == [ErrorKind.INTERNAL]
+
+
 def test_the_metrics_see_each_token_once_by_the_engines_clock_however_responses_merge():
     metrics, sinks = _Collect(), [FakeSink(), FakeSink()]
     times = [10.0 + i for i in range(len(TEXTS))]
@@ -152,6 +173,22 @@ def test_each_tick_checks_a_bounded_share_and_every_stream_within_the_cycle():
             assert sender._observed.num_cancel_checks - before <= -(-n // ticks)
         assert aborted[-1:] == [f"r{late}"]
         sinks[late].cancelled = False
+
+
+def test_streams_that_ended_do_not_take_the_open_ones_turns():
+    """Thousands of short requests end before the rotation reaches them; a stream opened after
+    them is still checked within the cycle, and the rotation keeps only open streams."""
+    sender = Sender(lambda ids: "", None, lambda request_id: aborted.append(request_id))
+    aborted: list[str] = []
+    for i in range(5000):
+        sender._handle(_open(FakeSink(), f"short{i}"))
+        sender._handle(Fail(f"short{i}", "refused", ErrorKind.INVALID))
+    live = FakeSink()
+    sender._handle(_open(live, "live"))
+    live.cancelled = True
+    for _ in range(round(CANCEL_CYCLE_SECONDS / CANCEL_POLL_SECONDS)):
+        sender._check_cancellations()
+    assert set(aborted) == {"live"} and list(sender._to_check) == ["live"]
 
 
 def test_past_its_time_a_wake_answers_ends_and_first_tokens_then_one_more_and_the_rest_wait(monkeypatch):

@@ -297,19 +297,22 @@ class Sender:
             if i > len(urgent) and time.monotonic() > deadline:  # one more at least: no stream starves
                 self._waiting = dict(order[i:])
                 return
-            delta = stream.newest
-            if delta.finished:
+            if stream.newest.finished:
                 del self._streams[request_id]
             elif not self._due(stream):
                 continue
-            stream.newest = None
-            if stream.request.stream:
-                text = "".join(stream.text)
-                stream.text.clear()
-            else:
-                text = "".join(stream.text)
-                text = text if stream.request.exclude_input_in_output else stream.request.prompt + text
-            self._send(stream, delta, text)
+            self._respond(stream)
+
+    def _respond(self, stream: Stream) -> None:
+        """Send what the stream's waiting deltas say, merged."""
+        delta, stream.newest = stream.newest, None
+        if stream.request.stream:
+            text = "".join(stream.text)
+            stream.text.clear()
+        else:
+            text = "".join(stream.text)
+            text = text if stream.request.exclude_input_in_output else stream.request.prompt + text
+        self._send(stream, delta, text)
 
     def _due(self, stream: Stream) -> bool:
         """Whether an unfinished stream's waiting tokens go out now."""
@@ -330,30 +333,40 @@ class Sender:
         self._observed.sender_lag.append(time.monotonic() - stream.oldest_made)
 
     def _check_cancellations(self) -> None:
-        """A share of the open streams each tick, so that each is checked every cycle."""
-        count = min(len(self._to_check),
-                    math.ceil(len(self._streams) * CANCEL_POLL_SECONDS / CANCEL_CYCLE_SECONDS))
-        for _ in range(count):
+        """A share of the open streams each tick, so that each is checked every cycle. Ended
+        streams leave the rotation as it reaches them and do not count against the share
+        (however many ended since, the open ones keep their turn)."""
+        count = math.ceil(len(self._streams) * CANCEL_POLL_SECONDS / CANCEL_CYCLE_SECONDS)
+        for _ in range(len(self._to_check)):
+            if not count:
+                return
             request_id = self._to_check.popleft()
             stream = self._streams.get(request_id)
             if stream is None:
-                continue  # ended: it leaves the rotation
+                continue
+            count -= 1
             self._to_check.append(request_id)
             self._observed.num_cancel_checks += 1
             if _safe(stream.sink.is_cancelled, False):
                 self._abort(request_id)
 
     def _fail_all(self, message: str) -> None:
+        """A stream whose end has arrived and not yet gone out gets it; the others fail."""
         streams, self._streams = self._streams, {}
         for request_id, stream in streams.items():
+            self._waiting.pop(request_id, None)
+            if stream.newest is not None and stream.newest.finished:
+                self._respond(stream)
+                continue
             self._failed(request_id, stream, message, ErrorKind.INTERNAL)
             self._abort(request_id)
 
     def _failed(self, request_id: str, stream: Stream, message: str, kind: ErrorKind) -> None:
-        """End a stream with an error, after the tokens it was still owed."""
-        if self._waiting.pop(request_id, None) is not None and stream.newest is not None and any(stream.text):
-            if stream.request.stream:
-                self._send(stream, stream.newest, "".join(stream.text))
+        """End a stream with an error, after the tokens it was still owed (also those that
+        `stream_interval` was holding back)."""
+        self._waiting.pop(request_id, None)
+        if stream.newest is not None and any(stream.text) and stream.request.stream:
+            self._send(stream, stream.newest, "".join(stream.text))
         if kind in (ErrorKind.CANCELLED, ErrorKind.INTERNAL):
             self._observed.ended_early.append(kind)
         self._observed.num_sends += 1

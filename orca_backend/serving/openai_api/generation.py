@@ -52,17 +52,21 @@ class Generation:
         one piece per choice, so that a slow reader gets fewer, larger chunks."""
         try:
             batch, self._early = self._early, []
+            failure: APIError | None = None
             while True:
-                for choice, piece in _merged(batch):
+                for choice, piece in _merged(batch):  # what came before an error goes out first
                     choice.add(piece)
                     yield choice, piece
+                if failure is not None:
+                    raise failure
                 if not self._open:
                     return
                 batch = []
                 for item in [await self._queue.get(), *_drained(self._queue)]:
                     choice, piece = item
                     if isinstance(piece, APIError):
-                        raise piece
+                        failure = piece
+                        break
                     if piece is _END:
                         self._open -= 1
                     else:
