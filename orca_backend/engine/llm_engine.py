@@ -166,6 +166,11 @@ class LLMEngine:
         return (bool(self._tracked) or bool(self._in_flight) or self._runner_died
                 or self.scheduler.has_news_for_runner)
 
+    @property
+    def num_iterations_in_flight(self) -> int:
+        """Iterations submitted to the runner and not yet collected by step()."""
+        return len(self._in_flight)
+
     def unfinished_request_ids(self) -> list[str]:
         return list(self._tracked)
 

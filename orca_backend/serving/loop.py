@@ -218,9 +218,10 @@ class EngineLoop:
             self.engine.abort_request(request_id)
             self.sender.put(Fail(request_id, message, kind))
         # An abort in flight takes effect when its iteration returns: collect what is out
-        # (nothing new is scheduled for ended requests), so that every block comes back.
+        # (nothing new is scheduled for ended requests), so that every block comes back. Only
+        # that: a runner that died is not started again on the way out.
         for _ in range(self.engine.config.max_inflight + 1):
-            if not self.engine.has_unfinished_requests():
+            if not self.engine.num_iterations_in_flight:
                 break
             try:
                 self.engine.step()
