@@ -143,12 +143,13 @@ def counted(values: dict[str, float], name: str, model: str) -> dict[str, float]
     return found
 
 
-def iteration_periods(trace: Path, start_wall: float, end_wall: float) -> list[float]:
+def iterations(trace: Path, start_wall: float, end_wall: float) -> tuple[list[float], list[int]]:
+    """The iteration periods and batch sizes (requests in each) inside the window."""
     if not trace.exists():
-        return []
-    times = [json.loads(line)["time"] for line in trace.read_text().splitlines() if line.strip()]
-    times = [t for t in times if start_wall <= t < end_wall]
-    return list(np.diff(times))
+        return [], []
+    records = [json.loads(line) for line in trace.read_text().splitlines() if line.strip()]
+    records = [r for r in records if start_wall <= r["time"] < end_wall]
+    return list(np.diff([r["time"] for r in records])), [r["num_requests"] for r in records]
 
 
 @dataclass
@@ -160,6 +161,7 @@ class Run:
     cpu: dict[tuple[str, str], float] = field(default_factory=dict)
     calls: dict[str, float] = field(default_factory=dict)  # per kind, over the window
     periods: list[float] = field(default_factory=list)
+    batches: list[int] = field(default_factory=list)
     lag: tuple[float, float] | None = None  # sender lag: (count, sum seconds)
     perf: dict | None = None
 
@@ -181,7 +183,7 @@ def measure(run: Run, load, server: Server, pids: dict[str, int], args) -> Run:
         key = next(iter(count))
         run.lag = (count[key] - before.get(f"orca_sender_lag_seconds_count{key}", 0.0),
                    total[key] - before.get(f"orca_sender_lag_seconds_sum{key}", 0.0))
-    run.periods = iteration_periods(args.work / f"trace_{run.model}.jsonl", wall0, wall1)
+    run.periods, run.batches = iterations(args.work / f"trace_{run.model}.jsonl", wall0, wall1)
     return run
 
 
@@ -266,7 +268,8 @@ def summary_rows(runs: list[Run]) -> list[list]:
                      f"{r.gap_ms(50):.1f} / {r.gap_ms(99):.1f}", f"{r.ttft_ms(50):.0f} / {r.ttft_ms(99):.0f}",
                      f"{per_token_us(run, stub_label(run)):.0f}", f"{per_token_us(run, 'tritonserver'):.0f}",
                      f"{per_token_us(run, 'client'):.0f}",
-                     f"{calls / r.tokens:.2f}" if run.calls and r.tokens else "-", period, lag,
+                     f"{calls / r.tokens:.2f}" if run.calls and r.tokens else "-", period,
+                     f"{statistics.mean(run.batches):.0f}" if run.batches else "-", lag,
                      f"{r.wrong}/{r.requests_done}" + (f", {len(r.errors)} errors" if r.errors else "")])
     return rows
 
@@ -293,12 +296,13 @@ def report(args, runs: list[Run], perf: list[tuple[str, int, dict]], real: list[
              "Columns: delivered tokens/s; tokens per response; the client's gap per token (median / "
              "p99, ms); its time to first token (ms, requests sent in the window); CPU per delivered token (us) of the model's stub process, of tritonserver and "
              "of the client; calls from the stub into tritonserver per token (sends, metric updates, "
-             "cancellation checks); the iteration period (median / p99, ms); the sender's lag from an "
+             "cancellation checks); the iteration period (median / p99, ms); requests in an iteration (mean: "
+             "with the period, what bounds tokens/s); the sender's lag from an "
              "iteration's return to its responses sent (mean, ms); requests whose tokens or text were "
              "not exactly right, of those finished in the window. The serving path before the host-path "
              "work, measured the same way: [host_before.md](host_before.md).", "",
              *table(["model", "via", "streams", "tokens/s", "tokens/resp", "gap p50/p99", "ttft p50/p99", "stub us/tok",
-                     "server us/tok", "client us/tok", "calls/tok", "period p50/p99", "lag ms", "wrong"],
+                     "server us/tok", "client us/tok", "calls/tok", "period p50/p99", "batch", "lag ms", "wrong"],
                     summary_rows(runs)), ""]
     if perf:
         lines += ["perf_analyzer (`--streaming`, the same requests, closed loop; tokens/s is its requests/s "
