@@ -259,22 +259,30 @@ class _Pieces(_OneModel):
             yield Piece(f"t{i} ", "length" if i == 9 else None, 4, 1, 0, [{str(i): {"logprob": -1.0}}])
 
 
-def test_what_a_slow_reader_missed_comes_merged_in_one_chunk_saying_all_of_it():
+def _read_slowly(backend) -> tuple[list, object, BaseException | None]:
+    """One streamed choice read by a slow reader: everything after its first piece arrives
+    while it is busy. Returns the pieces read, the choice, and what reading raised."""
     from orca_backend.serving.openai_api.generation import Generation
 
     async def run():
-        backend = _Pieces(None)
         generation = Generation(backend, backend.served, ["p"], {}, 1, True)
         await generation.start()
         read = []
-        async for choice, piece in generation.pieces():
-            read.append(piece)
-            if len(read) == 1:  # a slow reader: everything else arrives meanwhile
-                await asyncio.wait(generation._tasks)
-        return read, generation.choices[0]
+        try:
+            async for choice, piece in generation.pieces():
+                read.append(piece)
+                if len(read) == 1:
+                    await asyncio.wait(generation._tasks)
+        except APIError as e:
+            return read, generation.choices[0], e
+        return read, generation.choices[0], None
 
-    read, choice = asyncio.run(run())
-    assert len(read) == 2 and read[1].text == "".join(f"t{i} " for i in range(1, 10))
+    return asyncio.run(run())
+
+
+def test_what_a_slow_reader_missed_comes_merged_in_one_chunk_saying_all_of_it():
+    read, choice, error = _read_slowly(_Pieces(None))
+    assert error is None and len(read) == 2 and read[1].text == "".join(f"t{i} " for i in range(1, 10))
     assert (read[1].num_output_tokens, read[1].finish_reason, len(read[1].logprobs)) == (9, "length", 9)
     assert (choice.text, choice.num_output_tokens, len(choice.entries)) == ("".join(f"t{i} " for i in range(10)), 10, 10)
 
@@ -289,18 +297,5 @@ class _PiecesThenError(_OneModel):
 
 
 def test_pieces_that_arrive_with_an_error_are_read_before_it():
-    from orca_backend.serving.openai_api.generation import Generation
-
-    async def run():
-        backend = _PiecesThenError(None)
-        generation = Generation(backend, backend.served, ["p"], {}, 1, True)
-        await generation.start()
-        read = []
-        with pytest.raises(APIError, match="the engine failed"):
-            async for choice, piece in generation.pieces():
-                read.append(piece.text)
-                if len(read) == 1:  # the rest and the error arrive while the reader is busy
-                    await asyncio.wait(generation._tasks)
-        return read
-
-    assert asyncio.run(run()) == ["t0 ", "t1 t2 "]
+    read, _, error = _read_slowly(_PiecesThenError(None))
+    assert [p.text for p in read] == ["t0 ", "t1 t2 "] and "the engine failed" in str(error)
