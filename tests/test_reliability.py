@@ -81,7 +81,8 @@ def _with_a_healthy_stream_beside(server, send_bad) -> None:
                           flags={"return_num_output_tokens": True})
         send_bad()
         result = other.wait(good, timeout=120)
-    assert result.error is None and len(result.responses) == HEALTHY_TOKENS
+    # a response a token, or fewer when the sender, behind, merged some
+    assert result.error is None and 1 <= len(result.responses) <= HEALTHY_TOKENS
     assert sum(r["num_output_tokens"] for r in result.responses) == HEALTHY_TOKENS
 
 
