@@ -69,6 +69,8 @@ class EngineConfig:
     tensorrt_runtime: str = "tensorrt"
     engine_cache_dir: str | None = None  # built TensorRT engines; None: <cache>/engines
     null_step_seconds: float = 0.0  # engine "null": each iteration's stand-in for a forward
+    # A request's structured_outputs grammar not compiled by then fails (it never holds up others).
+    grammar_compile_timeout_seconds: float = 10.0
     # Ranks of the runner (and of each pipeline stage), each holding 1/T of every layer:
     # processes on the CPU (gloo), one GPU each from the instance's first (NCCL).
     tensor_parallel_size: int = 1
@@ -118,6 +120,9 @@ class EngineConfig:
         _need(self.engine in ENGINES, "engine", self.engine, f"one of {', '.join(ENGINES)}")
         _need(isinstance(self.null_step_seconds, (int, float)) and 0 <= self.null_step_seconds <= 60,
               "null_step_seconds", self.null_step_seconds, "between 0 and 60")
+        _need(isinstance(self.grammar_compile_timeout_seconds, (int, float)) and not isinstance(
+            self.grammar_compile_timeout_seconds, bool) and 0 < self.grammar_compile_timeout_seconds <= 3600,
+            "grammar_compile_timeout_seconds", self.grammar_compile_timeout_seconds, "in (0, 3600]")
         if self.engine == "null":
             _need(self.executor in ("inline", "process"), "executor", self.executor,
                   "'inline' or 'process' with engine 'null'")

@@ -84,8 +84,8 @@ class SchedulerOutput:
 
     def to_wire(self) -> list:
         return [self.iteration_id,
-                [[r.request_id, r.prompt_token_ids, [getattr(r.params, n) for n in _PARAM_FIELDS],
-                  r.wants_logprob] for r in self.new_requests],
+                [[r.request_id, r.prompt_token_ids, _params_to_wire(r.params), r.wants_logprob]
+                 for r in self.new_requests],
                 [[s.request_id, s.num_computed_tokens, s.num_scheduled_tokens, s.new_token_ids,
                   s.new_block_ids, s.sample, s.num_placeholders] for s in self.scheduled],
                 self.finished_request_ids, self.preempted_request_ids]
@@ -97,6 +97,13 @@ class SchedulerOutput:
                    [NewRequest(rid, prompt, SamplingParams(*params), wants)
                     for rid, prompt, params, wants in new],
                    [ScheduledRequest(*s) for s in scheduled], finished, preempted)
+
+
+def _params_to_wire(params: SamplingParams) -> list:
+    values = [getattr(params, n) for n in _PARAM_FIELDS]
+    if params.structured_outputs is not None:  # a mapping on the wire; SamplingParams reads it back
+        values[_PARAM_FIELDS.index("structured_outputs")] = params.structured_outputs.to_dict()
+    return values
 
 
 @dataclass(slots=True)
@@ -116,22 +123,23 @@ class RunnerOutput:
     errors: dict[str, str] = field(default_factory=dict)  # requests whose sampling failed
     forward_seconds: float = 0.0  # time in the model forward, for the overhead benchmark
     logits: dict[str, bytes] | None = None  # float32 rows, with EngineConfig.keep_logits (tests)
+    mask_seconds: float = 0.0  # computing the grammar masks of its rows (beside the forward)
 
     def to_wire(self) -> list:
         return [self.iteration_id,
                 {rid: [t.token_id, t.logprob,
                        None if t.top_logprobs is None else [[k, *v] for k, v in t.top_logprobs.items()]]
                  for rid, t in self.sampled.items()},
-                self.errors, self.forward_seconds, self.logits]
+                self.errors, self.forward_seconds, self.logits, self.mask_seconds]
 
     @classmethod
     def from_wire(cls, data: list) -> RunnerOutput:
-        iteration_id, sampled, errors, forward_seconds, logits = data
+        iteration_id, sampled, errors, forward_seconds, logits, mask_seconds = data
         return cls(iteration_id,
                    {rid: SampledToken(token_id, logprob,
                                       None if top is None else {k: (lp, rank) for k, lp, rank in top})
                     for rid, (token_id, logprob, top) in sampled.items()},
-                   errors, forward_seconds, logits)
+                   errors, forward_seconds, logits, mask_seconds)
 
 
 def encode(message: SchedulerOutput | RunnerOutput) -> bytes:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import InvalidRequestError
+from .structured_outputs import StructuredOutputsParams
 
 # Below this a temperature is greedy, as in vLLM: dividing logits by a tiny positive number
 # overflows them to inf, and softmax of inf is NaN.
@@ -40,6 +41,9 @@ class SamplingParams:
     # Requests share cached K/V blocks only with requests of the same salt (None: unsalted),
     # so that one tenant cannot tell from timing whether another sent a prompt.
     cache_salt: str | None = None
+    # The output must match a schema, regex, choice or grammar (a mapping or JSON text given
+    # here is read as StructuredOutputsParams); vLLM's older name `guided_decoding` is taken too.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -72,6 +76,8 @@ class SamplingParams:
                "must be valid Unicode text (no lone surrogates)")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids,
                "must be non-negative token ids")
+        _check(self.structured_outputs is None or self.min_tokens == 0, "min_tokens", self.min_tokens,
+               "must be 0 with structured_outputs (the grammar decides where the output ends)")
 
     @property
     def greedy(self) -> bool:
@@ -89,6 +95,10 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"sampling_parameters must be a JSON object, got {type(values).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
+        if "guided_decoding" in values:
+            if "structured_outputs" in values:
+                raise InvalidRequestError("give 'structured_outputs' or 'guided_decoding', not both")
+            values = {("structured_outputs" if k == "guided_decoding" else k): v for k, v in values.items()}
         unknown = sorted(set(values) - known)
         if unknown:
             raise InvalidRequestError(
@@ -106,7 +116,7 @@ _TYPES: dict[str, type] = {
     "presence_penalty": float, "frequency_penalty": float,
     "ignore_eos": bool, "include_stop_str_in_output": bool, "skip_special_tokens": bool,
 }
-_OPTIONAL = {"max_tokens", "seed", "logprobs", "cache_salt"}
+_OPTIONAL = {"max_tokens", "seed", "logprobs", "cache_salt", "structured_outputs"}
 
 
 def parse_json(text: str, what: str) -> Any:
@@ -147,6 +157,8 @@ def _coerce(name: str, value: Any) -> Any:
         return [_scalar(name, v, int) for v in _coerce_list(name, value, (int, str))]
     if value is None and name in _OPTIONAL:
         return None
+    if name == "structured_outputs":
+        return StructuredOutputsParams.from_value(value)
     if name == "cache_salt":
         if not isinstance(value, str):
             raise InvalidRequestError(f"sampling parameter 'cache_salt' must be a string, got {_show(value)}")

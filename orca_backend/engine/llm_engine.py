@@ -18,12 +18,14 @@ from ..core.sampling_params import SamplingParams
 from ..core.scheduler import Scheduler, SchedulerConfig
 from ..executors.base import Executor, ExecutorFactory, RunnerDiedError, RunnerUnavailableError
 from ..executors.factory import executor_factory_for
+from ..grammar import compiler_for
 from ..runner.spec import RunnerSpec
 from .detokenizer import IncrementalDetokenizer
 from .outputs import EngineSnapshot, EngineStats, IterationRecord, RequestDelta
 from .request_rules import RequestRules
 
 log = logging.getLogger(__name__)
+COMPILE_POLL_SECONDS = 0.05
 
 
 @dataclass(slots=True)
@@ -52,6 +54,8 @@ class LLMEngine:
             engine_cache_dir=self._engine_cache_dir())
         self.executor_factory = executor_factory or executor_factory_for(config)
         self.executor: Executor = self.executor_factory(self.runner_spec)
+        model = self.rules.model_config
+        self.grammars = compiler_for(self.rules.model_path, model.vocab_size, model.eos_token_ids)
         self.stats = EngineStats()
         self.reset()
 
@@ -100,6 +104,8 @@ class LLMEngine:
             self.scheduler.num_preemptions = old.num_preemptions
             self.kv.stats = old.kv.stats
         self._tracked: dict[str, _Tracked] = {}
+        # Requests whose structured_outputs grammar is compiling: tracked, not yet scheduled.
+        self._compiling: dict[str, Future] = {}
         self._in_flight: dict[int, tuple[SchedulerOutput, Future[RunnerOutput]]] = {}
         self._submitted: dict[int, float] = {}  # iteration id -> perf_counter() at its submission
         self._runner_died = False  # its requests have been ended; a new runner is due
@@ -130,10 +136,26 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         token_ids = prompt if prepared else self.prepare(prompt, params)
         params = self._resolved(params, len(token_ids))
+        grammar = self.compile_grammar(params)
+        if grammar is not None and grammar.done():
+            grammar.result()  # a refused grammar raises its InvalidRequestError here
         req = Request(request_id, token_ids, params, track_logprob=track_logprob)
         self._tracked[request_id] = _Tracked(req, self.rules.detokenizer(token_ids, params))
-        self.scheduler.add(req)
+        if grammar is not None:
+            self.stats.num_structured_requests += 1
+        if grammar is not None and not grammar.done():
+            self._compiling[request_id] = grammar  # scheduled once it has compiled (step())
+        else:
+            self.scheduler.add(req)
         return req
+
+    def compile_grammar(self, params: SamplingParams) -> Future | None:
+        """Start compiling a request's structured_outputs grammar (None if it has none): the
+        future is done at once when the grammar is cached, and fails with an
+        InvalidRequestError for a bad spec or one not compiled in time. Any thread."""
+        if params.structured_outputs is None:
+            return None
+        return self.grammars.submit(params.structured_outputs, self.config.grammar_compile_timeout_seconds)
 
     def prepare(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """Tokenize and check a request against the model and the K/V pool; raises
@@ -157,8 +179,14 @@ class LLMEngine:
         tracked = self._tracked.pop(request_id, None)
         if tracked is None:
             return False
-        self.scheduler.finish(tracked.request, RequestStatus.FINISHED_ABORTED)
+        self._end(tracked.request, RequestStatus.FINISHED_ABORTED)
         return True
+
+    def _end(self, req: Request, status: RequestStatus) -> None:
+        if self._compiling.pop(req.request_id, None) is not None:
+            req.status = status  # never scheduled: nothing to free
+        elif not req.status.finished:
+            self.scheduler.finish(req, status)
 
     def has_unfinished_requests(self) -> bool:
         """Requests to run, iterations still to collect, a runner to start again, or ended
@@ -199,15 +227,37 @@ class LLMEngine:
             if self._runner_died:  # its requests' errors went out with the previous step
                 self._restart_runner()
             self.executor.check_health()
+            deltas += self._admit_compiled()
             self._submit()
             if not self._in_flight:
-                return []
+                self._await_compiles()
+                return deltas
             for message, future in self._returned():
                 deltas += self._complete(message, future)
         except RunnerDiedError as e:
             deltas += self._recover(e)  # keeping what iterations returned before it died
         self.stats.step_seconds += time.perf_counter() - start
         return deltas
+
+    def _admit_compiled(self) -> list[RequestDelta]:
+        """Schedule the requests whose grammar has compiled; end those it failed for."""
+        deltas = []
+        for request_id, future in list(self._compiling.items()):
+            if not future.done():
+                continue
+            req = self._tracked[request_id].request
+            if future.exception() is not None:
+                deltas.append(self._fail(req, str(future.exception())))
+            else:
+                del self._compiling[request_id]
+                self.scheduler.add(req)
+        return deltas
+
+    def _await_compiles(self) -> None:
+        """Nothing to run but grammars compiling: wait a moment for one, not a busy loop (a
+        server's new requests wait no longer than that)."""
+        if self._compiling:
+            wait(list(self._compiling.values()), COMPILE_POLL_SECONDS, FIRST_COMPLETED)
 
     def _submit(self) -> None:
         while len(self._in_flight) < self.config.max_inflight:
@@ -283,13 +333,18 @@ class LLMEngine:
                    else f"internal error: {error}; the runner was restarted")
         deltas = [_error_delta(t.request, message) for t in self._tracked.values()
                   if unavailable or t.request.num_sent_tokens]
+        compiling = {} if unavailable else self._compiling
         self._fresh_scheduler()
         self._runner_died = True
         for tracked in unseen:
-            self._tracked[tracked.request.request_id] = tracked
+            request_id = tracked.request.request_id
+            self._tracked[request_id] = tracked
             tracked.request.num_cached_tokens = None  # looked up again, in the new (empty) cache
             tracked.request.num_computed_tokens = 0
-            self.scheduler.add(tracked.request)
+            if request_id in compiling:
+                self._compiling[request_id] = compiling[request_id]
+            else:
+                self.scheduler.add(tracked.request)
         return deltas
 
     def _process_safely(self, req: Request, token: SampledToken, out: RunnerOutput) -> RequestDelta:
@@ -303,8 +358,7 @@ class LLMEngine:
     def _fail(self, req: Request, message: str) -> RequestDelta:
         """End one request with an error; its K/V blocks are freed at once."""
         self._tracked.pop(req.request_id, None)
-        if not req.status.finished:
-            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+        self._end(req, RequestStatus.FINISHED_ERROR)
         return _error_delta(req, message)
 
     def _process(self, req: Request, token: SampledToken, logits: bytes | None) -> RequestDelta:

@@ -50,6 +50,7 @@ class EngineStats:
     step_seconds: float = 0.0  # whole step() time
     forward_seconds: float = 0.0  # the runner's model forward, as it reports it
     num_runner_restarts: int = 0
+    num_structured_requests: int = 0  # requests added with a structured_outputs grammar
     last_iteration: IterationRecord | None = None
     # Every iteration the last step() collected (several when several were in flight).
     last_step_iterations: list[IterationRecord] = field(default_factory=list)

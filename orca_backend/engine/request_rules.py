@@ -87,7 +87,9 @@ class RequestRules:
         may_stop = num_output_tokens >= params.min_tokens
         if detokenizer.append(token_id, check_stop=may_stop):
             return RequestStatus.FINISHED_STOPPED
-        is_eos = token_id in self.model_config.eos_token_ids and not params.ignore_eos
+        # A grammar allows the end-of-sequence token only where it is complete: it ends there.
+        is_eos = token_id in self.model_config.eos_token_ids and (
+            not params.ignore_eos or params.structured_outputs is not None)
         if may_stop and (is_eos or token_id in params.stop_token_ids):
             return RequestStatus.FINISHED_STOPPED
         if num_output_tokens >= params.max_tokens or num_tokens >= self.max_model_len:

@@ -9,6 +9,7 @@ import torch
 
 from ..checkpoint.config import ModelConfig
 from ..core.errors import ConfigError
+from ..grammar import GrammarCompiler, compiler_for
 from .model_runner import ModelRunner
 from .null_runner import NullRunner
 from .models import load_model
@@ -24,14 +25,16 @@ START_TIMEOUT_SECONDS = 600  # every rank loading its shard
 def build_runner(spec: RunnerSpec, model=None, rank: int = 0) -> ModelRunner | NullRunner:
     """Load the weights (unless `model` is already loaded) and allocate the K/V pool."""
     if spec.engine == "null":
-        return NullRunner(spec.model_path, spec.null_step_seconds)
+        return NullRunner(spec.model_path, spec.null_step_seconds, grammar_compiler(spec))
     if spec.engine == "tensorrt":
         if spec.tensor_parallel_size > 1:
             raise ConfigError("engine 'tensorrt' builds single-rank engines; tensor_parallel_size "
                               f"{spec.tensor_parallel_size} needs engine 'torch'")
         from .tensorrt_runner import build_tensorrt_runner  # imports trt_plugins' builder
 
-        return build_tensorrt_runner(spec)
+        runner = build_tensorrt_runner(spec)
+        runner.grammars = grammar_compiler(spec)
+        return runner
     if spec.tensor_parallel_size > 1:
         return _build_rank(spec, rank)
     dtype, device = getattr(torch, spec.dtype), torch.device(spec.device)
@@ -43,11 +46,17 @@ def build_runner(spec: RunnerSpec, model=None, rank: int = 0) -> ModelRunner | N
         model = load_model(Path(spec.model_path), dtype, device, layers)
     pack_linears(model, backend)  # a stage's model, loaded before, keeps the backend it has
     runner = ModelRunner(model, spec.num_blocks, spec.block_size, device, dtype, spec.seed,
-                         spec.keep_logits, _attention(spec, device))
+                         spec.keep_logits, _attention(spec, device), grammars=grammar_compiler(spec))
     if spec.cuda_graphs and spec.attention == "triton" and not spec.layer_range:
         runner.enable_decode_graphs(spec.max_batch_size, -(-spec.max_model_len // spec.block_size),
                                     capture=device.type == "cuda")
     return runner
+
+
+def grammar_compiler(spec: RunnerSpec) -> GrammarCompiler:
+    """This process's compiler for the model's tokenizer (the engine's too, in-process)."""
+    config = ModelConfig.from_folder(Path(spec.model_path))
+    return compiler_for(spec.model_path, config.vocab_size, config.eos_token_ids)
 
 
 def _attention(spec: RunnerSpec, device: torch.device):
@@ -81,7 +90,8 @@ def _build_rank(spec: RunnerSpec, rank: int) -> ModelRunner:
                            Shard(rank, size), collectives)
         pack_linears(model, backend)
         runner = ModelRunner(model, spec.num_blocks, spec.block_size, device, getattr(torch, spec.dtype),
-                             spec.seed, spec.keep_logits, _attention(spec, device), group)
+                             spec.seed, spec.keep_logits, _attention(spec, device), group,
+                             grammars=grammar_compiler(spec) if rank == 0 else None)
         if group is not None:
             group.connect(collectives, START_TIMEOUT_SECONDS)
     except BaseException:

@@ -14,6 +14,7 @@ import torch
 from ..core.messages import RunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
 from .models.attention import AttentionBackend, BatchLayout, TorchPagedAttention
 from .models.parallel import ONE_RANK
+from .grammar_masks import GrammarMasks, Masks
 from .sampler import Sampler, SamplerOutput
 from .state import RunnerRequest
 
@@ -27,9 +28,10 @@ class RunnerError(RuntimeError):
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, seed: int, keep_logits: bool = False,
-                 attention: AttentionBackend | None = None, group=None) -> None:
+                 attention: AttentionBackend | None = None, group=None, grammars=None) -> None:
         """`group`: on rank 0 of a tensor-parallel runner, the other ranks
-        (`tensor_parallel.TensorParallelGroup`); `model.shard` says which rank this is."""
+        (`tensor_parallel.TensorParallelGroup`); `model.shard` says which rank this is.
+        `grammars`: the `GrammarCompiler` of requests with structured outputs."""
         cfg = model.config
         self.model = model
         self.shard = getattr(model, "shard", ONE_RANK)  # the TensorRT runner's model has none
@@ -45,6 +47,8 @@ class ModelRunner:
         self.kv_caches = dict(zip(layers, caches))  # layer index -> its cache: only this model's layers
         self.sampler = Sampler(device, seed, cfg.eos_token_ids)
         self.keep_logits = keep_logits
+        self.grammars = grammars
+        self.masks = GrammarMasks(cfg.vocab_size)
         self.requests: dict[str, RunnerRequest] = {}
         self.decode_graphs = None
 
@@ -88,6 +92,7 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks, if any (bounded)."""
+        self.masks.shutdown()
         if self.group is not None:
             self.group.shutdown()
 
@@ -97,6 +102,8 @@ class ModelRunner:
         if not token_ids:  # a message that only says which requests have ended
             return RunnerOutput(message.iteration_id) if self.is_last_stage else self.no_rows()
         last_rows = [row for row, _ in sampling]
+        states = [state for _, state in sampling]
+        masks = self.masks.start(states) if self.samples else None  # while the forward runs
         start = time.perf_counter()
         if self.shard.size > 1 and self.model.layer_range.start > 0:  # every rank needs the input
             rows = hidden if self.shard.rank == 0 else torch.empty(
@@ -111,9 +118,11 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the time of the forward, not of its launches
         out = RunnerOutput(message.iteration_id, forward_seconds=time.perf_counter() - start)
-        states = [state for _, state in sampling]
         if states:
-            self._collect(out, self._sample(logits, states), states)
+            done = masks.result() if masks is not None else None
+            self._collect(out, self._sample(logits, states, done), states)
+            if done is not None:
+                out.mask_seconds = done.seconds
         if self.keep_logits:
             out.logits = {s.request_id: logits[j].cpu().numpy().tobytes() for j, s in enumerate(states)}
         return out
@@ -181,7 +190,8 @@ class ModelRunner:
                 self.requests[request_id].block_ids.clear()  # a new table comes on resume
         for new in message.new_requests:
             # Only the stage that samples draws: the others need no generators.
-            self.requests[new.request_id] = RunnerRequest.new(new, self.device if self.samples else None)
+            self.requests[new.request_id] = RunnerRequest.new(new, self.device if self.samples else None,
+                                                              self.grammars)
         layout = BatchLayout([], [], [])
         token_ids: list[int] = []
         sampling = []  # (last row, state) of each request that samples
@@ -211,13 +221,13 @@ class ModelRunner:
                               f"{len(state.block_ids)} K/V blocks for it")
         return state
 
-    def _sample(self, logits: torch.Tensor, states: list[RunnerRequest]) -> SamplerOutput:
+    def _sample(self, logits: torch.Tensor, states: list[RunnerRequest], masks: Masks | None) -> SamplerOutput:
         """Sample the batch at once; if that fails, or a request cannot sample, row by row, so
         that a request whose parameters break the sampler fails alone and its neighbours
         still get their token (each seeded generator drawn from once)."""
         if not any(state.failure for state in states):
             try:
-                return self.sampler(logits, states)
+                return self.sampler(logits, states, masks)
             except Exception:
                 log.exception("batched sampling failed; sampling row by row")
         out = SamplerOutput([], [], [], [])
@@ -225,7 +235,7 @@ class ModelRunner:
             try:
                 if state.failure:
                     raise RuntimeError(state.failure)
-                row = self.sampler(logits[i:i + 1], [state])
+                row = self.sampler(logits[i:i + 1], [state], masks and masks.row(i))
                 error = None
             except Exception as e:
                 row = SamplerOutput([None], [None], [None])
@@ -243,7 +253,14 @@ class ModelRunner:
             if error is not None:
                 state.last_sampled = None
                 out.errors[state.request_id] = error
-            else:
-                state.last_sampled = sampled.token_ids[i]
-                out.sampled[state.request_id] = SampledToken(
-                    sampled.token_ids[i], sampled.sampled_logprobs[i], sampled.top_logprobs[i])
+                continue
+            token_id = sampled.token_ids[i]
+            matcher = state.matcher
+            if matcher is not None and not matcher.accept(token_id):
+                state.last_sampled = None
+                out.errors[state.request_id] = (f"internal error: token {token_id} was sampled against "
+                                                f"this request's grammar ({matcher.error})")
+                continue
+            state.last_sampled = token_id
+            out.sampled[state.request_id] = SampledToken(
+                token_id, sampled.sampled_logprobs[i], sampled.top_logprobs[i])

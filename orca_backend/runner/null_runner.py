@@ -1,7 +1,8 @@
 """`engine: null`: a runner that does no model work, to measure the host path alone.
 
 Every request that samples gets the next token of a fixed English text (so the detokenizer,
-stop strings and the response path do real work); an iteration takes `null_step_seconds` in
+stop strings and the response path do real work); under a grammar, that token if the grammar
+allows it, else the first it allows (the masks are computed as for a model). An iteration takes `null_step_seconds` in
 all, most of it in `time.sleep`: the GIL is free meanwhile, as while a GPU computes. Everything else
 (scheduler, K/V blocks, messages, the executors, detokenizing, streaming, metrics) runs as
 with a model.
@@ -11,23 +12,32 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import torch
 from tokenizers import Tokenizer
 
-from ..core.messages import RunnerOutput, SampledToken, SchedulerOutput
+from ..checkpoint.config import ModelConfig
+from ..core.messages import NewRequest, RunnerOutput, SampledToken, SchedulerOutput
+from ..grammar import GrammarCompiler
+from .grammar_masks import GrammarMasks
+from .state import RunnerRequest
 
 TEXT = ("The quick brown fox jumps over the lazy dog while the sun sets behind the hills, and "
         "a small boat drifts slowly across the quiet lake toward the old stone bridge. ")
 _LOGPROB = -0.5  # of every token it returns, when one is asked for
+_HOST = torch.device("cpu")
 
 
 class NullRunner:
-    def __init__(self, model_path: str, step_seconds: float) -> None:
+    def __init__(self, model_path: str, step_seconds: float, grammars: GrammarCompiler | None = None) -> None:
         self._token_ids = Tokenizer.from_file(str(Path(model_path) / "tokenizer.json")).encode(
             TEXT, add_special_tokens=False).ids
         self._step_seconds = step_seconds
         self._num_sampled: dict[str, int] = {}  # per request: tokens returned so far
         self._top_n: dict[str, int | None] = {}  # per request: the top logprobs it asks for
         self._wants_logprob: set[str] = set()
+        self._grammars = grammars
+        self._states: dict[str, RunnerRequest] = {}  # requests under a grammar: their matchers
+        self._masks = GrammarMasks(ModelConfig.from_folder(Path(model_path)).vocab_size)
 
     def execute(self, message: SchedulerOutput) -> RunnerOutput:
         start = time.perf_counter()
@@ -35,7 +45,9 @@ class NullRunner:
             self._num_sampled.pop(request_id, None)
             self._top_n.pop(request_id, None)
             self._wants_logprob.discard(request_id)
+            self._states.pop(request_id, None)
         for new in message.new_requests:
+            self._follow(new)
             self._num_sampled[new.request_id] = 0
             self._top_n[new.request_id] = new.params.logprobs
             if new.wants_logprob:
@@ -44,6 +56,7 @@ class NullRunner:
         for s in message.scheduled:
             if s.sample:
                 out.sampled[s.request_id] = self._next(s.request_id)
+        self._constrain(out)
         if message.scheduled and self._step_seconds:  # the whole call takes the step, as a device's would
             time.sleep(max(0.0, self._step_seconds - (time.perf_counter() - start)))
         out.forward_seconds = time.perf_counter() - start
@@ -60,6 +73,31 @@ class NullRunner:
         top = ({self._token_ids[(n + k) % len(self._token_ids)]: (_LOGPROB - k, k + 1) for k in range(top_n)}
                if top_n else None)
         return SampledToken(token_id, _LOGPROB, top)
+
+    def _follow(self, new: NewRequest) -> None:
+        if new.params.structured_outputs is not None:
+            self._states[new.request_id] = RunnerRequest.new(new, _HOST, self._grammars)
+
+    def _constrain(self, out: RunnerOutput) -> None:
+        """Tokens the grammars allow, for the rows under one; matchers advanced."""
+        states = [self._states[rid] for rid in out.sampled if rid in self._states]
+        masks = self._masks.start(states)
+        if masks is None:
+            return
+        done = masks.result()
+        out.mask_seconds = done.seconds
+        for i in done.rows:
+            state = states[i]
+            token = out.sampled[state.request_id]
+            allowed = done.bitmask[i]
+            if not (int(allowed[token.token_id // 32]) >> (token.token_id % 32)) & 1:
+                words = allowed.nonzero().flatten()  # the first word with a bit set holds the first token
+                word = int(words[0])
+                bits = int(allowed[word]) & 0xFFFFFFFF
+                token.token_id = word * 32 + ((bits & -bits).bit_length() - 1)
+            if not state.matcher.accept(token.token_id):
+                del out.sampled[state.request_id]
+                out.errors[state.request_id] = f"internal error: the grammar refused token {token.token_id}"
 
     def check_health(self) -> None:
         pass

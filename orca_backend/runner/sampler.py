@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..grammar import apply_bitmask
+from .grammar_masks import Masks
 from .state import RunnerRequest
 
 
@@ -26,13 +28,17 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.eos_token_ids = eos_token_ids
 
-    def __call__(self, logits: torch.Tensor, requests: list[RunnerRequest]) -> SamplerOutput:
-        """logits [num_requests, vocab] fp32, one row per request that samples this iteration."""
+    def __call__(self, logits: torch.Tensor, requests: list[RunnerRequest],
+                 masks: Masks | None = None) -> SamplerOutput:
+        """logits [num_requests, vocab] fp32, one row per request that samples this iteration;
+        `masks`: the allowed tokens of the rows under a grammar, applied before anything else."""
         logprob_rows = [i for i, r in enumerate(requests) if r.wants_logprob]
         # Raw model log-probabilities (before penalties and temperature), only where asked:
         # a full-vocabulary softmax per row is a visible share of a CPU iteration.
         raw_logprobs = logits[logprob_rows].log_softmax(dim=-1) if logprob_rows else None
-        logits = self._adjust(logits, requests)
+        if masks is not None:
+            logits = _masked(logits, masks)
+        logits = self._adjust(logits, requests, copied=masks is not None)
         token_ids = logits.argmax(dim=-1)  # greedy rows keep this
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if random_rows:
@@ -47,9 +53,9 @@ class Sampler:
                 top[i] = _top_logprobs(raw_logprobs[j], token_list[i], n)
         return SamplerOutput(token_list, sampled, top)
 
-    def _adjust(self, logits: torch.Tensor, requests: list[RunnerRequest]) -> torch.Tensor:
+    def _adjust(self, logits: torch.Tensor, requests: list[RunnerRequest], copied: bool) -> torch.Tensor:
         """Penalties and min_tokens, row by row, only for the rows that ask for them."""
-        changed = False
+        changed = copied
         for i, req in enumerate(requests):
             p = req.params
             banned = self._banned_tokens(req)
@@ -85,6 +91,19 @@ class Sampler:
             if req.generator is not None:
                 q[i].exponential_(generator=req.generator)
         return (probs / q).argmax(dim=-1)
+
+
+def _masked(logits: torch.Tensor, masks: Masks) -> torch.Tensor:
+    """A copy of `logits` with -inf for every token the rows' grammars do not allow."""
+    logits = logits.clone()
+    if len(masks.rows) == len(logits):
+        apply_bitmask(logits, masks.bitmask)
+    else:
+        rows = torch.tensor(masks.rows, device=logits.device)
+        part = logits[rows]
+        apply_bitmask(part, masks.bitmask[masks.rows])
+        logits[rows] = part
+    return logits
 
 
 def _apply_penalties(row: torch.Tensor, req: RunnerRequest, device: torch.device) -> None:

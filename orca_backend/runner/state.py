@@ -7,6 +7,7 @@ import torch
 
 from ..core.messages import NewRequest
 from ..core.sampling_params import SamplingParams
+from ..grammar import GrammarCompiler, Matcher
 
 
 @dataclass(slots=True, eq=False)
@@ -20,11 +21,15 @@ class RunnerRequest:
     generator: torch.Generator | None = None  # its own: seeded, not greedy, and this runner samples
     failure: str | None = None  # why it cannot sample (its seed broke the generator): it fails alone
     last_sampled: int | None = None  # its token this runner sampled last, until a placeholder takes it
+    matcher: Matcher | None = None  # where its output stands in its structured_outputs grammar
 
     @classmethod
-    def new(cls, new: NewRequest, sampling_device: torch.device | None) -> RunnerRequest:
+    def new(cls, new: NewRequest, sampling_device: torch.device | None,
+            grammars: GrammarCompiler | None = None) -> RunnerRequest:
         """`sampling_device`: where this runner samples (None if it does not): a seeded
-        request's generator is made there now, so that sampling never creates state."""
+        request's generator is made there now, so that sampling never creates state; so is
+        the matcher of its grammar, from `grammars` (compiled already, when the engine that
+        waited for it shares this process)."""
         state = cls(new.request_id, len(new.prompt_token_ids), list(new.prompt_token_ids), new.params,
                     new.wants_logprob)
         seed = new.params.seed
@@ -33,6 +38,14 @@ class RunnerRequest:
                 state.generator = torch.Generator(device=sampling_device).manual_seed(seed)
             except Exception as e:
                 state.failure = f"its seed {seed} cannot seed a generator: {e}"
+        spec = new.params.structured_outputs
+        if spec is not None and sampling_device is not None:
+            try:
+                if grammars is None:
+                    raise RuntimeError("this runner has no grammar compiler")
+                state.matcher = grammars.compile(spec).matcher()
+            except Exception as e:
+                state.failure = f"its structured_outputs grammar cannot be followed: {e}"
         return state
 
     @property
