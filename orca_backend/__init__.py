@@ -13,7 +13,7 @@ import importlib
 _EXPORTS = {
     "LLM": "engine.llm", "RequestOutput": "engine.llm", "LLMEngine": "engine.llm_engine",
     "RequestDelta": "engine.outputs", "EngineConfig": "core.config", "SamplingParams": "core.sampling_params",
-    "OrcaError": "core.errors", "InvalidRequestError": "core.errors", "ConfigError": "core.errors",
+    "StructuredOutputsParams": "core.structured_outputs", "OrcaError": "core.errors", "InvalidRequestError": "core.errors", "ConfigError": "core.errors",
 }
 __all__ = list(_EXPORTS)
 

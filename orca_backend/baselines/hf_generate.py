@@ -31,7 +31,7 @@ from ..serving.inputs import GenerateRequest
 
 # Sampling parameters that one generate call cannot honour per request: their defaults only.
 UNSUPPORTED_PARAMETERS = {"min_tokens": 0, "seed": None, "presence_penalty": 0.0,
-                          "frequency_penalty": 0.0, "logprobs": None}
+                          "frequency_penalty": 0.0, "logprobs": None, "structured_outputs": None}
 UNSUPPORTED_FLAGS = ("return_cumulative_logprob", "return_logprobs")
 
 

@@ -124,19 +124,20 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, track_logprob: bool = False,
-                    prepared: bool = False) -> Request:
+                    prepared: bool = False, grammar: Future | None = None) -> Request:
         """Validate and queue a request; raises InvalidRequestError naming what is wrong.
 
         `track_logprob` keeps a cumulative log-probability even when `params.logprobs` is unset;
         `prepared`: `prompt` is the token ids `prepare` returned (a server's tokenizer thread
-        checked them), not checked again here.
+        checked them), not checked again here; `grammar`: the future `compile_grammar` gave
+        for these params (else the compile starts here).
         """
         params = params or SamplingParams()
         if request_id in self._tracked:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         token_ids = prompt if prepared else self.prepare(prompt, params)
         params = self._resolved(params, len(token_ids))
-        grammar = self.compile_grammar(params)
+        grammar = grammar or self.compile_grammar(params)
         if grammar is not None and grammar.done():
             grammar.result()  # a refused grammar raises its InvalidRequestError here
         req = Request(request_id, token_ids, params, track_logprob=track_logprob)

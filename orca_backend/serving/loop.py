@@ -15,6 +15,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
 from ..core.threads import NamedThread
@@ -36,6 +37,7 @@ class _Add:
     request_id: str
     request: GenerateRequest
     token_ids: list[int] | None = None  # set by the tokenizer thread
+    grammar: Future | None = None  # its structured_outputs grammar, compiled (or failed)
 
 
 @dataclass(slots=True)
@@ -117,15 +119,24 @@ class EngineLoop:
 
     # -- tokenizer thread ---------------------------------------------------------------------
     def _tokenizer_main(self) -> None:
-        """Tokenize and check prompts here, so a huge prompt never holds up an iteration."""
+        """Tokenize and check prompts here, so a huge prompt never holds up an iteration. A
+        request with a grammar goes on to the engine once that has compiled (on the compiler's
+        pool, with its time limit): neither this thread nor the engine's waits for it."""
+        compiling: list[Future] = []  # this thread's alone; the callbacks only queue adds
         while not isinstance(add := self._to_tokenize.get(), Stop):
             try:
                 add.token_ids = self.engine.prepare(add.request.prompt, add.request.params)
+                add.grammar = self.engine.compile_grammar(add.request.params)
             except Exception as e:
                 self._settle(add.request_id)
                 self.sender.put(_refusal(add.request_id, e, "checking the prompt"))
                 continue
-            self._inbox.put(add)
+            if add.grammar is None or add.grammar.done():
+                self._inbox.put(add)
+            else:
+                compiling = [f for f in compiling if not f.done()] + [add.grammar]
+                add.grammar.add_done_callback(lambda _, add=add: self._inbox.put(add))
+        wait(compiling)  # each ends by its time limit; its add goes before the Stop
         self._inbox.put(Stop())
 
     # -- engine thread ------------------------------------------------------------------------
@@ -183,7 +194,8 @@ class EngineLoop:
             return
         try:
             self.engine.add_request(add.request_id, add.token_ids, add.request.params,
-                                    track_logprob=add.request.return_cumulative_logprob, prepared=True)
+                                    track_logprob=add.request.return_cumulative_logprob, prepared=True,
+                                    grammar=add.grammar)
         except Exception as e:
             self.engine.abort_request(add.request_id)  # in case it got halfway in
             self.sender.put(_refusal(add.request_id, e, "adding the request"))

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from ...core.errors import InvalidRequestError
 from ...core.sampling_params import SamplingParams
+from ...core.structured_outputs import StructuredOutputsParams
 from .errors import APIError, invalid
 
 # Sampling fields passed to the model as they are (OpenAI's, then vLLM's extensions).
@@ -26,7 +27,6 @@ _NO_OP = {
     "parallel_tool_calls": lambda v: True,  # meaningless without tools
     "functions": lambda v: not v,
     "function_call": lambda v: v in (None, "none"),
-    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
     "modalities": lambda v: v in (None, ["text"]),
     "audio": lambda v: v is None,
     "prediction": lambda v: v is None,
@@ -39,6 +39,11 @@ _NO_OP = {
     "best_of": lambda v: v in (None, 1),
 }
 
+
+# vLLM's older extra fields for structured outputs -> the StructuredOutputsParams field each sets.
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar", "guided_whitespace_pattern": "whitespace_pattern"}
+_GUIDED_IGNORED = ("guided_decoding_backend",)  # it chooses among vLLM's backends; we have one
 
 MAX_CHOICES = 128  # prompts times n, per request: each is a request to the model
 
@@ -73,6 +78,8 @@ class _Request(BaseModel):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     cache_salt: str | None = None
+    response_format: dict | None = None  # OpenAI's: text, json_object or json_schema
+    structured_outputs: dict | str | None = None  # vLLM's extra field
 
     @property
     def include_usage(self) -> bool:
@@ -80,6 +87,8 @@ class _Request(BaseModel):
 
     def _check_common(self) -> None:
         for name, value in (self.model_extra or {}).items():
+            if name in _GUIDED or name in _GUIDED_IGNORED:
+                continue
             if name not in _NO_OP:
                 raise invalid(f"unknown field '{name}'", name)
             if not _NO_OP[name](value):
@@ -98,9 +107,51 @@ class _Request(BaseModel):
             sampling["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
         if logprobs is not None:
             sampling["logprobs"] = logprobs
+        structured = self._structured_outputs()
+        if structured is not None:
+            sampling["structured_outputs"] = structured
         if self.seed is not None and self.n > 1:  # sample i has seed + i: the last must be a seed too
             check_sampling({**sampling, "seed": self.seed + self.n - 1}, {})
         return sampling
+
+
+    def _structured_outputs(self) -> dict | None:
+        """The one place a request asks for structured outputs: `response_format`, vLLM's
+        `structured_outputs`, or its older `guided_*` fields; as the model's sampling parameter."""
+        guided = {_GUIDED[k]: v for k, v in (self.model_extra or {}).items() if k in _GUIDED}
+        found = [(name, value) for name, value in (
+            ("response_format", _from_response_format(self.response_format)),
+            ("structured_outputs", self.structured_outputs),
+            (next((k for k in self.model_extra or {} if k in _GUIDED), ""), guided or None)) if value is not None]
+        if not found:
+            return None
+        if len(found) > 1:
+            raise invalid(f"give one of {' and '.join(n for n, _ in found)}", found[1][0])
+        name, value = found[0]
+        try:
+            return StructuredOutputsParams.from_value(value).to_dict()
+        except InvalidRequestError as e:
+            raise invalid(str(e), name) from None
+
+
+def _from_response_format(value: dict | None) -> dict | None:
+    """OpenAI's response_format as StructuredOutputsParams fields (None: plain text)."""
+    if value is None:
+        return None
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise invalid("response_format json_schema needs 'json_schema': {name, schema, strict}",
+                          "response_format")
+        # `name` and `strict` are OpenAI's; the schema is always enforced, strict or not.
+        return {"json": spec.get("schema", {})}
+    raise invalid(f"response_format type must be text, json_object or json_schema (got {_show(kind)})",
+                  "response_format")
 
 
 class CompletionRequest(_Request):
