@@ -211,7 +211,8 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions, num_iterations=self.stats.num_iterations,
             num_runner_restarts=self.stats.num_runner_restarts, num_cached_blocks=self.kv.num_cached_blocks,
             num_prefix_queried_tokens=self.kv.stats.num_queried_tokens,
-            num_prefix_hit_tokens=self.kv.stats.num_hit_tokens, num_evictions=self.kv.stats.num_evictions)
+            num_prefix_hit_tokens=self.kv.stats.num_hit_tokens, num_evictions=self.kv.stats.num_evictions,
+            num_structured_requests=self.stats.num_structured_requests)
 
     # -- iterations -------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
@@ -318,7 +319,7 @@ class LLMEngine:
             message.num_requests, message.num_tokens, message.num_prefill_requests,
             message.num_decode_requests, self.kv.num_used_blocks, len(self.scheduler.waiting),
             sum(s.num_computed_tokens for s in message.scheduled), len(sampling),
-            seconds)
+            seconds, out.mask_seconds)
         self.stats.last_step_iterations.append(self.stats.last_iteration)
         return deltas
 

@@ -42,6 +42,7 @@ class IterationRecord:
     # From its submission to the runner until the engine took its result (with several in
     # flight, that includes its wait behind the one before and their results' handling).
     seconds: float = 0.0
+    mask_seconds: float = 0.0  # computing its rows' grammar masks (0: no row had a grammar)
 
 
 @dataclass(slots=True)
@@ -71,3 +72,4 @@ class EngineSnapshot:
     num_prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache
     num_prefix_hit_tokens: int = 0  # of those, found there
     num_evictions: int = 0  # cached blocks dropped to reuse their space
+    num_structured_requests: int = 0  # requests added with a structured_outputs grammar

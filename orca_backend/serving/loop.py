@@ -264,7 +264,9 @@ class EngineLoop:
         snapshot = self.engine.snapshot()
         self._publish_waiting(snapshot.num_waiting)
         return Stats(snapshot, self.num_restarts, iteration.num_requests if iteration else 0,
-                     self._stage_stats() if self._stage_stats else None)
+                     self._stage_stats() if self._stage_stats else None,
+                     self.engine.grammars.take_compile_seconds(),
+                     iteration.mask_seconds if iteration and iteration.mask_seconds else None)
 
 
 def _refusal(request_id: str, error: Exception, doing: str) -> Fail:

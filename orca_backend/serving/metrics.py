@@ -65,6 +65,10 @@ class TritonMetrics:
         self.e2e = series(Histogram, "request_latency_seconds", "Arrival to last token", _SECONDS_BUCKETS)
         self.sender_lag = series(Histogram, "sender_lag_seconds",
                                  "From an iteration's return to its responses sent", _LAG_BUCKETS)
+        self.grammar_compile = series(Histogram, "grammar_compile_seconds",
+                                      "Compiling a structured_outputs grammar (cache misses)", _LAG_BUCKETS)
+        self.grammar_mask = series(Histogram, "grammar_mask_seconds",
+                                   "An iteration's grammar masks, computed beside its forward", _LAG_BUCKETS)
         calls = "Calls from the model into tritonserver: responses sent, cancellation checks, metric updates"
         self.calls = {call: Counter(make_metric("orca_server_calls_total", "counter", calls,
                                                 {**labels, "call": call}))
@@ -79,7 +83,9 @@ class TritonMetrics:
             "num_prefix_hit_tokens": series(Counter, "prefix_cache_hits_total",
                                             "Prompt tokens whose K/V came from the prefix cache"),
             "num_evictions": series(Counter, "kv_block_evictions_total",
-                                    "Cached K/V blocks whose contents were dropped to reuse the block")}
+                                    "Cached K/V blocks whose contents were dropped to reuse the block"),
+            "num_structured_requests": series(Counter, "structured_requests_total",
+                                              "Requests with a structured_outputs grammar")}
         self._stages: list[dict] = []  # per pipeline stage: its series, made on first report
 
     def apply(self, item: Stats | Observed) -> None:
@@ -97,6 +103,9 @@ class TritonMetrics:
         for key, counter in self._engine_counters.items():
             counter.follow(getattr(s, key))
         self.restarts.follow(stats.num_engine_restarts)
+        self.grammar_compile.observe_all(stats.grammar_compile_seconds)
+        if stats.grammar_mask_seconds is not None:
+            self.grammar_mask.observe_all([stats.grammar_mask_seconds])
         if self.vllm is not None:
             self.vllm.apply_stats(s)
         for stage in stats.stages or ():
@@ -121,7 +130,8 @@ class TritonMetrics:
         """Send what changed; returns the calls made (counted in the next flush)."""
         series = [self.running, self.waiting, self.blocks_used, self.blocks_cached, self.blocks_total,
                   self.restarts, self.rejected, self.prompt_tokens, self.generated_tokens, self.batch_size,
-                  self.ttft, self.itl, self.e2e, self.sender_lag, *self.calls.values(),
+                  self.ttft, self.itl, self.e2e, self.sender_lag, self.grammar_compile, self.grammar_mask,
+                  *self.calls.values(),
                   *self._engine_counters.values(), *(s for stage in self._stages for s in stage.values())]
         calls = sum(s.flush() for s in series) + (self.vllm.flush() if self.vllm is not None else 0)
         self.calls["metrics"].add(calls)

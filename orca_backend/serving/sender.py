@@ -127,6 +127,8 @@ class Stats:
     num_engine_restarts: int  # the serving loop started the engine over
     batch_size: int  # of the iteration that has just returned; 0 when none has
     stages: list[StageStats] | None = None  # a pipeline's, one per stage
+    grammar_compile_seconds: list[float] = field(default_factory=list)  # compiles ended since the last
+    grammar_mask_seconds: float | None = None  # the iteration's, when it had rows under a grammar
 
 
 @dataclass(slots=True)
