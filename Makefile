@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install model serve test test-fast bench bench-full bench-prefix bench-engine bench-cpu bench-executors bench-pipeline bench-tp bench-startup bench-host perf simulate clean
+.PHONY: install model serve test test-fast bench bench-full bench-prefix bench-engine bench-cpu bench-executors bench-pipeline bench-tp bench-startup bench-host bench-structured perf simulate clean
 
 install: $(STAMP)
 
@@ -86,6 +86,12 @@ simulate: model
 # writes docs/benchmarks/host.md (about 10 minutes).
 bench-host: model
 	$(PY) benchmarks/bench_host.py --markdown docs/benchmarks/host.md
+
+# Structured outputs: grammar mask time at 1-256 rows, and served tokens/s with 0%, 20% and 100%
+# of requests under a JSON schema (the default model; engine null at 256 streams); writes
+# docs/benchmarks/structured.md (about 6 minutes).
+bench-structured: model
+	$(PY) benchmarks/bench_structured.py --markdown docs/benchmarks/structured.md
 
 # The chat CLI's time to first token and the OpenAI API's start to ready, chat templates by
 # jinja2 beside transformers' import and render; writes docs/benchmarks/startup.md.

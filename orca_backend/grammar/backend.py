@@ -143,13 +143,13 @@ def fill_bitmasks(rows: list[tuple[Matcher, int]], bitmask: torch.Tensor) -> Non
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """logits [rows, vocab] in place: -inf where a row's bit is 0."""
+    """logits [rows, vocab] in place: -inf where a row's bit is 0 (a row of -1 words is left as it is)."""
     vocab = logits.shape[1]
-    if logits.device.type == "cpu":
-        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=vocab, bitorder="little")
-        allowed = torch.from_numpy(bits.view(np.bool_))
+    if logits.device.type == "cpu":  # numpy unpacks 8 bits a byte; torch would shift 32 ways
+        banned = torch.from_numpy(np.unpackbits((~bitmask).numpy().view(np.uint8), axis=1, count=vocab,
+                                                bitorder="little").view(np.bool_))
     else:
         shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-        words = bitmask.to(logits.device, non_blocking=True)
-        allowed = ((words[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab]
-    logits.masked_fill_(~allowed, float("-inf"))
+        words = (~bitmask).to(logits.device, non_blocking=True)
+        banned = ((words[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab]
+    logits.masked_fill_(banned, float("-inf"))

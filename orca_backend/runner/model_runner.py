@@ -118,13 +118,13 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the time of the forward, not of its launches
         out = RunnerOutput(message.iteration_id, forward_seconds=time.perf_counter() - start)
+        if self.keep_logits:  # before sampling: a grammar's mask is applied to them in place
+            out.logits = {s.request_id: logits[j].cpu().numpy().tobytes() for j, s in enumerate(states)}
         if states:
             done = masks.result() if masks is not None else None
             self._collect(out, self._sample(logits, states, done), states)
             if done is not None:
                 out.mask_seconds = done.seconds
-        if self.keep_logits:
-            out.logits = {s.request_id: logits[j].cpu().numpy().tobytes() for j, s in enumerate(states)}
         return out
 
     def enable_decode_graphs(self, max_batch_size: int, max_blocks: int, capture: bool) -> None:

@@ -36,9 +36,9 @@ class Sampler:
         # Raw model log-probabilities (before penalties and temperature), only where asked:
         # a full-vocabulary softmax per row is a visible share of a CPU iteration.
         raw_logprobs = logits[logprob_rows].log_softmax(dim=-1) if logprob_rows else None
-        if masks is not None:
-            logits = _masked(logits, masks)
-        logits = self._adjust(logits, requests, copied=masks is not None)
+        if masks is not None:  # in place: the runner's logits are this iteration's own
+            apply_bitmask(logits, masks.bitmask)
+        logits = self._adjust(logits, requests)
         token_ids = logits.argmax(dim=-1)  # greedy rows keep this
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if random_rows:
@@ -53,9 +53,9 @@ class Sampler:
                 top[i] = _top_logprobs(raw_logprobs[j], token_list[i], n)
         return SamplerOutput(token_list, sampled, top)
 
-    def _adjust(self, logits: torch.Tensor, requests: list[RunnerRequest], copied: bool) -> torch.Tensor:
+    def _adjust(self, logits: torch.Tensor, requests: list[RunnerRequest]) -> torch.Tensor:
         """Penalties and min_tokens, row by row, only for the rows that ask for them."""
-        changed = copied
+        changed = False
         for i, req in enumerate(requests):
             p = req.params
             banned = self._banned_tokens(req)
@@ -91,19 +91,6 @@ class Sampler:
             if req.generator is not None:
                 q[i].exponential_(generator=req.generator)
         return (probs / q).argmax(dim=-1)
-
-
-def _masked(logits: torch.Tensor, masks: Masks) -> torch.Tensor:
-    """A copy of `logits` with -inf for every token the rows' grammars do not allow."""
-    logits = logits.clone()
-    if len(masks.rows) == len(logits):
-        apply_bitmask(logits, masks.bitmask)
-    else:
-        rows = torch.tensor(masks.rows, device=logits.device)
-        part = logits[rows]
-        apply_bitmask(part, masks.bitmask[masks.rows])
-        logits[rows] = part
-    return logits
 
 
 def _apply_penalties(row: torch.Tensor, req: RunnerRequest, device: torch.device) -> None:
