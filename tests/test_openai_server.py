@@ -188,7 +188,7 @@ REFUSALS = [  # (path, body, HTTP status, param)
     ("/v1/chat/completions", {**CHAT, "model": "gpt-9"}, 404, "model"),
     ("/v1/chat/completions", {**CHAT, "frobnicate": 1}, 400, "frobnicate"),
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "xml"}}, 400, "response_format"),
     ("/v1/chat/completions", {**CHAT, "logit_bias": {"42": 5}}, 400, "logit_bias"),
     ("/v1/chat/completions", {**CHAT, "temperature": -1}, 400, "temperature"),
     ("/v1/chat/completions", {**CHAT, "temperature": "hot"}, 400, "temperature"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import traceback
 
 import jsonschema
 import pytest
@@ -183,10 +184,34 @@ def test_the_serving_loop_refuses_a_grammar_that_times_out_as_invalid_and_serves
                                          "(grammar_compile_timeout_seconds)")
         assert healthy.error is None and healthy.num_output_tokens == 5
         backend.release.set()  # now it compiles (and is cached): the same spec is served
+        engine.grammars.compile(StructuredOutputsParams(regex="[ab]+"))
         late = FakeSink()
         loop.submit(_request(max_tokens=8, structured_outputs={"regex": "[ab]+"}), late)
         _finished([late])
         assert late.error is None and re.fullmatch("[ab]+", "".join(r.text for r in late.responses))
+    finally:
+        loop.shutdown()
+    assert engine.kv.num_used_blocks == 0
+
+
+def test_a_request_cancelled_while_its_grammar_compiles_ends_once_and_leaves_nothing(held):
+    engine, backend = held
+    loop = EngineLoop(engine)
+    loop.start()
+    try:
+        waiting, healthy = FakeSink(), FakeSink()
+        loop.submit(_request(structured_outputs={"choice": ["yes", "no"]}), waiting)
+        loop.submit(_request(max_tokens=3), healthy)
+        _finished([healthy])
+        waiting.cancelled = True  # the sender's cancellation check sees it
+        _finished([waiting])
+        assert waiting.error[0] == "cancelled" and not waiting.responses
+        backend.release.set()  # the compile ends after the request did: nothing is added
+        engine.grammars.compile(StructuredOutputsParams(choice=["yes", "no"]))
+        after = FakeSink()
+        loop.submit(_request(max_tokens=3), after)
+        _finished([after])
+        assert not engine.unfinished_request_ids()
     finally:
         loop.shutdown()
     assert engine.kv.num_used_blocks == 0
@@ -281,7 +306,38 @@ def test_every_executor_writes_what_the_inline_runner_writes(tiny_vocab_llama, o
 def test_the_runner_shares_the_engines_compiled_grammars_in_one_process(llm, default_model):
     compiler = compiler_for(default_model, 49152, [2])
     assert llm.engine.grammars is compiler
-    spec = StructuredOutputsParams(regex="[0-9]{4}")
-    out, = llm.generate(["Year:"], sampled(spec))
+    compiler.take_compile_seconds()
+    out, = llm.generate(["Year:"], sampled(StructuredOutputsParams(regex="[0-9]{4}")))
     assert out.error is None and re.fullmatch("[0-9]{4}", out.text)
-    assert compiler.submit(spec).done()
+    assert len(compiler.take_compile_seconds()) == 1  # the engine's; the runner found it compiled
+
+
+def test_a_refusal_repeated_keeps_nothing_of_the_requests_that_met_it(default_model):
+    """Raising the cached exception again would grow its traceback (and keep every raiser's
+    frames) with each repeat."""
+    compiler = GrammarCompiler(default_model, 49152, [2])
+    spec = StructuredOutputsParams(regex="a(b")
+    caught = []
+    for _ in range(5):
+        with pytest.raises(InvalidRequestError) as e:
+            compiler.compile(spec)
+        caught.append(e.value)
+    assert len({id(error) for error in caught}) == 5
+    assert compiler.submit(spec).exception().__traceback__ is None or len(
+        traceback.extract_tb(compiler.submit(spec).exception().__traceback__)) <= 3
+
+
+def test_disable_additional_properties_closes_schemas_not_values():
+    from orca_backend.grammar.backend import _closed
+
+    schema = {"type": "object", "properties": {"a": {"const": {"type": "object"}},
+                                               "b": {"anyOf": [{"type": "object"}, {"type": "null"}]},
+                                               "c": {"type": "object", "additionalProperties": True}},
+              "$defs": {"d": {"properties": {"x": {"enum": [{"properties": {}}]}}}}}
+    closed = _closed(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["a"] == {"const": {"type": "object"}}
+    assert closed["properties"]["b"]["anyOf"][0]["additionalProperties"] is False
+    assert closed["properties"]["c"]["additionalProperties"] is True
+    assert closed["$defs"]["d"]["additionalProperties"] is False
+    assert closed["$defs"]["d"]["properties"]["x"] == {"enum": [{"properties": {}}]}

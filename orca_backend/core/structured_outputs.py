@@ -57,8 +57,12 @@ class StructuredOutputsParams:
             _check(isinstance(getattr(self, name), bool), name, "must be true or false")
         _check(self.whitespace_pattern is None or isinstance(self.whitespace_pattern, str),
                "whitespace_pattern", "must be a string")
-        if len(self.key) > MAX_SPEC_CHARS:
-            raise InvalidRequestError(f"structured_outputs is {len(self.key)} characters, more than "
+        try:
+            size = len(self.key)
+        except RecursionError:
+            raise InvalidRequestError("structured_outputs is nested too deeply") from None
+        if size > MAX_SPEC_CHARS:
+            raise InvalidRequestError(f"structured_outputs is {size} characters, more than "
                                       f"{MAX_SPEC_CHARS}")
 
     @property

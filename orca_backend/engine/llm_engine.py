@@ -18,7 +18,7 @@ from ..core.sampling_params import SamplingParams
 from ..core.scheduler import Scheduler, SchedulerConfig
 from ..executors.base import Executor, ExecutorFactory, RunnerDiedError, RunnerUnavailableError
 from ..executors.factory import executor_factory_for
-from ..grammar import compiler_for
+from ..grammar import compiler_for, grammar_of
 from ..runner.spec import RunnerSpec
 from .detokenizer import IncrementalDetokenizer
 from .outputs import EngineSnapshot, EngineStats, IterationRecord, RequestDelta
@@ -138,16 +138,17 @@ class LLMEngine:
         token_ids = prompt if prepared else self.prepare(prompt, params)
         params = self._resolved(params, len(token_ids))
         grammar = grammar or self.compile_grammar(params)
-        if grammar is not None and grammar.done():
-            grammar.result()  # a refused grammar raises its InvalidRequestError here
+        ready = grammar is None or grammar.done()  # read once: it may end at any moment
+        if grammar is not None and ready:
+            grammar_of(grammar)  # a refused grammar raises its InvalidRequestError here
         req = Request(request_id, token_ids, params, track_logprob=track_logprob)
         self._tracked[request_id] = _Tracked(req, self.rules.detokenizer(token_ids, params))
         if grammar is not None:
             self.stats.num_structured_requests += 1
-        if grammar is not None and not grammar.done():
-            self._compiling[request_id] = grammar  # scheduled once it has compiled (step())
-        else:
+        if ready:
             self.scheduler.add(req)
+        else:
+            self._compiling[request_id] = grammar  # scheduled once it has compiled (step())
         return req
 
     def compile_grammar(self, params: SamplingParams) -> Future | None:

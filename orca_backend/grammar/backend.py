@@ -108,13 +108,28 @@ def _grammar_text(spec: StructuredOutputsParams) -> str:
     return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
 
 
+# Keywords whose value is a schema, a list of schemas, or a mapping of names to schemas:
+# `_closed` goes into these only (never into `const`, `enum`, `default` or `examples`).
+_SCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames",
+           "unevaluatedItems")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
 def _closed(schema):
     """`additionalProperties: false` on every object schema that does not say otherwise."""
-    if isinstance(schema, list):
-        return [_closed(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: _closed(v) for k, v in schema.items()}
+    out = dict(schema)
+    for key in _SCHEMA:
+        if key in out:
+            out[key] = [_closed(s) for s in out[key]] if isinstance(out[key], list) else _closed(out[key])
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_closed(s) for s in out[key]]
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _closed(s) for name, s in out[key].items()}
     if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
@@ -144,7 +159,9 @@ def fill_bitmasks(rows: list[tuple[Matcher, int]], bitmask: torch.Tensor) -> Non
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """logits [rows, vocab] in place: -inf where a row's bit is 0 (a row of -1 words is left as it is)."""
-    vocab = logits.shape[1]
+    vocab = min(logits.shape[1], bitmask.shape[1] * 32)
+    logits[:, vocab:] = float("-inf")  # tokens beyond the mask (none when it covers the logits)
+    logits = logits[:, :vocab]
     if logits.device.type == "cpu":  # numpy unpacks 8 bits a byte; torch would shift 32 ways
         banned = torch.from_numpy(np.unpackbits((~bitmask).numpy().view(np.uint8), axis=1, count=vocab,
                                                 bitorder="little").view(np.bool_))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import wait
 
 import torch
 
@@ -109,7 +110,12 @@ class ModelRunner:
             rows = hidden if self.shard.rank == 0 else torch.empty(
                 len(token_ids), self.model.config.hidden_size, dtype=self.dtype, device=self.device)
             hidden = self.collectives.broadcast(rows.contiguous())
-        result = self._compute(layout, token_ids, hidden, last_rows)
+        try:
+            result = self._compute(layout, token_ids, hidden, last_rows)
+        except BaseException:
+            if masks is not None:  # the library may still hold the matchers: let it finish first
+                wait([masks])
+            raise
         if not self.is_last_stage:
             return result  # [num_tokens, hidden]
         if not self.samples:
@@ -258,8 +264,8 @@ class ModelRunner:
             matcher = state.matcher
             if matcher is not None and not matcher.accept(token_id):
                 state.last_sampled = None
-                out.errors[state.request_id] = (f"internal error: token {token_id} was sampled against "
-                                                f"this request's grammar ({matcher.error})")
+                out.errors[state.request_id] = (f"structured_outputs grammar cannot go on at token {token_id}: "
+                                                f"{matcher.error}")
                 continue
             state.last_sampled = token_id
             out.sampled[state.request_id] = SampledToken(

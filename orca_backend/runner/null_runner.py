@@ -80,7 +80,14 @@ class NullRunner:
 
     def _constrain(self, out: RunnerOutput) -> None:
         """Tokens the grammars allow, for the rows under one; matchers advanced."""
-        states = [self._states[rid] for rid in out.sampled if rid in self._states]
+        states = []
+        for rid in [rid for rid in out.sampled if rid in self._states]:
+            state = self._states[rid]
+            if state.failure is not None or state.matcher.error is not None:
+                del out.sampled[rid]
+                out.errors[rid] = state.failure or f"structured_outputs grammar: {state.matcher.error}"
+            else:
+                states.append(state)
         masks = self._masks.start(states)
         if masks is None:
             return
@@ -88,10 +95,16 @@ class NullRunner:
         out.mask_seconds = done.seconds
         for i in done.rows:
             state = states[i]
-            token = out.sampled[state.request_id]
+            token = out.sampled.get(state.request_id)
             allowed = done.bitmask[i]
+            if token is None:
+                continue
             if not (int(allowed[token.token_id // 32]) >> (token.token_id % 32)) & 1:
                 words = allowed.nonzero().flatten()  # the first word with a bit set holds the first token
+                if not len(words):
+                    del out.sampled[state.request_id]
+                    out.errors[state.request_id] = "structured_outputs grammar allows no token here"
+                    continue
                 word = int(words[0])
                 bits = int(allowed[word]) & 0xFFFFFFFF
                 token.token_id = word * 32 + ((bits & -bits).bit_length() - 1)

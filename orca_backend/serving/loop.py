@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, wait
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from ..core.threads import NamedThread
@@ -121,8 +121,8 @@ class EngineLoop:
     def _tokenizer_main(self) -> None:
         """Tokenize and check prompts here, so a huge prompt never holds up an iteration. A
         request with a grammar goes on to the engine once that has compiled (on the compiler's
-        pool, with its time limit): neither this thread nor the engine's waits for it."""
-        compiling: list[Future] = []  # this thread's alone; the callbacks only queue adds
+        pool, with its time limit): neither this thread nor the engine's waits for it. One that
+        ends after the Stop is answered by the sender, which ends every open stream at its stop."""
         while not isinstance(add := self._to_tokenize.get(), Stop):
             try:
                 add.token_ids = self.engine.prepare(add.request.prompt, add.request.params)
@@ -134,9 +134,7 @@ class EngineLoop:
             if add.grammar is None or add.grammar.done():
                 self._inbox.put(add)
             else:
-                compiling = [f for f in compiling if not f.done()] + [add.grammar]
                 add.grammar.add_done_callback(lambda _, add=add: self._inbox.put(add))
-        wait(compiling)  # each ends by its time limit; its add goes before the Stop
         self._inbox.put(Stop())
 
     # -- engine thread ------------------------------------------------------------------------
