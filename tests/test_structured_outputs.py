@@ -42,7 +42,8 @@ GBNF = 'root ::= "The answer is " answer "."\nanswer ::= "yes" | "no" | "maybe"'
 
 @pytest.fixture(scope="module")
 def llm(default_model):
-    return LLM(str(default_model), max_batch_size=64, kv_cache_tokens=16384)
+    with LLM(str(default_model), max_batch_size=64, kv_cache_tokens=8192) as llm:
+        yield llm
 
 
 def sampled(spec, seed=None, temperature=0.0, max_tokens=160, **extra) -> SamplingParams:
