@@ -62,6 +62,27 @@ def server(tmp_path_factory, default_model):
         s.stop()
 
 
+@pytest.fixture(scope="module")
+def frontend(server, tmp_path_factory):
+    """The OpenAI-compatible API in front of `server`, serving `orca`."""
+    from orca_backend.serving.launch import Frontend
+
+    f = Frontend(tmp_path_factory.mktemp("openai"), server.grpc_url, args=["--model", "orca"])
+    try:
+        f.wait_ready()
+        yield f
+    finally:
+        f.stop()
+
+
+@pytest.fixture(scope="module")
+def api(frontend):
+    """The `openai` package's client of `frontend`."""
+    import openai
+
+    return openai.OpenAI(base_url=frontend.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory, default_model) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")

@@ -28,21 +28,6 @@ MESSAGES = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": Q
 KEY = "sk-test-1f0e2d3c4b5a"
 
 
-@pytest.fixture(scope="module")
-def frontend(server, tmp_path_factory):
-    f = Frontend(tmp_path_factory.mktemp("openai"), server.grpc_url, args=["--model", "orca"])
-    try:
-        f.wait_ready()
-        yield f
-    finally:
-        f.stop()
-
-
-@pytest.fixture(scope="module")
-def api(frontend):
-    return openai.OpenAI(base_url=frontend.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 def _post(frontend, path: str, body, key: str | None = None) -> tuple[int, dict]:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     content = body if isinstance(body, bytes) else json.dumps(body).encode()

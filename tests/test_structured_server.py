@@ -7,11 +7,9 @@ import re
 
 import httpx2 as httpx  # the HTTP client the openai package is built on
 import jsonschema
-import openai
 import pytest
 
 from client.triton_client import StreamingClient
-from orca_backend.serving.launch import Frontend
 
 from helpers import assert_no_leak, settled_metrics
 from test_structured_outputs import CHOICES, PHONE, SCHEMA
@@ -19,21 +17,6 @@ from test_structured_outputs import CHOICES, PHONE, SCHEMA
 pytestmark = pytest.mark.server
 
 MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]
-
-
-@pytest.fixture(scope="module")
-def frontend(server, tmp_path_factory):
-    f = Frontend(tmp_path_factory.mktemp("openai"), server.grpc_url, args=["--model", "orca"])
-    try:
-        f.wait_ready()
-        yield f
-    finally:
-        f.stop()
-
-
-@pytest.fixture(scope="module")
-def api(frontend):
-    return openai.OpenAI(base_url=frontend.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def test_tritonclient_streams_what_it_gets_whole_under_either_key(server):

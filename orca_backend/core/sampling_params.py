@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import InvalidRequestError
-from .structured_outputs import StructuredOutputsParams
+from .structured_outputs import StructuredOutputsParams, parse_json
 
 # Below this a temperature is greedy, as in vLLM: dividing logits by a tiny positive number
 # overflows them to inf, and softmax of inf is NaN.
@@ -117,16 +117,6 @@ _TYPES: dict[str, type] = {
     "ignore_eos": bool, "include_stop_str_in_output": bool, "skip_special_tokens": bool,
 }
 _OPTIONAL = {"max_tokens", "seed", "logprobs", "cache_salt", "structured_outputs"}
-
-
-def parse_json(text: str, what: str) -> Any:
-    """json.loads with a named InvalidRequestError for malformed or too deeply nested text."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise InvalidRequestError(f"{what} is not valid JSON: {e}") from None
-    except RecursionError:
-        raise InvalidRequestError(f"{what} is nested too deeply to be valid input") from None
 
 
 def _show(value: Any, limit: int = 80) -> str:

@@ -39,7 +39,7 @@ class StructuredOutputsParams:
                 f"structured_outputs must name exactly one of {', '.join(KINDS)}; got "
                 f"{', '.join(given) if given else 'none'}")
         if isinstance(self.json, str):
-            schema = _parse(self.json, "structured_outputs 'json'")
+            schema = parse_json(self.json, "structured_outputs 'json'")
             object.__setattr__(self, "json", schema)
         _check(self.json is None or isinstance(self.json, dict), "json",
                "must be a JSON schema (an object)")
@@ -89,7 +89,7 @@ class StructuredOutputsParams:
         if isinstance(value, cls):
             return value
         if isinstance(value, str):
-            value = _parse(value, what)
+            value = parse_json(value, what)
         if not isinstance(value, dict):
             raise InvalidRequestError(f"{what} must be a JSON object, got {type(value).__name__}")
         unknown = sorted(set(value) - set(KINDS) - _OPTIONS - _IGNORED)
@@ -101,7 +101,8 @@ class StructuredOutputsParams:
         return cls(**{k: v for k, v in value.items() if k not in _IGNORED})
 
 
-def _parse(text: str, what: str) -> Any:
+def parse_json(text: str, what: str) -> Any:
+    """json.loads with a named InvalidRequestError for malformed or too deeply nested text."""
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
