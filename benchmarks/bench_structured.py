@@ -1,7 +1,8 @@
 """What structured outputs cost: the grammar masks alone, then served throughput with 0%, 20%
 and 100% of the requests under a JSON schema, in one run on this machine.
 
-1. Masks, in this process: N requests under the JSON schema of the tests (nested objects,
+1. Compiles: each of four specs compiled once, then found in the cache. Masks, in this
+   process: N requests under the JSON schema of the tests (nested objects,
    arrays of enums, bounded strings), each at its own point of a valid document, one decode
    step after another: the time to fill the batch's bitmask (`GrammarMasks`, the library's
    threads) and to apply it to [N, vocab] logits in place (`apply_bitmask`), per iteration and
@@ -108,6 +109,30 @@ def mask_rows(folder: Path, batches: list[int], steps: int) -> list[list]:
     return rows
 
 
+def compile_rows(folder: Path) -> list[list]:
+    """Each spec compiled once by a fresh compiler (its tokenizer loaded first), then a cache hit."""
+    from orca_backend.grammar import GrammarCompiler
+
+    config = ModelConfig.from_folder(folder)
+    compiler = GrammarCompiler(folder, config.vocab_size, config.eos_token_ids)
+    start = time.perf_counter()
+    compiler.compile(StructuredOutputsParams(regex="x"))
+    rows = [["first compile of the process (loads the tokenizer)", f"{(time.perf_counter() - start) * 1e3:.0f}", "-"]]
+    wide = {"type": "object", "required": [f"p{i}" for i in range(300)],
+            "properties": {f"p{i}": {"type": "integer", "minimum": i, "maximum": 1000 * i + 7} for i in range(300)}}
+    for name, spec in (("the tests' JSON schema", {"json": SCHEMA}), ("choice of 3", {"choice": ["a", "b", "c"]}),
+                       ("regex (a phone number)", {"regex": r"\(\d{3}\) \d{3}-\d{4}"}),
+                       ("300 bounded integer properties", {"json": wide})):
+        params = StructuredOutputsParams(**spec)
+        start = time.perf_counter()
+        compiler.compile(params)
+        first = time.perf_counter() - start
+        start = time.perf_counter()
+        compiler.compile(params)
+        rows.append([name, f"{first * 1e3:.1f}", f"{(time.perf_counter() - start) * 1e6:.0f}"])
+    return rows
+
+
 class MixedLoad(TritonLoad):
     """TritonLoad with every k-th request under the schema (k from the mix), checked at its end."""
 
@@ -192,7 +217,8 @@ def main() -> None:
     args = parse_args()
     started = datetime.datetime.now()
     folder = prepare_default_model()
-    log("masks")
+    log("compiles and masks")
+    compiles = compile_rows(folder)
     masks = mask_rows(folder, args.batches, args.steps)
     with tempfile.TemporaryDirectory(prefix="orca-structured-") as tmp:
         work = Path(tmp)
@@ -212,6 +238,8 @@ def main() -> None:
             server.stop()
     lines = [f"# Structured outputs: mask cost and served throughput ({started:%Y-%m-%d %H:%M})", "",
              f"`make bench-structured` ({' '.join(sys.argv[1:])}); {', '.join(machine_lines())}.", "",
+             "## Compiles", "",
+             *table(["spec", "compile ms", "cache hit us"], compiles), "",
              "## Masks: the JSON schema of the tests, each row at its own point of a valid document", "",
              *table(["rows", "fill ms (median)", "fill ms (max)", "apply ms", "us per row", "ms per iteration"],
                     masks), "",
