@@ -49,11 +49,6 @@ class Matcher:
         return self._matcher.consume_token(token_id)
 
     @property
-    def finished(self) -> bool:
-        """The grammar has ended (it accepted an end-of-sequence token)."""
-        return self._matcher.is_stopped()
-
-    @property
     def error(self) -> str | None:
         return self._matcher.get_error() if self._matcher.is_error() else None
 
