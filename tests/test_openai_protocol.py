@@ -47,8 +47,6 @@ def test_completion_sampling_defaults_to_16_tokens():
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"tools": [{"type": "function"}]}, "tools"),
-    ({"tool_choice": "auto"}, "tool_choice"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"logit_bias": {"1": 1}}, "logit_bias"),
     ({"store": True}, "store"),
@@ -77,8 +75,12 @@ def test_messages_become_template_input():
                           "name": "ann"}])
     assert req.template_messages() == [{"role": "system", "content": "Be kind."},
                                        {"role": "user", "content": "Hi you", "name": "ann"}]
-    for bad, param in (([{"role": "tool", "content": "x"}], "messages[0].role"),
-                       ([{"role": "user", "content": "x", "tool_calls": []}], "messages[0].tool_calls"),
+    for bad, param in (([{"role": "function", "content": "x"}], "messages[0].role"),
+                       ([{"role": "tool", "content": "x"}], "messages[0]"),
+                       ([{"role": "user", "content": "x", "tool_calls": []}], "messages[0]"),
+                       ([{"role": "assistant", "tool_calls": [{"id": "a", "type": "function",
+                                                               "function": {"name": "f", "arguments": "{x"}}]}],
+                        "messages[0].tool_calls[0].function.arguments"),
                        ([{"role": "user", "content": [{"type": "input_audio"}]}], "messages")):
         with pytest.raises(APIError) as e:
             chat(messages=bad).template_messages()

@@ -329,13 +329,13 @@ def test_a_refusal_repeated_keeps_nothing_of_the_requests_that_met_it(default_mo
 
 
 def test_disable_additional_properties_closes_schemas_not_values():
-    from orca_backend.grammar.backend import _closed
+    from orca_backend.core.structured_outputs import closed_schema
 
     schema = {"type": "object", "properties": {"a": {"const": {"type": "object"}},
                                                "b": {"anyOf": [{"type": "object"}, {"type": "null"}]},
                                                "c": {"type": "object", "additionalProperties": True}},
               "$defs": {"d": {"properties": {"x": {"enum": [{"properties": {}}]}}}}}
-    closed = _closed(schema)
+    closed = closed_schema(schema)
     assert closed["additionalProperties"] is False
     assert closed["properties"]["a"] == {"const": {"type": "object"}}
     assert closed["properties"]["b"]["anyOf"][0]["additionalProperties"] is False

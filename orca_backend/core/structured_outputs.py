@@ -16,6 +16,10 @@ _OPTIONS = {"disable_any_whitespace", "disable_additional_properties", "whitespa
 # vLLM takes these and so do we; they choose among its backends, of which we have one.
 _IGNORED = {"disable_fallback", "backend"}
 MAX_SPEC_CHARS = 1 << 20
+# JSON whitespace between tokens, unless the request says otherwise: spaces, at most one line
+# break, and an indent. Unbounded whitespace lets a small model loop on line breaks up to
+# max_tokens, and the JSON never ends.
+DEFAULT_JSON_WHITESPACE = r"[\x20\x09]{0,40}(\x0D?\x0A[\x20\x09]{0,40})?"
 
 
 @dataclass(slots=True, frozen=True)
@@ -109,6 +113,33 @@ def parse_json(text: str, what: str) -> Any:
         raise InvalidRequestError(f"{what} is not valid JSON: {e}") from None
     except RecursionError:
         raise InvalidRequestError(f"{what} is nested too deeply to be valid input") from None
+
+
+# Keywords whose value is a schema, a list of schemas, or a mapping of names to schemas:
+# `closed_schema` goes into these only (never into `const`, `enum`, `default` or `examples`).
+_SCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames",
+           "unevaluatedItems")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_schema(schema):
+    """`additionalProperties: false` on every object schema that does not say otherwise."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA:
+        if key in out:
+            out[key] = [closed_schema(s) for s in out[key]] if isinstance(out[key], list) else closed_schema(out[key])
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_schema(s) for s in out[key]]
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_schema(s) for name, s in out[key].items()}
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def _check(ok: Any, name: str, rule: str) -> None:

@@ -23,12 +23,8 @@ from llguidance.gbnf_to_lark import any_to_lark
 from tokenizers import Tokenizer
 
 from ..core.errors import InvalidRequestError
-from ..core.structured_outputs import StructuredOutputsParams
+from ..core.structured_outputs import DEFAULT_JSON_WHITESPACE, StructuredOutputsParams, closed_schema
 
-# JSON whitespace between tokens, unless the request says otherwise: spaces, at most one line
-# break, and an indent. Unbounded whitespace lets a small model loop on line breaks up to
-# max_tokens, and the JSON never ends.
-DEFAULT_JSON_WHITESPACE = r"[\x20\x09]{0,40}(\x0D?\x0A[\x20\x09]{0,40})?"
 # A grammar whose mask would take longer per token than these allow is refused when compiled
 # (llguidance counts "fuel"; its defaults, but errors that say which limit was hit).
 _LIMITS = dict(verbose_errors=True)
@@ -95,39 +91,12 @@ def _grammar_text(spec: StructuredOutputsParams) -> str:
         return llguidance.LLMatcher.grammar_from_lark(any_to_lark(spec.grammar))
     schema = {"type": "object"} if spec.json_object else spec.json
     if spec.disable_additional_properties:
-        schema = _closed(schema)
+        schema = closed_schema(schema)
     if spec.disable_any_whitespace:
         options: dict = {"whitespace_flexible": False}
     else:
         options = {"whitespace_pattern": spec.whitespace_pattern or DEFAULT_JSON_WHITESPACE}
     return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
-
-
-# Keywords whose value is a schema, a list of schemas, or a mapping of names to schemas:
-# `_closed` goes into these only (never into `const`, `enum`, `default` or `examples`).
-_SCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames",
-           "unevaluatedItems")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-
-
-def _closed(schema):
-    """`additionalProperties: false` on every object schema that does not say otherwise."""
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    for key in _SCHEMA:
-        if key in out:
-            out[key] = [_closed(s) for s in out[key]] if isinstance(out[key], list) else _closed(out[key])
-    for key in _SCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [_closed(s) for s in out[key]]
-    for key in _SCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: _closed(s) for name, s in out[key].items()}
-    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
-        out["additionalProperties"] = False
-    return out
 
 
 def _short(error: str, limit: int = 500) -> str:

@@ -59,16 +59,17 @@ def _join(*parts: str | os.PathLike | None) -> str:
     return os.pathsep.join(str(p) for p in parts if p)
 
 
-def server_command(model_repository: Path, work_dir: Path, http_port: int, grpc_port: int,
+def server_command(model_repository: Path | list[Path], work_dir: Path, http_port: int, grpc_port: int,
                    metrics_port: int, extra_args: list[str] = ()) -> tuple[list[str], dict[str, str]]:
-    """The argv and environment that run tritonserver on `model_repository`."""
+    """The argv and environment that run tritonserver on `model_repository` (or several)."""
     env = dict(os.environ)
     python_paths = [REPO_ROOT, *site.getsitepackages(), sysconfig.get_paths()["purelib"]]
     env["PYTHONPATH"] = _join(*dict.fromkeys(python_paths), env.get("PYTHONPATH"))
     # The stub's embedded Python finds its prefix (and a virtualenv's packages) from the
     # first `python3` on PATH: make that the interpreter running us.
     env["PATH"] = _join(Path(sys.executable).parent, env.get("PATH"))
-    args = [f"--model-repository={model_repository}", f"--http-port={http_port}",
+    repositories = [model_repository] if isinstance(model_repository, (str, os.PathLike)) else model_repository
+    args = [*(f"--model-repository={r}" for r in repositories), f"--http-port={http_port}",
             f"--grpc-port={grpc_port}", f"--metrics-port={metrics_port}", *extra_args]
     binary = shutil.which("tritonserver")
     if binary is None:
@@ -269,7 +270,8 @@ def shown(argv: list[str]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-repository", type=Path, default=REPO_ROOT / "model_repository")
+    parser.add_argument("--model-repository", type=Path, action="append",
+                        help="a Triton model repository (repeatable; default: model_repository)")
     parser.add_argument("--work-dir", type=Path, default=REPO_ROOT / "build" / "triton")
     parser.add_argument("--triton-address", metavar="ADDRESS",
                         help="bind tritonserver's HTTP, gRPC and metrics ports to ADDRESS only (127.0.0.1: "
@@ -277,13 +279,17 @@ def main() -> None:
     parser.add_argument("--no-openai", action="store_true", help="do not start the OpenAI-compatible API")
     parser.add_argument("--openai-host", default="0.0.0.0", help="address the OpenAI API listens on")
     parser.add_argument("--openai-workers", type=int, default=1, help="processes serving the OpenAI API")
+    parser.add_argument("--tool-call-parser", metavar="NAME",
+                        help="the OpenAI API's parser of the model's tool calls (hermes, llama3_json, mistral)")
+    parser.add_argument("--reasoning-parser", metavar="NAME",
+                        help="the OpenAI API's reasoning parser (deepseek_r1, qwen3)")
     args, extra = parser.parse_known_args()
     args.work_dir.mkdir(parents=True, exist_ok=True)
     if args.triton_address:
         extra = [f"--{kind}-address={args.triton_address}" for kind in ("http", "grpc", "metrics")] + extra
     grpc_port = int(os.environ.get("GRPC_PORT", 8001))
     argv, env = server_command(
-        args.model_repository.resolve(), args.work_dir.resolve(),
+        [r.resolve() for r in args.model_repository or [REPO_ROOT / "model_repository"]], args.work_dir.resolve(),
         int(os.environ.get("HTTP_PORT", 8000)), grpc_port, int(os.environ.get("METRICS_PORT", 8002)), extra)
     print(shown(argv), flush=True)
     if args.no_openai:
@@ -292,12 +298,21 @@ def main() -> None:
     grpc_host = "127.0.0.1" if args.triton_address in (None, "0.0.0.0") else args.triton_address
     frontend = subprocess.Popen([sys.executable, "-m", "orca_backend.serving.openai_api",
                                  "--url", f"{grpc_host}:{grpc_port}", "--host", args.openai_host,
-                                 "--workers", str(args.openai_workers), *restricted_headers(extra)],
+                                 "--workers", str(args.openai_workers), *_frontend_options(args),
+                                 *restricted_headers(extra)],
                                 cwd=REPO_ROOT, start_new_session=True)
     server = subprocess.Popen(argv, env=env, start_new_session=True)
     openai_host = "127.0.0.1" if args.openai_host in ("0.0.0.0", "::") else args.openai_host
     ready_url = f"http://{openai_host}:{os.environ.get('OPENAI_PORT', 9000)}/health/ready"
     sys.exit(_supervise(server, frontend, ready_url, _ready_line(grpc_port)))
+
+
+def _frontend_options(args: argparse.Namespace) -> list[str]:
+    options = []
+    for name in ("tool_call_parser", "reasoning_parser"):
+        if getattr(args, name):
+            options += ["--" + name.replace("_", "-"), getattr(args, name)]
+    return options
 
 
 def _ready_line(grpc_port: int) -> str:

@@ -20,6 +20,8 @@ from ...checkpoint.chat_template import load_chat_template
 from ...core.errors import ConfigError
 from .app import create_app
 from .backend import Backend
+from .parsing.reasoning import REASONING_PARSERS
+from .parsing.tool_parsers import TOOL_PARSERS
 
 DEFAULT_PORT = 9000  # Triton's own OpenAI frontend's
 
@@ -39,6 +41,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chat-template", metavar="FILE",
                    help="a Jinja chat template (a file, or the template itself) for every model, in place of "
                         "their tokenizer folders' own")
+    p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), metavar="NAME",
+                   help="read tool calls the model writes, for tool_choice auto: hermes (Qwen2/2.5/3, Hermes), "
+                        "llama3_json (Llama 3.1/3.2), mistral; without it tool_choice auto is refused "
+                        "(named and required calls work either way)")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, metavar="NAME",
+                   help="move <think>...</think> into reasoning_content: deepseek_r1 or qwen3")
     p.add_argument("--grpc-header", action="append", default=[], metavar="KEY=VALUE",
                    help="send this header on every gRPC call: triton-grpc-protocol-K=V for tritonserver's "
                         "--grpc-restricted-protocol=...:K=V")
@@ -62,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
             p.error(f"--chat-template: {e}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = Settings(args.url, args.model, str(args.tokenizer) if args.tokenizer else None, headers,
-                        args.grpc_status_codes, args.chat_template)
+                        args.grpc_status_codes, args.chat_template, args.tool_call_parser, args.reasoning_parser)
     logging.getLogger(__name__).info("OpenAI API on %s:%d for tritonserver at %s (API key %s, %d worker(s))",
                                      args.host, args.port, args.url,
                                      "required" if args.api_key else "not required", args.workers)
@@ -92,11 +100,13 @@ class Settings:
     headers: dict[str, str]
     status_codes: bool
     chat_template: str | None
+    tool_parser: str | None = None
+    reasoning_parser: str | None = None
 
     def app(self, api_key: str | None):
         backend = Backend(self.url, self.models, Path(self.tokenizer) if self.tokenizer else None, self.headers,
                           self.status_codes)
-        return create_app(backend, api_key, self.chat_template)
+        return create_app(backend, api_key, self.chat_template, self.tool_parser, self.reasoning_parser)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

@@ -15,10 +15,13 @@ from starlette.exceptions import HTTPException
 
 from .backend import Backend
 from .errors import APIError, invalid, unauthorized
-from .formats import chat_choice, chat_delta, completion_choice, completion_delta, envelope, new_id, usage
+from .chat_output import ChatOutput
+from .formats import Choice, completion_choice, completion_delta, envelope, new_id, usage
 from .generation import Generation
-from .protocol import ChatRequest, CompletionRequest, parse
+from .parsing.tool_parsers import SPECIAL_TOKEN_PARSERS
+from .protocol import ChatRequest, CompletionRequest, check_sampling, parse
 from .templates import ChatTemplates
+from .tools import forced_outputs, plan_output, think_first
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 16 << 20  # a request body beyond it is refused before it is parsed
@@ -28,13 +31,16 @@ def _too_large() -> APIError:
     return APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
 
 
-def create_app(backend: Backend, api_key: str | None = None, chat_template: str | Path | None = None) -> FastAPI:
+def create_app(backend: Backend, api_key: str | None = None, chat_template: str | Path | None = None,
+               tool_parser: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
     """The API over `backend`; with `api_key`, every /v1 route needs 'Authorization: Bearer KEY';
-    `chat_template` (a file or the text) replaces every model's own."""
+    `chat_template` (a file or the text) replaces every model's own; `tool_parser` reads the
+    calls of tool_choice auto (a TOOL_PARSERS name), `reasoning_parser` splits off reasoning."""
     app = FastAPI(title="orca OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=_lifespan)
     app.state.backend, app.state.templates = backend, ChatTemplates(chat_template)
     app.state.api_key = api_key.encode("utf-8") if api_key else None
+    app.state.tool_parser, app.state.reasoning_parser = tool_parser, reasoning_parser
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
@@ -110,7 +116,7 @@ async def _completions(request: Request):
     if req.stream:
         head = envelope("text_completion", new_id("cmpl"), req.model)
         return await _stream(request, generation,
-                             lambda c, p, first: completion_delta(c, p, first, req.echo, req.logprobs),
+                             lambda c, p, first: [completion_delta(c, p, first, req.echo, req.logprobs)],
                              head, req.include_usage)
     choices = await _unless_disconnected(request, generation.collect())
     return {**envelope("text_completion", new_id("cmpl"), req.model),
@@ -119,19 +125,34 @@ async def _completions(request: Request):
 
 async def _chat(request: Request):
     req = parse(ChatRequest, await _body(request))
+    state = request.app.state
     sampling, messages = req.sampling(), req.template_messages()
-    backend: Backend = request.app.state.backend
+    tool_choice = req.tool_choice_for(state.tool_parser)
+    backend: Backend = state.backend
     served = await backend.model(req.model)
-    prompt = await request.app.state.templates.render(served, messages)
+    prompt = await state.templates.render(served, messages, req.tools or None)
+    reasoning = state.reasoning_parser is not None
+    if tool_choice.mode in ("named", "required"):
+        forced = forced_outputs(req.tools, tool_choice, req.parallel_tool_calls, think_first(prompt, reasoning))
+        sampling = check_sampling({**sampling, "structured_outputs": forced}, {"structured_outputs": "tool_choice"})
+    elif tool_choice.mode == "auto" and state.tool_parser in SPECIAL_TOKEN_PARSERS:
+        sampling.setdefault("skip_special_tokens", False)  # the parser reads the calls' marker token
     generation = Generation(backend, served, [prompt], sampling, req.n, req.stream)
-    top_n = (req.top_logprobs or 0) if req.logprobs else None
+    plan = plan_output(prompt, state.tool_parser, tool_choice, req.parallel_tool_calls, reasoning)
+    output = ChatOutput(plan, (req.top_logprobs or 0) if req.logprobs else None, generation.stop)
     if req.stream:
         head = envelope("chat.completion.chunk", new_id("chatcmpl"), req.model)
-        return await _stream(request, generation, lambda c, p, first: chat_delta(c, p, first, top_n), head,
-                             req.include_usage)
-    choices = await _unless_disconnected(request, generation.collect())
+        return await _stream(request, generation, output.chunks, head, req.include_usage)
+    choices = await _unless_disconnected(request, _collect(generation, output))
     return {**envelope("chat.completion", new_id("chatcmpl"), req.model),
-            "choices": [chat_choice(c, top_n) for c in choices], "usage": usage(choices, req.n)}
+            "choices": [output.choice(c) for c in choices], "usage": usage(choices, req.n)}
+
+
+async def _collect(generation: Generation, output: ChatOutput) -> list[Choice]:
+    await generation.start()
+    async for choice, piece in generation.pieces():
+        output.add(choice, piece)
+    return generation.choices
 
 
 async def _load_templates(backend: Backend, templates: ChatTemplates) -> None:
@@ -185,7 +206,8 @@ async def _stream(request: Request, generation: Generation, choice_body, head: d
             async for choice, piece in generation.pieces():
                 first = choice.index not in started
                 started.add(choice.index)
-                yield _event({**head, "choices": [choice_body(choice, piece, first)], **extra})
+                for body in choice_body(choice, piece, first):
+                    yield _event({**head, "choices": [body], **extra})
             if include_usage:
                 yield _event({**head, "choices": [], "usage": usage(generation.choices, generation.n)})
         except APIError as e:  # the status line has gone: the error is the stream's last event

@@ -80,6 +80,13 @@ class Generation:
             pass
         return self.choices
 
+    def stop(self, choice: Choice) -> None:
+        """End one choice early: its request is cancelled, and what it sent is all it has."""
+        task = self._tasks[choice.index]
+        if not task.done() and not task.cancelling():
+            task.cancel()  # it puts nothing more on the queue: this ends the choice instead
+            self._queue.put_nowait((choice, _END))
+
     def cancel(self) -> None:
         """Cancel every request still open (their gRPC streams are cancelled)."""
         for task in self._tasks:

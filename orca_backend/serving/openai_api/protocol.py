@@ -6,6 +6,7 @@ model's own `SamplingParams` so that an error names the field the client sent.
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -14,6 +15,7 @@ from ...core.errors import InvalidRequestError
 from ...core.sampling_params import SamplingParams
 from ...core.structured_outputs import StructuredOutputsParams
 from .errors import APIError, invalid
+from .tools import ToolChoice, check_tool_choice, check_tools
 
 # Sampling fields passed to the model as they are (OpenAI's, then vLLM's extensions).
 _PASSED = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
@@ -177,20 +179,63 @@ class CompletionRequest(_Request):
         return check_sampling(sampling, {})
 
 
+class _Function(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class _ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: _Function
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[dict]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict] | None = None
     name: str | None = None
+    tool_calls: list[_ToolCall] | None = None  # an assistant's calls, in the history
+    tool_call_id: str | None = None  # a tool message answers this call
+    reasoning_content: str | None = None  # an assistant's reasoning, for templates that show it
 
-    def as_template_input(self) -> dict:
-        """The message as a chat template takes it (text only; a developer message is a system one)."""
+    @model_validator(mode="after")
+    def _complete(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (an assistant message may give tool_calls instead)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
+
+    def as_template_input(self, where: str) -> dict:
+        """The message as a chat template takes it (text only; a developer message is a system
+        one; calls' arguments as objects, as templates expect them)."""
         role = "system" if self.role == "developer" else self.role
-        message = {"role": role, "content": _text(self.content)}
-        if self.name is not None:
-            message["name"] = self.name
+        message = {"role": role, "content": None if self.content is None else _text(self.content)}
+        for key in ("name", "tool_call_id", "reasoning_content"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        if self.tool_calls is not None:
+            message["tool_calls"] = [
+                {"id": c.id, "type": c.type,
+                 "function": {"name": c.function.name,
+                              "arguments": _arguments(c.function.arguments, f"{where}.tool_calls[{j}].function.arguments")}}
+                for j, c in enumerate(self.tool_calls)]
         return message
+
+
+def _arguments(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        raise invalid(f"{where} must be JSON text (got {_show(text)})", where) from None
 
 
 class ChatRequest(_Request):
@@ -198,6 +243,23 @@ class ChatRequest(_Request):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: Any = None  # checked by tools.check_tools, so that the error names the item
+    tool_choice: Any = None
+    parallel_tool_calls: bool = True
+
+    def tool_choice_for(self, tool_parser: str | None) -> ToolChoice:
+        """The request's tool choice, checked against what the API can do."""
+        tools = check_tools(self.tools) if self.tools else None
+        choice = check_tool_choice(self.tool_choice, tools, default_auto=True)
+        if choice.mode == "auto" and tool_parser is None:
+            raise invalid("tools with tool_choice 'auto' (the default when tools are given) need the API "
+                          "started with --tool-call-parser NAME; tool_choice 'required' or a named function "
+                          "work without one", "tool_choice")
+        if choice.mode == "auto" and self._structured_outputs() is not None:
+            raise invalid("response_format (or structured_outputs) cannot be combined with tool_choice 'auto': "
+                          "the answer could not be both a tool call and the format; use tool_choice 'none', "
+                          "'required' or a named function", "response_format")
+        return choice
 
     def template_messages(self) -> list[dict]:
         if not self.messages:
@@ -205,9 +267,10 @@ class ChatRequest(_Request):
         out = []
         for i, raw in enumerate(self.messages):
             try:
-                out.append(ChatMessage.model_validate(raw).as_template_input())
+                message = ChatMessage.model_validate(raw)
             except ValidationError as e:
                 raise from_validation(e, f"messages[{i}]") from None
+            out.append(message.as_template_input(f"messages[{i}]"))
         return out
 
     def sampling(self) -> dict:

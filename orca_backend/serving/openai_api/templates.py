@@ -33,15 +33,15 @@ class ChatTemplates:
         except ConfigError:  # logged once by _read; the client sees no path of this machine
             raise APIError(500, f"the chat template of the model '{model.name}' cannot be loaded") from None
 
-    async def render(self, model: ServedModel, messages: list[dict]) -> str:
+    async def render(self, model: ServedModel, messages: list[dict], tools: list[dict] | None = None) -> str:
         template = await self.get(model)
         if template is None:
             raise invalid(f"the model '{model.name}' has no chat template: send the prompt to "
                           "/v1/completions, or start the API with --chat-template FILE", "messages")
         # A short conversation renders in tens of microseconds, less than a hop to a thread.
         if sum(len(m.get("content") or "") for m in messages) < _INLINE_CHARS:
-            return _render(template, messages)
-        return await asyncio.to_thread(_render, template, messages)
+            return _render(template, messages, tools)
+        return await asyncio.to_thread(_render, template, messages, tools)
 
     def _load(self, model: ServedModel) -> asyncio.Task:
         folder = model.tokenizer
@@ -65,8 +65,8 @@ class ChatTemplates:
         return template
 
 
-def _render(template: ChatTemplate, messages: list[dict]) -> str:
+def _render(template: ChatTemplate, messages: list[dict], tools: list[dict] | None) -> str:
     try:
-        return template.render(messages)
+        return template.render(messages, tools)
     except ChatTemplateError as e:  # the template refused the conversation (its raise_exception)
         raise invalid(f"messages: the model's chat template refused them: {e}", "messages") from None
