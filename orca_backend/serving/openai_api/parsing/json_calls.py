@@ -68,10 +68,7 @@ class CallReader:
                 if m is None:
                     self._pos = len(text)
                     return
-                if m.group() == "\\":
-                    if m.end() >= len(text):  # the escaped character has not arrived
-                        self._pos = m.start()
-                        return
+                if m.group() == "\\":  # skip the escaped character, even one still to come
                     self._pos = m.end() + 1
                     continue
                 self._pos = m.end()
