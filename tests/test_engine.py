@@ -61,6 +61,7 @@ def test_stop_token_ids_and_min_tokens(llm):
     stop_id = base.token_ids[2]
     out = _gen(llm, "The capital of France is", max_tokens=6, stop_token_ids=[stop_id], **GREEDY)
     assert out.token_ids == base.token_ids[:3] and out.finish_reason == "stop"
+    assert out.text == llm.engine.rules.tokenizer.decode(base.token_ids[:2])  # not the stop token's text
     first = base.token_ids[0]
     banned = _gen(llm, "The capital of France is", max_tokens=6, min_tokens=2, stop_token_ids=[first], **GREEDY)
     assert banned.token_ids[0] != first
@@ -72,6 +73,12 @@ def test_eos_stops_unless_ignored(llm):
     assert out.finish_reason == "stop" and out.token_ids[-1] == 2 and "<|im_end|>" not in out.text
     ignored = _gen(llm, prompt, max_tokens=len(out.token_ids) + 3, ignore_eos=True, **GREEDY)
     assert ignored.finish_reason == "length" and ignored.token_ids[:len(out.token_ids)] == out.token_ids
+    # Special tokens kept in the text (a tool parser reads its marker token so): the stop token's
+    # text is still left out, unless include_stop_str_in_output.
+    kept = _gen(llm, prompt, max_tokens=64, skip_special_tokens=False, **GREEDY)
+    assert kept.text == out.text and kept.token_ids == out.token_ids
+    shown = _gen(llm, prompt, max_tokens=64, skip_special_tokens=False, include_stop_str_in_output=True, **GREEDY)
+    assert shown.text == out.text + "<|im_end|>"
 
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch(llm):

@@ -83,14 +83,17 @@ class RequestRules:
     def finish_status(self, params: SamplingParams, detokenizer: IncrementalDetokenizer, token_id: int,
                       num_output_tokens: int, num_tokens: int) -> RequestStatus | None:
         """Whether a request ends with `token_id`, its `num_output_tokens`-th output token
-        (`num_tokens` with the prompt); the detokenizer takes the token in either case."""
+        (`num_tokens` with the prompt); the detokenizer takes the token, unless it is a stop token."""
         may_stop = num_output_tokens >= params.min_tokens
-        if detokenizer.append(token_id, check_stop=may_stop):
-            return RequestStatus.FINISHED_STOPPED
         # A grammar allows the end-of-sequence token only where it is complete: it ends there.
         is_eos = token_id in self.model_config.eos_token_ids and (
             not params.ignore_eos or params.structured_outputs is not None)
         if may_stop and (is_eos or token_id in params.stop_token_ids):
+            # The stop token's text is not output (with skip_special_tokens false it would be), as vLLM.
+            if params.include_stop_str_in_output:
+                detokenizer.append(token_id, check_stop=False)
+            return RequestStatus.FINISHED_STOPPED
+        if detokenizer.append(token_id, check_stop=may_stop):
             return RequestStatus.FINISHED_STOPPED
         if num_output_tokens >= params.max_tokens or num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
