@@ -1,7 +1,16 @@
 """Small helpers shared by tests."""
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import socket
+import subprocess
 import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_PORTS = (8000, 8001, 8002, 9000)  # make serve's: tritonserver's HTTP, gRPC, metrics; the OpenAI API
 
 
 def wait_until(predicate, timeout: float = 60.0, what: str = "condition") -> None:
@@ -41,3 +50,39 @@ def settled_metrics(server, quiet: float = 0.5, timeout: float = 30.0) -> dict[s
 def metric_lines(server) -> dict[str, float]:
     """Every sample on the server's /metrics, by its name and labels (`Server.metrics`)."""
     return server.metrics()
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@contextlib.contextmanager
+def made_serve(log_path: Path, serve_args: str = ""):
+    """`make serve` (with SERVE_ARGS) on its default ports, as a user starts it; yields the log's
+    path once it says ready, and stops it as Ctrl+C does."""
+    import pytest
+
+    busy = [p for p in DEFAULT_PORTS if _listening(p)]
+    if busy:
+        pytest.fail(f"ports {busy} are taken: make serve needs them free")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HTTP_PORT", "GRPC_PORT", "METRICS_PORT", "OPENAI_PORT", "ORCA_API_KEY", "SERVE_ARGS")}
+    if serve_args:
+        env["SERVE_ARGS"] = serve_args
+    with open(log_path, "wb") as log:
+        make = subprocess.Popen(["make", "serve"], cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        wait_until(lambda: make.poll() is not None or "\nready: " in log_path.read_text(errors="replace"), 300,
+                   "make serve to say ready")
+        assert make.poll() is None, f"make serve exited: {log_path.read_text(errors='replace')[-3000:]}"
+        yield log_path
+    finally:
+        os.killpg(make.pid, signal.SIGINT)  # Ctrl+C in its terminal: the launcher stops both servers
+        try:
+            make.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(make.pid, signal.SIGKILL)
+            make.wait()
+        wait_until(lambda: not any(_listening(p) for p in DEFAULT_PORTS), 60, "make serve's ports closed")

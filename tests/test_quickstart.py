@@ -2,10 +2,7 @@
 ready, every other command of the section, verbatim; each must succeed."""
 from __future__ import annotations
 
-import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,10 +11,9 @@ import pytest
 
 from orca_backend.serving.launch import REPO_ROOT
 
-from helpers import wait_until
+from helpers import made_serve
 
 pytestmark = pytest.mark.server  # slow group: a real tritonserver
-PORTS = (8000, 8001, 8002, 9000)  # the README's commands name them
 SET_UP = ("make serve", "make test")  # what the section runs first, not after the server is up
 
 
@@ -36,36 +32,11 @@ def quick_start(readme: str) -> tuple[list[str], list[str]]:
     return shell, python
 
 
-def _listening(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
 @pytest.fixture(scope="module")
 def make_serve(tmp_path_factory):
     """`make serve` as the README starts it, on its default ports; yields once it says ready."""
-    busy = [p for p in PORTS if _listening(p)]
-    if busy:
-        pytest.fail(f"ports {busy} are taken: the README's commands need them free")
-    log_path = tmp_path_factory.mktemp("make_serve") / "make_serve.log"
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("HTTP_PORT", "GRPC_PORT", "METRICS_PORT", "OPENAI_PORT", "ORCA_API_KEY", "SERVE_ARGS")}
-    with open(log_path, "wb") as log:
-        make = subprocess.Popen(["make", "serve"], cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    try:
-        wait_until(lambda: make.poll() is not None or "\nready: " in log_path.read_text(errors="replace"), 300,
-                   "make serve to say ready")
-        assert make.poll() is None, f"make serve exited: {log_path.read_text(errors='replace')[-3000:]}"
+    with made_serve(tmp_path_factory.mktemp("make_serve") / "make_serve.log") as log_path:
         yield log_path
-    finally:
-        os.killpg(make.pid, signal.SIGINT)  # Ctrl+C in its terminal: the launcher stops both servers
-        try:
-            make.wait(120)
-        except subprocess.TimeoutExpired:
-            os.killpg(make.pid, signal.SIGKILL)
-            make.wait()
-        wait_until(lambda: not any(_listening(p) for p in PORTS), 60, "the README's ports closed")
 
 
 def test_the_quick_start_is_read_as_its_commands():

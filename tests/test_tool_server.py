@@ -1,19 +1,28 @@
-"""Tool calls and reasoning through the real server: the `openai` package (sync and async,
-streamed and not) against the OpenAI API in front of tritonserver. Parsers read a scripted
-model (tests/fixtures/scripted_repository) that streams what tool-trained models write, in
-1-, 3- and 8-character responses; named and required calls are forced on the default model."""
+"""Tool calls and reasoning through the real server: `make serve` with the scripted model
+beside the default one and the hermes parser, and the `openai` package (sync and async,
+streamed and not). Parsers read the scripted model (tests/fixtures/scripted_repository),
+which streams what tool-trained models write in 1-, 3- and 8-character responses (further
+frontends on the same tritonserver try the other parsers); named and required calls are
+forced on the default model; docs/openai.md's worked example runs as it is written."""
 from __future__ import annotations
 
+import ast
 import asyncio
 import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
 import openai
 import pytest
 
-from orca_backend.serving.launch import Frontend, Server
+from orca_backend.serving.launch import REPO_ROOT, Frontend
 
+from helpers import made_serve
+
+pytestmark = pytest.mark.server  # slow group: a real tritonserver
 FIXTURES = Path(__file__).parent / "fixtures"
 TEMPLATES = FIXTURES / "chat_templates"
 PARSERS = {"hermes": "qwen2_5_instruct.jinja", "llama3_json": "llama3_1_instruct.jinja",
@@ -45,23 +54,22 @@ def script(text: str, chunk: int) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def scripted(tmp_path_factory):
-    s = Server(tmp_path_factory.mktemp("scripted"), FIXTURES / "scripted_repository")
-    try:
-        s.wait_ready()
-        yield s
-    finally:
-        s.stop()
+def served(tmp_path_factory):
+    """make serve with the scripted model and the hermes parser: the OpenAI API on 9000,
+    tritonserver's gRPC on 8001."""
+    args = f"--model-repository {FIXTURES / 'scripted_repository'} --tool-call-parser hermes"
+    with made_serve(tmp_path_factory.mktemp("make_serve") / "make_serve.log", args) as log_path:
+        yield log_path
 
 
 @pytest.fixture(scope="module")
-def frontends(scripted, tmp_path_factory):
-    """A frontend per set of options, started when first asked for."""
+def frontends(served, tmp_path_factory):
+    """A frontend per set of options on make serve's tritonserver, started when first asked for."""
     started: dict[tuple, Frontend] = {}
 
     def get(*args: str) -> Frontend:
         if args not in started:
-            f = Frontend(tmp_path_factory.mktemp("openai"), scripted.grpc_url, args=["--model", "scripted", *args])
+            f = Frontend(tmp_path_factory.mktemp("openai"), "127.0.0.1:8001", args=["--model", "scripted", *args])
             started[args] = f
             f.wait_ready()
         return started[args]
@@ -208,14 +216,9 @@ def test_a_template_that_opens_think_starts_the_answer_in_reasoning(frontends):
 
 
 @pytest.fixture(scope="module")
-def forcing(server, tmp_path_factory):
-    """The OpenAI API in front of the default model (no tool parser: forced calls need none)."""
-    f = Frontend(tmp_path_factory.mktemp("openai"), server.grpc_url, args=["--model", "orca"])
-    try:
-        f.wait_ready()
-        yield client(f)
-    finally:
-        f.stop()
+def forcing(served):
+    """make serve's own OpenAI API, in front of the default model."""
+    return openai.OpenAI(base_url="http://localhost:9000/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.mark.parametrize("choice", ["named", "required"])
@@ -231,3 +234,25 @@ def test_named_and_required_calls_of_the_default_model_validate_in_20_of_20_samp
         (call,) = c.message.tool_calls
         assert choice == "required" or call.function.name == "get_weather"
         jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+def worked_example() -> list[str]:
+    section = (REPO_ROOT / "docs" / "openai.md").read_text().split("\n### A worked example\n", 1)[1]
+    return re.findall(r"```python\n(.*?)```", section.split("\n## ", 1)[0], re.S)
+
+
+def test_the_docs_worked_example_runs_as_written_against_make_serve(served):
+    named, streamed, auto = worked_example()
+    out = [subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+           for code in (named, streamed, auto)]
+    assert all(r.returncode == 0 for r in out), [r.stderr[-2000:] for r in out]
+    lines = out[0].stdout.splitlines()
+    assert len(lines) == 2 and all(line.startswith("tool_calls get_weather {'city': ") for line in lines)
+    lines = out[1].stdout.splitlines()
+    assert re.fullmatch(r"0 chatcmpl-tool-\w+ get_time ''", lines[0]) and lines[-1] == "tool_calls"
+    fragments = "".join(ast.literal_eval(line.split(" None None ", 1)[1]) for line in lines[1:-1])
+    assert json.loads(fragments)["zone"] in ("UTC", "CET")
+    lines = out[2].stdout.splitlines()
+    assert lines[0] == """tool_calls 'Let me look.' {"city": "Paris"}"""
+    assert "<tool_response>\n18 C, sunny\n</tool_response>" in out[2].stdout
+    assert "Traceback" not in Path(served).read_text(errors="replace")

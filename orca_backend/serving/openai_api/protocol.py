@@ -203,6 +203,13 @@ class ChatMessage(BaseModel):
     tool_calls: list[_ToolCall] | None = None  # an assistant's calls, in the history
     tool_call_id: str | None = None  # a tool message answers this call
     reasoning_content: str | None = None  # an assistant's reasoning, for templates that show it
+    annotations: list | None = None  # OpenAI's, on an assistant message sent back as it came: not used
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        """An answer sent back as it came may carry null fields (refusal, audio, function_call)."""
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
     @model_validator(mode="after")
     def _complete(self) -> ChatMessage:
