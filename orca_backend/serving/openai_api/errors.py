@@ -24,6 +24,12 @@ class APIError(Exception):
                           "code": self.code}}
 
 
+def shown(value, limit: int = 60) -> str:
+    """A value as an error message quotes it: its repr, cut at `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param, code)
 

@@ -6,15 +6,15 @@ model's own `SamplingParams` so that an error names the field the client sent.
 """
 from __future__ import annotations
 
-import json
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ...core.errors import InvalidRequestError
 from ...core.sampling_params import SamplingParams
 from ...core.structured_outputs import StructuredOutputsParams
-from .errors import APIError, invalid
+from .errors import APIError, invalid, shown
+from .messages import ChatMessage
 from .tools import ToolChoice, check_tool_choice, check_tools
 
 # Sampling fields passed to the model as they are (OpenAI's, then vLLM's extensions).
@@ -94,7 +94,7 @@ class _Request(BaseModel):
             if name not in _NO_OP:
                 raise invalid(f"unknown field '{name}'", name)
             if not _NO_OP[name](value):
-                raise invalid(f"'{name}' is not supported by this server (got {_show(value)})", name)
+                raise invalid(f"'{name}' is not supported by this server (got {shown(value)})", name)
         if self.stream_options is not None:
             if not self.stream:
                 raise invalid("stream_options is only allowed with stream: true", "stream_options")
@@ -152,7 +152,7 @@ def _from_response_format(value: dict | None) -> dict | None:
                           "response_format")
         # `name` and `strict` are OpenAI's; the schema is always enforced, strict or not.
         return {"json": spec.get("schema", {})}
-    raise invalid(f"response_format type must be text, json_object or json_schema (got {_show(kind)})",
+    raise invalid(f"response_format type must be text, json_object or json_schema (got {shown(kind)})",
                   "response_format")
 
 
@@ -177,72 +177,6 @@ class CompletionRequest(_Request):
         # OpenAI's default for completions is 16 tokens.
         sampling = self._sampling(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
         return check_sampling(sampling, {})
-
-
-class _Function(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-
-
-class _ToolCall(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    id: str
-    type: Literal["function"] = "function"
-    function: _Function
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict] | None = None
-    name: str | None = None
-    tool_calls: list[_ToolCall] | None = None  # an assistant's calls, in the history
-    tool_call_id: str | None = None  # a tool message answers this call
-    reasoning_content: str | None = None  # an assistant's reasoning, for templates that show it
-    annotations: list | None = None  # OpenAI's, on an assistant message sent back as it came: not used
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_absent(cls, data: Any) -> Any:
-        """An answer sent back as it came may carry null fields (refusal, audio, function_call)."""
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
-
-    @model_validator(mode="after")
-    def _complete(self) -> ChatMessage:
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError("content is required (an assistant message may give tool_calls instead)")
-        if self.tool_calls is not None and self.role != "assistant":
-            raise ValueError("only assistant messages carry tool_calls")
-        if self.role == "tool" and not self.tool_call_id:
-            raise ValueError("a tool message needs the tool_call_id of the call it answers")
-        return self
-
-    def as_template_input(self, where: str) -> dict:
-        """The message as a chat template takes it (text only; a developer message is a system
-        one; calls' arguments as objects, as templates expect them)."""
-        role = "system" if self.role == "developer" else self.role
-        message = {"role": role, "content": None if self.content is None else _text(self.content)}
-        for key in ("name", "tool_call_id", "reasoning_content"):
-            if getattr(self, key) is not None:
-                message[key] = getattr(self, key)
-        if self.tool_calls is not None:
-            message["tool_calls"] = [
-                {"id": c.id, "type": c.type,
-                 "function": {"name": c.function.name,
-                              "arguments": _arguments(c.function.arguments, f"{where}.tool_calls[{j}].function.arguments")}}
-                for j, c in enumerate(self.tool_calls)]
-        return message
-
-
-def _arguments(text: str, where: str) -> Any:
-    try:
-        return json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
-        raise invalid(f"{where} must be JSON text (got {_show(text)})", where) from None
 
 
 class ChatRequest(_Request):
@@ -292,18 +226,6 @@ class ChatRequest(_Request):
         return check_sampling(sampling, names)
 
 
-def _text(content: str | list[dict]) -> str:
-    if isinstance(content, str):
-        return content
-    parts = []
-    for part in content:
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise invalid(f"message content parts must be text (got type {_show(part.get('type'))})",
-                          "messages")
-        parts.append(part["text"])
-    return "".join(parts)
-
-
 def check_sampling(sampling: dict, names: dict[str, str]) -> dict:
     """The model's own checks, run here so that the error names the request's field
     (`names`: our sampling parameter -> the field a client set it with, where they differ)."""
@@ -331,8 +253,3 @@ def parse(model: type[_Request], body: Any) -> _Request:
         return model.model_validate(body)
     except ValidationError as e:
         raise from_validation(e) from None
-
-
-def _show(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
