@@ -14,7 +14,8 @@ from orca_backend.serving.openai_api.errors import APIError
 from orca_backend.serving.openai_api.formats import Choice
 from orca_backend.serving.openai_api.parsing.deltas import Message
 from orca_backend.serving.openai_api.parsing.reasoning import ReasoningSplitter, starts_in_reasoning
-from orca_backend.serving.openai_api.parsing.tool_parsers import TOOL_PARSERS, NamedCallParser, RequiredCallsParser
+from orca_backend.serving.openai_api.parsing import TOOL_PARSERS
+from orca_backend.serving.openai_api.parsing.tool_parsers import NamedCallParser, RequiredCallsParser
 from orca_backend.serving.openai_api.protocol import ChatRequest, parse
 from orca_backend.serving.openai_api.tools import ToolChoice, forced_outputs, plan_output
 
@@ -28,12 +29,16 @@ SCRIPTS = {
                     "", [("get_weather", WEATHER), ("get_time", "{}")]),
     "mistral": ('Sure. [TOOL_CALLS] [{"name": "get_weather", "arguments": ' + WEATHER + '}, '
                 '{"arguments": {}, "name": "get_time"}]', "Sure.", [("get_weather", WEATHER), ("get_time", "{}")]),
+    "pythonic": ('[get_weather(city="Paris", days=[1, {"unit": "c}"}], note=\'say "hi" \\\' )\'), get_time()]',
+                 "", [("get_weather", json.dumps({"city": "Paris", "days": [1, {"unit": "c}"}], "note": 'say "hi" \' )'})),
+                      ("get_time", "{}")]),
 }
 # parser -> texts that are no calls, which come back as they are
 NOT_CALLS = {
     "hermes": ["Plain <tool text, no call.\n", "x <tool_call>not json</tool_call> y"],
     "llama3_json": ["The weather {is} fine.", '{"answer": 42}'],
     "mistral": ["A list: [1, 2] and [TOOL_CALLS the end"],
+    "pythonic": ["[1, 2, 3] are numbers.", "Call get_time() later.", "[note] f(x)"],
 }
 
 
@@ -60,6 +65,16 @@ def test_each_parser_reads_the_same_calls_in_any_chunking(name, chunk):
     assert [c.id for c in message.tool_calls] == ["call0", "call1"]
     for call in message.tool_calls:
         json.loads(call.arguments)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 1 << 20])
+def test_pythonic_calls_in_llama4_tags_and_what_is_not_a_literal(chunk):
+    parser = TOOL_PARSERS["pythonic"]
+    message = run(parser(ids()), '<|python_start|>[f(a=1.5, b=None, c=True)]<|python_end|>', chunk)
+    assert [(c.name, c.arguments) for c in message.tool_calls] == [("f", '{"a": 1.5, "b": null, "c": true}')]
+    assert message.content == ""
+    message = run(parser(ids()), "[f(x, y=open('/etc/passwd'))]", chunk)  # nothing is evaluated
+    assert [(c.name, c.arguments) for c in message.tool_calls] == [("f", "{}")]
 
 
 @pytest.mark.parametrize("name", sorted(NOT_CALLS))

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.server  # slow group: a real tritonserver
 FIXTURES = Path(__file__).parent / "fixtures"
 TEMPLATES = FIXTURES / "chat_templates"
 PARSERS = {"hermes": "qwen2_5_instruct.jinja", "llama3_json": "llama3_1_instruct.jinja",
-           "mistral": "mistral_7b_instruct_v0_3.jinja"}
+           "mistral": "mistral_7b_instruct_v0_3.jinja", "pythonic": "llama3_1_instruct.jinja"}
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
                                             "unit": {"enum": ["celsius", "fahrenheit"]}},
            "required": ["city", "unit"], "additionalProperties": False}
@@ -45,6 +45,7 @@ SCRIPTS = {  # what each family writes for two calls, with content before where 
                     None),
     "mistral": ("[TOOL_CALLS] [" + ", ".join(f'{{"name": "{n}", "arguments": {a}}}'
                                              for n, a in zip(("get_weather", "get_time"), ARGS)) + "]", None),
+    "pythonic": ('[get_weather(city="Paris", unit="celsius"), get_time(zone="CET")]', None),
 }
 CALLS = [("get_weather", ARGS[0]), ("get_time", ARGS[1])]
 

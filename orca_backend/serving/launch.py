@@ -280,7 +280,7 @@ def main() -> None:
     parser.add_argument("--openai-host", default="0.0.0.0", help="address the OpenAI API listens on")
     parser.add_argument("--openai-workers", type=int, default=1, help="processes serving the OpenAI API")
     parser.add_argument("--tool-call-parser", metavar="NAME",
-                        help="the OpenAI API's parser of the model's tool calls (hermes, llama3_json, mistral)")
+                        help="the OpenAI API's parser of the model's tool calls (hermes, llama3_json, pythonic, mistral)")
     parser.add_argument("--reasoning-parser", metavar="NAME",
                         help="the OpenAI API's reasoning parser (deepseek_r1, qwen3)")
     args, extra = parser.parse_known_args()

@@ -20,8 +20,7 @@ from ...checkpoint.chat_template import load_chat_template
 from ...core.errors import ConfigError
 from .app import create_app
 from .backend import Backend
-from .parsing.reasoning import REASONING_PARSERS
-from .parsing.tool_parsers import TOOL_PARSERS
+from .parsing import REASONING_PARSERS, TOOL_PARSERS
 
 DEFAULT_PORT = 9000  # Triton's own OpenAI frontend's
 
@@ -43,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
                         "their tokenizer folders' own")
     p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), metavar="NAME",
                    help="read tool calls the model writes, for tool_choice auto: hermes (Qwen2/2.5/3, Hermes), "
-                        "llama3_json (Llama 3.1/3.2), mistral; without it tool_choice auto is refused "
+                        "llama3_json (Llama 3.1/3.2), pythonic (Llama 3.2, 4), mistral; without it tool_choice auto is refused "
                         "(named and required calls work either way)")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, metavar="NAME",
                    help="move <think>...</think> into reasoning_content: deepseek_r1 or qwen3")

@@ -18,7 +18,7 @@ from .errors import APIError, invalid, unauthorized
 from .chat_output import ChatOutput
 from .formats import Choice, completion_choice, completion_delta, envelope, new_id, usage
 from .generation import Generation
-from .parsing.tool_parsers import SPECIAL_TOKEN_PARSERS
+from .parsing import SPECIAL_TOKEN_PARSERS
 from .protocol import ChatRequest, CompletionRequest, check_sampling, parse
 from .templates import ChatTemplates
 from .tools import forced_outputs, plan_output, think_first

@@ -18,7 +18,8 @@ from ...core.structured_outputs import DEFAULT_JSON_WHITESPACE, closed_schema
 from .errors import invalid
 from .parsing.deltas import new_call_id, new_mistral_call_id
 from .parsing.reasoning import ReasoningSplitter, starts_in_reasoning
-from .parsing.tool_parsers import TOOL_PARSERS, NamedCallParser, RequiredCallsParser
+from .parsing import TOOL_PARSERS
+from .parsing.tool_parsers import NamedCallParser, RequiredCallsParser
 
 MAX_TOOLS = 128  # OpenAI's limit
 MAX_TOOL_CALL_CHARS = 1 << 20  # a choice's call text past this ends it, finish_reason "length"

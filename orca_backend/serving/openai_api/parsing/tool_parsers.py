@@ -273,9 +273,3 @@ class NamedCallParser(ToolParser):
 
     def finish(self) -> Delta:
         return self.feed("")
-
-
-TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    "hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}
-# Their calls begin with a special token, which the text keeps only with skip_special_tokens false.
-SPECIAL_TOKEN_PARSERS = ("mistral",)
