@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install model serve test test-fast bench bench-full bench-prefix bench-engine bench-cpu bench-executors bench-pipeline bench-tp bench-startup bench-host bench-structured perf simulate clean
+.PHONY: install model serve test test-fast bench bench-full bench-prefix bench-engine bench-cpu bench-executors bench-pipeline bench-tp bench-startup bench-host bench-structured bench-tools perf simulate clean
 
 install: $(STAMP)
 
@@ -92,6 +92,10 @@ bench-host: model
 # docs/benchmarks/structured.md (about 6 minutes).
 bench-structured: model
 	$(PY) benchmarks/bench_structured.py --markdown docs/benchmarks/structured.md
+
+# What reading tool calls costs the OpenAI API per streamed chunk, beside re-parsing the output.
+bench-tools: install
+	$(PY) benchmarks/bench_tool_parsers.py --markdown docs/benchmarks/tool_calls.md
 
 # The chat CLI's time to first token and the OpenAI API's start to ready, chat templates by
 # jinja2 beside transformers' import and render; writes docs/benchmarks/startup.md.

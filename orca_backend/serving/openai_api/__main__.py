@@ -42,8 +42,8 @@ def main(argv: list[str] | None = None) -> None:
                         "their tokenizer folders' own")
     p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), metavar="NAME",
                    help="read tool calls the model writes, for tool_choice auto: hermes (Qwen2/2.5/3, Hermes), "
-                        "llama3_json (Llama 3.1/3.2), pythonic (Llama 3.2, 4), mistral; without it tool_choice auto is refused "
-                        "(named and required calls work either way)")
+                        "llama3_json (Llama 3.1/3.2), pythonic (Llama 3.2, 4), mistral; without it tool_choice "
+                        "auto is refused (named and required calls work either way)")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, metavar="NAME",
                    help="move <think>...</think> into reasoning_content: deepseek_r1 or qwen3")
     p.add_argument("--grpc-header", action="append", default=[], metavar="KEY=VALUE",
