@@ -17,7 +17,7 @@ from orca_backend.serving.openai_api.parsing.reasoning import ReasoningSplitter,
 from orca_backend.serving.openai_api.parsing import TOOL_PARSERS
 from orca_backend.serving.openai_api.parsing.tool_parsers import NamedCallParser, RequiredCallsParser
 from orca_backend.serving.openai_api.protocol import ChatRequest, parse
-from orca_backend.serving.openai_api.tools import ToolChoice, forced_outputs, plan_output
+from orca_backend.serving.openai_api.tools import ToolChoice, after_reasoning, forced_outputs, plan_output
 
 WEATHER = '{"city": "Paris", "days": [1, {"unit": "c}"}], "note": "say \\"hi\\""}'
 # parser -> (what the model writes, the content, the calls (name, arguments))
@@ -239,15 +239,35 @@ def grammars(default_model):
 @pytest.mark.parametrize("think", [None, "open", "tag"])
 def test_forced_grammars_take_the_calls_and_nothing_else(grammars, think):
     prefix = {None: "", "open": "Let me think.</think>\n", "tag": "<think>Hmm.</think>"}[think]
-    named = forced_outputs(TOOLS, ToolChoice("named", "get_weather"), True, think)
+    named = after_reasoning(forced_outputs(TOOLS, ToolChoice("named", "get_weather"), True), think, "tool_choice")
     assert grammars(named, prefix + '{"city": "Paris"}')
     assert not grammars(named, prefix + '{"town": 1}')
-    required = forced_outputs(TOOLS, ToolChoice("required"), False, think)
+    required = after_reasoning(forced_outputs(TOOLS, ToolChoice("required"), False), think, "tool_choice")
     one = '[{"name": "get_time", "parameters": {}}]'
     assert grammars(required, prefix + one)
     assert not grammars(required, prefix + '[]') and not grammars(required, prefix + '[{"name": "nope", "parameters": {}}]')
     two = '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Oslo"}}]'
     assert not grammars(required, prefix + two)
-    assert grammars(forced_outputs(TOOLS, ToolChoice("required"), True, think), prefix + two)
+    assert grammars(after_reasoning(forced_outputs(TOOLS, ToolChoice("required"), True), think, "tool_choice"),
+                    prefix + two)
     if think == "open":
         assert not grammars(named, '{"city": "Paris"}')  # the reasoning must end first
+
+
+@pytest.mark.parametrize("spec, good, bad", [
+    ({"json": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}, '{"n": 3}', '{"n": "x"}'),
+    ({"json_object": True}, '{"any": [1]}', "[1]"),
+    ({"regex": r"a/b\/c\d+"}, "a/b/c42", "a/b/c"),  # one slash escaped, one not
+    ({"choice": ["yes", "no"]}, "no", "maybe"),
+])
+def test_structured_outputs_hold_only_after_the_reasoning(grammars, spec, good, bad):
+    wrapped = after_reasoning(spec, "open", "response_format")
+    assert grammars(wrapped, "Thinking, free: [1] {.</think>\n" + good)
+    assert not grammars(wrapped, "Thinking.</think>" + bad) and not grammars(wrapped, good)
+    assert after_reasoning(spec, None, "response_format") is spec
+
+
+def test_a_grammar_of_the_request_cannot_follow_reasoning():
+    with pytest.raises(APIError) as e:
+        after_reasoning({"grammar": "start: /x/"}, "tag", "response_format")
+    assert (e.value.status, e.value.param) == (400, "response_format")

@@ -70,7 +70,8 @@ def frontends(served, tmp_path_factory):
 
     def get(*args: str) -> Frontend:
         if args not in started:
-            f = Frontend(tmp_path_factory.mktemp("openai"), "127.0.0.1:8001", args=["--model", "scripted", *args])
+            model = [] if "--model" in args else ["--model", "scripted"]
+            f = Frontend(tmp_path_factory.mktemp("openai"), "127.0.0.1:8001", args=[*model, *args])
             started[args] = f
             f.wait_ready()
         return started[args]
@@ -257,3 +258,19 @@ def test_the_docs_worked_example_runs_as_written_against_make_serve(served):
     assert lines[0] == """tool_calls 'Let me look.' {"city": "Paris"}"""
     assert "<tool_response>\n18 C, sunny\n</tool_response>" in out[2].stdout
     assert "Traceback" not in Path(served).read_text(errors="replace")
+
+
+def test_with_a_reasoning_parser_the_format_and_forced_calls_hold_after_the_reasoning(frontends):
+    """The default model does not reason; the grammar lets it (`<think>` first), and holds
+    what follows to the format or the call. Greedy, so the figures repeat."""
+    api = client(frontends("--model", "orca", "--reasoning-parser", "qwen3"))
+    question = [{"role": "system", "content": "Answer with a JSON object only."},
+                {"role": "user", "content": "The weather in Paris, as JSON:"}]
+    reply = api.chat.completions.create(
+        model="orca", messages=question, max_tokens=80, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}})
+    jsonschema.validate(json.loads(reply.choices[0].message.content), WEATHER)
+    reply = api.chat.completions.create(model="orca", messages=question, tools=TOOLS, max_tokens=80, temperature=0,
+                                        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    (call,) = reply.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)

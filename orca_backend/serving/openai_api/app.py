@@ -21,7 +21,7 @@ from .generation import Generation
 from .parsing import SPECIAL_TOKEN_PARSERS
 from .protocol import ChatRequest, CompletionRequest, check_sampling, parse
 from .templates import ChatTemplates
-from .tools import forced_outputs, plan_output, think_first
+from .tools import after_reasoning, forced_outputs, plan_output, think_first
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 16 << 20  # a request body beyond it is refused before it is parsed
@@ -132,10 +132,13 @@ async def _chat(request: Request):
     served = await backend.model(req.model)
     prompt = await state.templates.render(served, messages, req.tools or None)
     reasoning = state.reasoning_parser is not None
+    think = think_first(prompt, reasoning)
     if tool_choice.mode in ("named", "required"):
-        forced = forced_outputs(req.tools, tool_choice, req.parallel_tool_calls, think_first(prompt, reasoning))
+        forced = after_reasoning(forced_outputs(req.tools, tool_choice, req.parallel_tool_calls), think, "tool_choice")
         sampling = check_sampling({**sampling, "structured_outputs": forced}, {"structured_outputs": "tool_choice"})
-    elif tool_choice.mode == "auto" and state.tool_parser in SPECIAL_TOKEN_PARSERS:
+    elif "structured_outputs" in sampling:  # the answer after the reasoning is held to the format
+        sampling["structured_outputs"] = after_reasoning(sampling["structured_outputs"], think, "response_format")
+    if tool_choice.mode == "auto" and state.tool_parser in SPECIAL_TOKEN_PARSERS:
         sampling.setdefault("skip_special_tokens", False)  # the parser reads the calls' marker token
     generation = Generation(backend, served, [prompt], sampling, req.n, req.stream)
     plan = plan_output(prompt, state.tool_parser, tool_choice, req.parallel_tool_calls, reasoning)

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ...core.structured_outputs import DEFAULT_JSON_WHITESPACE, closed_schema
+from ...core.structured_outputs import DEFAULT_JSON_WHITESPACE, StructuredOutputsParams, closed_schema
 from .errors import invalid
 from .parsing.deltas import new_call_id, new_mistral_call_id
 from .parsing.reasoning import ReasoningSplitter, starts_in_reasoning
@@ -91,26 +91,59 @@ def check_tool_choice(choice: Any, tools: list[dict] | None, default_auto: bool)
     return ToolChoice("named", name)
 
 
-def forced_outputs(tools: list[dict], choice: ToolChoice, parallel: bool, think_first: str | None) -> dict:
-    """The structured_outputs that force a named or required choice's calls. `think_first`:
-    None, or how reasoning may come before ("open": the answer starts inside it, "tag": it
-    starts with `<think>` or not at all)."""
+def forced_outputs(tools: list[dict], choice: ToolChoice, parallel: bool) -> dict:
+    """The structured_outputs that force a named or required choice's calls."""
     by_name = {t["function"]["name"]: t["function"] for t in tools}
     if choice.mode == "named":
-        schema = _parameters(by_name[choice.name])
-    else:
-        calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": _parameters(f)},
-                  "required": ["name", "parameters"], "additionalProperties": False}
-                 for name, f in by_name.items()]
-        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-        if not parallel:
-            schema["maxItems"] = 1
+        return {"json": _parameters(by_name[choice.name])}
+    calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": _parameters(f)},
+              "required": ["name", "parameters"], "additionalProperties": False}
+             for name, f in by_name.items()]
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return {"json": schema}
+
+
+def after_reasoning(spec: dict, think_first: str | None, param: str) -> dict:
+    """`spec` (structured_outputs in vLLM's form) held back until the reasoning ends: a Lark
+    grammar whose free `thought` runs to `</think>`, then the spec. `think_first`: None (no
+    reasoning parser: `spec` as it is), "open" (the answer starts inside the reasoning) or
+    "tag" (it may open with `<think>`). A grammar of the request's own cannot be nested: 400."""
     if think_first is None:
-        return {"json": schema}
-    schema = {**schema, "x-guidance": {"whitespace_pattern": DEFAULT_JSON_WHITESPACE}}
-    body = "body: %json " + json.dumps(schema)
+        return spec
+    params = StructuredOutputsParams.from_value(spec)
+    if params.kind in ("json", "json_object"):
+        schema = {"type": "object"} if params.json_object else params.json
+        if params.disable_additional_properties:
+            schema = closed_schema(schema)
+        options = ({"whitespace_flexible": False} if params.disable_any_whitespace
+                   else {"whitespace_pattern": params.whitespace_pattern or DEFAULT_JSON_WHITESPACE})
+        body = "body: %json " + json.dumps({**schema, "x-guidance": options})
+    elif params.kind == "regex":
+        body = "body: /" + _lark_regex(params.regex) + "/"
+    elif params.kind == "choice":
+        body = "body: " + " | ".join(json.dumps(c) for c in params.choice)
+    else:
+        raise invalid("a structured_outputs grammar cannot be combined with the API's --reasoning-parser (the "
+                      "reasoning must come first); give a JSON schema, regex or choice", param)
     start = "start: thought WS? body" if think_first == "open" else 'start: "<think>" thought WS? body | body'
     return {"grammar": "\n".join((start, "thought[lazy]: /(?s:.*)<\\/think>/", r"WS: /[ \t\r\n]+/", body))}
+
+
+def _lark_regex(regex: str) -> str:
+    """A regex as a Lark /.../ literal: its unescaped slashes and its line breaks escaped."""
+    out, escaped = [], False
+    for c in regex:
+        if escaped:
+            out.append(c)
+            escaped = False
+        elif c == "\\":
+            out.append(c)
+            escaped = True
+        else:
+            out.append({"/": "\\/", "\n": "\\n", "\r": "\\r"}.get(c, c))
+    return "".join(out)
 
 
 def _parameters(function: dict) -> dict:
@@ -154,6 +187,7 @@ def plan_output(prompt: str, tool_parser: str | None, choice: ToolChoice, parall
 
 
 def think_first(prompt: str, reasoning: bool) -> str | None:
+    """How reasoning may precede the answer to `prompt` (after_reasoning's `think_first`)."""
     if not reasoning:
         return None
     return "open" if starts_in_reasoning(prompt) else "tag"
