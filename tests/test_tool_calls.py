@@ -175,7 +175,8 @@ def test_a_call_past_the_cap_ends_its_choice_with_length(monkeypatch):
         piece = Piece(text[i:i + 10], None, 1, 1, 0, None)
         choice.add(piece)
         bodies += output.chunks(choice, piece, i == 0)
-    assert stopped == [choice] and bodies[-1]["finish_reason"] == "length"
+    assert stopped == [choice] and [b["finish_reason"] for b in bodies].count("length") == 1
+    assert bodies[-1]["finish_reason"] == "length"
     assert sum(len(c["function"]["arguments"]) for b in bodies for c in b["delta"].get("tool_calls", [])) < 64
 
 
@@ -271,3 +272,55 @@ def test_a_grammar_of_the_request_cannot_follow_reasoning():
     with pytest.raises(APIError) as e:
         after_reasoning({"grammar": "start: /x/"}, "tag", "response_format")
     assert (e.value.status, e.value.param) == (400, "response_format")
+
+
+def test_required_calls_keep_the_definitions_their_schemas_refer_to(grammars):
+    """Pydantic's schemas (openai.pydantic_function_tool) refer to $defs; nested in the list of
+    calls, each tool's definitions move to the list's root."""
+    place = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tools = [{"type": "function", "function": {"name": "trip", "parameters": {
+                  "type": "object", "$defs": {"Place": place},
+                  "properties": {"to": {"$ref": "#/$defs/Place"}, "back": {"$ref": "#/properties/to"}},
+                  "required": ["to"]}}},
+             {"type": "function", "function": {"name": "tree", "parameters": {
+                  "type": "object", "definitions": {"Place": {"type": "integer"}},
+                  "properties": {"n": {"$ref": "#/definitions/Place"}, "kids": {"type": "array", "items": {"$ref": "#"}}},
+                  "required": ["n"]}}}]
+    required = forced_outputs(tools, ToolChoice("required"), True)
+    assert grammars(required, '[{"name": "trip", "parameters": {"to": {"city": "Oslo"}, "back": {"city": "Rome"}}}, '
+                              '{"name": "tree", "parameters": {"n": 1, "kids": [{"n": 2, "kids": []}]}}]')
+    assert not grammars(required, '[{"name": "trip", "parameters": {"to": {"city": 1}}}]')
+    assert not grammars(required, '[{"name": "tree", "parameters": {"n": 1, "kids": [{"n": "x"}]}}]')
+
+
+@pytest.mark.parametrize("name, text, content, calls", [
+    ("hermes", '<tool_call>{"name": "get\\_weather", "arguments": {}}</tool_call>',  # an invalid escape
+     '<tool_call>{"name": "get\\_weather", "arguments": {}}</tool_call>', []),
+    ("hermes", '<tool_call>{"name": "\\ud800", "arguments": {}}</tool_call>',  # a lone surrogate
+     '<tool_call>{"name": "\\ud800", "arguments": {}}</tool_call>', []),
+    ("hermes", '<tool_call>{"name": "f", "name": "g", "arguments": {"a": 1}, "arguments": {"b": 2}}</tool_call>',
+     "", [("f", '{"a": 1}')]),  # the first name and the first arguments count
+    ("llama3_json", "[1] Smith et al.", "[1] Smith et al.", []),
+    ("llama3_json", "  [x] and {y}", "  [x] and {y}", []),
+    ("mistral", "[TOOL_CALLS][1, 2]", "[1, 2]", []),
+    ("hermes", "Hi <tool_call>{\"na", "Hi <tool_call>{\"na", []),  # cut off before its name: content
+])
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5, 8, 1 << 20])
+def test_odd_model_output_never_raises_and_reads_the_same_in_any_chunking(name, text, content, calls, chunk):
+    message = run(TOOL_PARSERS[name](ids()), text, chunk)
+    assert message.content == content
+    assert [(c.name, c.arguments) for c in message.tool_calls] == calls
+
+
+def test_a_reader_lets_go_of_arguments_it_has_handed_out():
+    from orca_backend.serving.openai_api.parsing.json_calls import CallReader
+
+    reader = CallReader()
+    reader.feed('{"name": "write", "arguments": {"content": "')
+    assert reader.name == "write"
+    for _ in range(10_000):
+        reader.feed("abcd")
+        reader.take_arguments()
+    assert len(reader.text) < 10_000  # not the 40,000 characters fed
+    reader.feed('"}}')
+    assert reader.done and reader.take_arguments() == '"}'

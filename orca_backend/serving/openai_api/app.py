@@ -215,6 +215,9 @@ async def _stream(request: Request, generation: Generation, choice_body, head: d
                 yield _event({**head, "choices": [], "usage": usage(generation.choices, generation.n)})
         except APIError as e:  # the status line has gone: the error is the stream's last event
             yield _event(e.body())
+        except Exception:  # a bug here still ends the stream as one, with [DONE]
+            log.exception("a streamed response failed")
+            yield _event(APIError(500, "internal error").body())
         yield "data: [DONE]\n\n"
 
     return _EventStream(generation, events())

@@ -53,6 +53,8 @@ class ChatOutput:
 
     def chunks(self, choice: Choice, piece: Piece, first: bool) -> list[dict]:
         """The streamed choices a piece makes (none while a parser holds its text back)."""
+        if choice.index in self._finish:  # it ended here (its call grew past the cap); pieces still queued
+            return []
         delta = self.add(choice, piece)
         if delta is None:
             return [chat_delta(choice, piece, first, self._top_n)]

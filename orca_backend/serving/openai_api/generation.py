@@ -26,6 +26,7 @@ class Generation:
         self._tasks: list[asyncio.Task] = []
         self._early: list[tuple[Choice, Piece]] = []  # read while waiting for every first piece
         self._open = len(self.choices)
+        self._stopped: set[int] = set()  # choices ended early by stop()
 
     async def start(self) -> None:
         """Send every request and wait for each one's first response; raises APIError if
@@ -83,7 +84,8 @@ class Generation:
     def stop(self, choice: Choice) -> None:
         """End one choice early: its request is cancelled, and what it sent is all it has."""
         task = self._tasks[choice.index]
-        if not task.done() and not task.cancelling():
+        if not task.done() and choice.index not in self._stopped:
+            self._stopped.add(choice.index)
             task.cancel()  # it puts nothing more on the queue: this ends the choice instead
             self._queue.put_nowait((choice, _END))
 

@@ -190,7 +190,7 @@ class ChatRequest(_Request):
 
     def tool_choice_for(self, tool_parser: str | None) -> ToolChoice:
         """The request's tool choice, checked against what the API can do."""
-        tools = check_tools(self.tools) if self.tools else None
+        tools = check_tools(self.tools) or None if self.tools is not None else None
         choice = check_tool_choice(self.tool_choice, tools, default_auto=True)
         if choice.mode == "auto" and tool_parser is None:
             raise invalid("tools with tool_choice 'auto' (the default when tools are given) need the API "

@@ -96,13 +96,49 @@ def forced_outputs(tools: list[dict], choice: ToolChoice, parallel: bool) -> dic
     by_name = {t["function"]["name"]: t["function"] for t in tools}
     if choice.mode == "named":
         return {"json": _parameters(by_name[choice.name])}
-    calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": _parameters(f)},
-              "required": ["name", "parameters"], "additionalProperties": False}
-             for name, f in by_name.items()]
+    calls, definitions = [], {}
+    for name, function in by_name.items():
+        parameters, moved = _hoisted(name, _parameters(function))
+        definitions.update(moved)
+        calls.append({"type": "object", "properties": {"name": {"const": name}, "parameters": parameters},
+                      "required": ["name", "parameters"], "additionalProperties": False})
     schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
     if not parallel:
         schema["maxItems"] = 1
+    if definitions:
+        schema["$defs"] = definitions
     return {"json": schema}
+
+
+def _hoisted(name: str, schema: dict) -> tuple[dict, dict]:
+    """A tool's schema to nest in the list of calls, and the definitions it refers to, to go to
+    the list's root under names prefixed by the tool's (`#/$defs/X` would else point at the
+    list's root, where X is not). A reference into the schema itself makes it a definition too."""
+    own = {f"{name}__{k}": v for key in ("$defs", "definitions") for k, v in (schema.get(key) or {}).items()}
+    body = {k: v for k, v in schema.items() if k not in ("$defs", "definitions")}
+    to_root = []
+
+    def moved(ref: str) -> str:
+        for key in ("$defs", "definitions"):
+            if ref.startswith(f"#/{key}/"):
+                return f"#/$defs/{name}__" + ref[len(key) + 3:]
+        if ref == "#" or ref.startswith("#/"):
+            to_root.append(ref)
+            return f"#/$defs/{name}__" + ref[1:]
+        return ref  # not a local reference
+
+    def rewrite(value):
+        if isinstance(value, dict):
+            return {k: moved(v) if k == "$ref" and isinstance(v, str) else rewrite(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [rewrite(v) for v in value]
+        return value
+
+    body, own = rewrite(body), {k: rewrite(v) for k, v in own.items()}
+    if to_root:
+        own[f"{name}__"] = body
+        return {"$ref": f"#/$defs/{name}__"}, own
+    return body, own
 
 
 def after_reasoning(spec: dict, think_first: str | None, param: str) -> dict:

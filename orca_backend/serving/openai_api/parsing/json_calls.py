@@ -1,8 +1,9 @@
 """One tool call written as a JSON object, `{"name": ..., "arguments": {...}}`, read as it
-arrives: each character is looked at once (string bodies are skipped by a regex), so a
-stream of any chunking costs what one read of the whole text costs. The name is known as
-soon as its string ends; the arguments are handed out as fragments of their JSON text while
-they are written."""
+arrives: each character is looked at once (string bodies are skipped by a regex), and text
+the reader no longer needs is let go, so a stream of any chunking costs about what one read
+of the whole text costs. The name is known as soon as its string ends; the arguments are
+handed out as fragments of their JSON text while they are written. The first `name` and the
+first arguments key count; a repeated one is an ordinary key."""
 from __future__ import annotations
 
 import json
@@ -11,40 +12,51 @@ import re
 _WS = " \t\r\n"
 _STRING_STOP = re.compile(r'["\\]')  # inside a string only these matter
 _NESTED_STOP = re.compile(r'["{}\[\]]')  # inside a nested value only these matter
+_KEEP = 4096  # text already handed out is let go in steps of at least this much
 
 
 class CallReader:
     """Reads one JSON object whose `name` key names a tool and whose arguments are under one of
-    `argument_keys`. `feed` returns how many of the given characters belong to the object."""
+    `argument_keys`. `feed` returns how many of the given characters belong to the object.
+    Positions are counted from the object's first character; `_text` holds its text from
+    `_base` on."""
 
     def __init__(self, argument_keys: tuple[str, ...] = ("arguments", "parameters")) -> None:
         self._argument_keys = argument_keys
-        self.text = ""  # the object's text so far
-        self._pos = 0  # characters of `text` read
+        self._text = ""
+        self._base = 0
+        self._pos = 0  # characters read
         self._depth = 0
         self._in_string = False
-        self._state = "start"  # start, key, colon, value, in_value, after_value
+        self._state = "start"  # start, key, key_or_end, in_key, colon, value, in_value, after_value
         self._key: str | None = None
         self._start = 0  # where the current key or value starts
         self._kind = ""  # the current value: container, string or primitive
+        self._in_arguments = False  # the current value is the call's arguments
         self.name: str | None = None
         self._args_start: int | None = None  # a container's arguments stream from here
         self._args_end: int | None = None
         self._args_whole: str | None = None  # arguments known only once complete (a string, a number)
         self._args_taken = 0  # of a container's arguments, the characters handed out
+        self._args_seen = False
         self.done = False
         self.failed = False
+
+    @property
+    def text(self) -> str:
+        """The object's text so far; whole while its name is unknown (it may turn out to be content)."""
+        return self._text
 
     def feed(self, text: str) -> int:
         """Read `text`; the number of its characters that belong to the object (all of them
         until the object ends or turns out not to be one)."""
-        before = len(self.text)
-        self.text += text
+        before = self._base + len(self._text)
+        self._text += text
         self._read()
         if self.done or self.failed:
-            used = self._pos - before
-            self.text = self.text[:self._pos]
-            return max(used, 0)
+            self._text = self._text[:self._pos - self._base]
+            return max(self._pos - before, 0)
+        self._let_go()
         return len(text)
 
     def take_arguments(self) -> str:
@@ -52,7 +64,8 @@ class CallReader:
         when it named none)."""
         if self._args_start is not None:
             end = self._args_end if self._args_end is not None else self._pos
-            piece = self.text[self._args_start + self._args_taken:end]
+            start = self._args_start + self._args_taken
+            piece = self._text[start - self._base:end - self._base] if end > start else ""
             self._args_taken += len(piece)
             return piece
         if self.done and self._args_taken == 0:
@@ -60,32 +73,45 @@ class CallReader:
             return self._args_whole if self._args_whole is not None else "{}"
         return ""
 
+    def _let_go(self) -> None:
+        """Drop text before what is still needed: only while streaming a container's
+        arguments after the name (keys, the name and other values are read from their start)."""
+        if self.name is None or not (self._in_arguments and self._kind == "container"):
+            return
+        keep = min(self._args_start + self._args_taken, self._pos)
+        if keep - self._base >= _KEEP:
+            self._text = self._text[keep - self._base:]
+            self._base = keep
+
     def _read(self) -> None:
-        text = self.text
-        while self._pos < len(text) and not (self.done or self.failed):
+        text, base = self._text, self._base
+        while self._pos - base < len(text) and not (self.done or self.failed):
             if self._in_string:
-                m = _STRING_STOP.search(text, self._pos)
+                m = _STRING_STOP.search(text, self._pos - base)
                 if m is None:
-                    self._pos = len(text)
+                    self._pos = base + len(text)
                     return
                 if m.group() == "\\":  # skip the escaped character, even one still to come
-                    self._pos = m.end() + 1
+                    self._pos = base + m.end() + 1
                     continue
-                self._pos = m.end()
+                self._pos = base + m.end()
                 self._in_string = False
                 self._string_ended()
                 continue
             if self._depth > 1:
-                m = _NESTED_STOP.search(text, self._pos)
+                m = _NESTED_STOP.search(text, self._pos - base)
                 if m is None:
-                    self._pos = len(text)
+                    self._pos = base + len(text)
                     return
-                self._pos = m.end()
+                self._pos = base + m.end()
                 self._nested(m.group())
                 continue
-            c = text[self._pos]
+            c = text[self._pos - base]
             self._pos += 1
             self._top(c)
+
+    def _slice(self, start: int, end: int) -> str:
+        return self._text[start - self._base:end - self._base]
 
     def _nested(self, c: str) -> None:
         if c == '"':
@@ -139,10 +165,12 @@ class CallReader:
 
     def _value_starts(self, c: str) -> None:
         self._start, self._state = self._pos - 1, "in_value"
+        self._in_arguments = self._key in self._argument_keys and not self._args_seen
+        self._args_seen = self._args_seen or self._in_arguments
         if c in "{[":
             self._kind, self._depth = "container", 2
-            if self._key in self._argument_keys:
-                self._args_start, self._args_end, self._args_whole, self._args_taken = self._start, None, None, 0
+            if self._in_arguments:
+                self._args_start, self._args_end, self._args_taken = self._start, None, 0
         elif c == '"':
             self._kind, self._in_string = "string", True
         elif c in "}],:":
@@ -152,37 +180,37 @@ class CallReader:
 
     def _string_ended(self) -> None:
         if self._state == "in_key":
-            try:
-                self._key = json.loads(self.text[self._start:self._pos])
-            except json.JSONDecodeError:
-                self.failed = True
-                return
+            self._key = _decoded(self._slice(self._start, self._pos))
+            self.failed = self._key is None
             self._state = "colon"
         elif self._state == "in_value" and self._depth == 1:
             self._value_ended(self._pos)
 
     def _value_ended(self, end: int) -> None:
-        """The current key's value is text[start:end]."""
+        """The current key's value is the text from `_start` to `end`."""
         self._state = "after_value"
-        raw = self.text[self._start:end].rstrip(_WS)
-        if self._key == "name":
-            if self._kind != "string":
-                self.failed = True
-                return
-            self.name = json.loads(raw)
-        elif self._key in self._argument_keys:
+        if self._in_arguments:
+            self._in_arguments = False
             if self._kind == "container":
-                self._args_end = self._start + len(raw)
+                self._args_end = end
             else:  # a JSON string holding the arguments' JSON text, or a lone value
-                self._args_start = None
-                self._args_whole = _string_value(raw) if self._kind == "string" else raw
+                raw = self._slice(self._start, end).rstrip(_WS)
+                decoded = _decoded(raw) if self._kind == "string" else None
+                self._args_whole = decoded if decoded is not None else raw
+        elif self._key == "name" and self.name is None:
+            self.name = _decoded(self._slice(self._start, end)) if self._kind == "string" else None
+            self.failed = self.name is None
 
     def _close(self) -> None:
         self._depth, self.done = 0, True
 
 
-def _string_value(raw: str) -> str:
+def _decoded(literal: str) -> str | None:
+    """A JSON string literal's value; None if it is not one, or holds a lone surrogate (which
+    no UTF-8 response can carry)."""
     try:
-        return json.loads(raw)
-    except json.JSONDecodeError:
-        return raw
+        value = json.loads(literal, strict=False)
+        value.encode("utf-8")
+    except (json.JSONDecodeError, UnicodeEncodeError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None

@@ -21,10 +21,11 @@ _SCAN = re.compile(r"""["'()\[\]{}\\]""")
 
 
 class PythonicParser(ToolParser):
-    _args = ""  # the call's arguments' text so far
+    _args: list[str] = []  # the call's arguments' text so far, in pieces
     _depth = 0  # brackets open inside them
     _quote: str | None = None  # the quote of the string they are in
     _skip_next = False
+    _args_chars = 0
 
     def _step(self) -> bool:
         rest = self._buf.lstrip(WS)
@@ -72,7 +73,8 @@ class PythonicParser(ToolParser):
         return True
 
     def _start_pythonic_call(self, name: str) -> None:
-        self._index, self._args, self._depth, self._quote, self._skip_next = self.num_calls, "", 0, None, False
+        self._index, self._args, self._depth, self._quote, self._skip_next = self.num_calls, [], 0, None, False
+        self._args_chars = 0
         self.num_calls += 1
         self._held_ws = ""
         if not self._dropped:
@@ -99,14 +101,15 @@ class PythonicParser(ToolParser):
             elif c in ")]}" and self._depth:
                 self._depth -= 1
             elif c == ")":
-                self._args += text[:i - 1]
+                self._args.append(text[:i - 1])
                 self._buf, self.state = text[i:], "after"
                 if not self._dropped:
-                    self._out.tool_calls.append(ToolCallDelta(self._index, arguments=_as_json(self._args)))
+                    self._out.tool_calls.append(ToolCallDelta(self._index, arguments=_as_json("".join(self._args))))
                 return True
-        self._args += text
+        self._args.append(text)
+        self._args_chars += len(text)
         self._buf = ""
-        if len(self._args) > self._max_chars:
+        if self._args_chars > self._max_chars:
             self.overflow = True
         return False
 

@@ -35,6 +35,7 @@ class ToolParser:
     `overflow` is set (the request is then ended)."""
 
     argument_keys: tuple[str, ...] = ("arguments", "parameters")
+    opener = ""  # the text before a call's object, given back as content if it is no call
 
     def __init__(self, new_id: Callable[[], str], max_calls: int | None = None,
                  max_chars: int = 1 << 20) -> None:
@@ -65,7 +66,7 @@ class ToolParser:
             while self._step():
                 pass
             if self._reader is not None:
-                self._call_ends(complete=False)
+                self._call_ends(complete=False, opener=self.opener)
             self._content(self._buf)
             self._buf = ""
             if not self.num_calls:
@@ -134,6 +135,7 @@ class ToolParser:
 
 class HermesParser(ToolParser):
     START, END = "<tool_call>", "</tool_call>"
+    opener = START
 
     def _step(self) -> bool:
         if self.state in ("start", "content"):
@@ -186,11 +188,16 @@ class JsonCallsParser(ToolParser):
 
     def _step(self) -> bool:
         state, rest = self.state, self._buf.lstrip(WS)
+        if state == "call":
+            if not self._read_call():
+                return False
+            self.state = "sep" if self._call_ends(complete=True) and not self._reader_failed else "content"
+            return True
         if state == "start":
             if self.tag and rest.startswith(self.tag):
                 self._buf, self.state = rest[len(self.tag):], "open"
             elif self.bare_start and rest[:1] in ("{", "["):
-                self._buf, self.state = rest, "open"
+                self.state = "open"
             elif not self._final and (not rest or (self.tag and self.tag.startswith(rest))):
                 return False
             else:
@@ -207,18 +214,21 @@ class JsonCallsParser(ToolParser):
             self._buf, self.state = self._buf[i + len(self.tag):], "open"
             return True
         if not rest:  # open, calls, sep: the next non-blank character decides
-            return False
+            if self._final:
+                self.state = "content"
+            return self._final
         if state == "open" and rest[0] == "[":
-            self._buf, self.state, self._in_list = rest[1:], "calls", True
+            first = rest[1:].lstrip(WS)  # a list of calls, or text that opens with a bracket
+            if not first and not self._final:
+                return False
+            if first[:1] == "{":
+                self._buf, self.state, self._in_list = first, "calls", True
+            else:
+                self.state = "content"
             return True
         if state in ("open", "calls") and rest[0] == "{":
             self._buf, self.state = rest, "call"
             self._start_call()
-            return True
-        if state == "call":
-            if not self._read_call():
-                return False
-            self.state = "sep" if self._call_ends(complete=True) and not self._reader_failed else "content"
             return True
         if state == "sep" and rest[0] == self.separator:
             self._buf, self.state = rest[1:], "calls"
