@@ -24,7 +24,8 @@ model: install
 
 # HTTP_PORT, GRPC_PORT and METRICS_PORT choose tritonserver's ports (8000, 8001, 8002), OPENAI_PORT
 # the OpenAI-compatible API's (9000); ORCA_API_KEY makes that API ask for a key. SERVE_ARGS go to
-# orca_backend.serving.launch (--triton-address 127.0.0.1, --no-openai, tritonserver's own options).
+# orca_backend.serving.launch (--triton-address 127.0.0.1, --no-openai, --tool-call-parser NAME,
+# --reasoning-parser NAME, --model-repository DIR for one more repository, tritonserver's own options).
 serve: model
 	$(PY) -m orca_backend.serving.launch --model-repository model_repository $(SERVE_ARGS)
 
