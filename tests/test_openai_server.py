@@ -172,7 +172,10 @@ REFUSALS = [  # (path, body, HTTP status, param)
     ("/v1/chat/completions", {"messages": CHAT["messages"]}, 400, "model"),
     ("/v1/chat/completions", {**CHAT, "model": "gpt-9"}, 404, "model"),
     ("/v1/chat/completions", {**CHAT, "frobnicate": 1}, 400, "frobnicate"),
-    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    # tool_choice auto, the default with tools, needs a --tool-call-parser, which this API has not
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": 1}}],
+                              "tool_choice": "required"}, 400, "tools[0].function.parameters"),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "xml"}}, 400, "response_format"),
     ("/v1/chat/completions", {**CHAT, "logit_bias": {"42": 5}}, 400, "logit_bias"),
     ("/v1/chat/completions", {**CHAT, "temperature": -1}, 400, "temperature"),
@@ -186,7 +189,8 @@ REFUSALS = [  # (path, body, HTTP status, param)
     ("/v1/chat/completions", {**CHAT, "n": 0}, 400, "n"),
     ("/v1/chat/completions", {**CHAT, "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages"),
-    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0]"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "function", "content": "x"}]}, 400, "messages[0].role"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages"),
     ("/v1/chat/completions", {**CHAT, "max_tokens": 10 ** 6}, 400, None),  # the model's INVALID_ARG
