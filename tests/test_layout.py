@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "orca_backend"
 # Lower layers never import higher ones; a layer may import itself and anything below it.
-LAYERS = ("core", "checkpoint", "grammar", "runner", "executors", "engine", "serving", "baselines", "simulate")
+LAYERS = ("core", "checkpoint", "grammar", "lora", "runner", "executors", "engine", "serving", "baselines", "simulate")
 # Where `triton_python_backend_utils` may be imported: the Triton edge.
 PB_UTILS_ALLOWED = ("serving", "baselines.triton_model")
 TORCH_FREE = ("core", "checkpoint.config", "checkpoint.chat_template")
