@@ -84,3 +84,28 @@ def test_each_row_of_a_mixed_batch_gets_its_own_adapters_correction(tmp_path):
     # a projection an adapter does not target is left as it is
     z = torch.randn(6, HIDDEN, generator=g)
     assert torch.equal(LoRABatch(rows).add(z.clone(), x, 0, "o_proj"), z)
+
+
+def test_an_adapter_that_peft_saved_adds_what_peft_adds(tiny_models, tmp_path):
+    """PEFT's own adapter on a tiny Llama (every projection targeted, rsLoRA for one rank
+    pattern): each projection's correction equals PEFT's (its layer minus its base layer)."""
+    import transformers as tf
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_pretrained(tiny_models["llama"], torch_dtype=torch.float32)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False,
+                        rank_pattern={"down_proj": 4}, alpha_pattern={"o_proj": 32})
+    peft_model = get_peft_model(model, config)
+    peft_model.save_pretrained(tmp_path)
+    adapter = load_adapter("p", tmp_path, 16)
+    layers = peft_model.base_model.model.model.layers
+    assert set(adapter.modules) == {(i, t) for i in range(len(layers)) for t in targets}
+    assert adapter.modules[(0, "down_proj")].rank == 4 and adapter.modules[(0, "o_proj")].scale == 4.0
+    for (i, name), _ in adapter.modules.items():
+        module = getattr(layers[i].self_attn if name in targets[:4] else layers[i].mlp, name)
+        x = torch.randn(3, module.in_features)
+        with torch.no_grad():
+            expected = module(x) - module.base_layer(x)
+        torch.testing.assert_close(LoRABatch([adapter] * 3).add(torch.zeros_like(expected), x, i, name), expected)
