@@ -17,7 +17,7 @@ from orca_backend.serving.openai_api.parsing.reasoning import ReasoningSplitter,
 from orca_backend.serving.openai_api.parsing import TOOL_PARSERS
 from orca_backend.serving.openai_api.parsing.tool_parsers import NamedCallParser, RequiredCallsParser
 from orca_backend.serving.openai_api.protocol import ChatRequest, parse
-from orca_backend.serving.openai_api.tools import ToolChoice, after_reasoning, forced_outputs, plan_output
+from orca_backend.serving.openai_api.tools import OutputPlan, ToolChoice, after_reasoning, forced_outputs
 
 WEATHER = '{"city": "Paris", "days": [1, {"unit": "c}"}], "note": "say \\"hi\\""}'
 # parser -> (what the model writes, the content, the calls (name, arguments))
@@ -140,7 +140,7 @@ def stream(plan, text: str, chunk: int) -> tuple[list[dict], dict]:
 def test_streamed_chunks_follow_openai_order_and_join_to_the_whole_answer(chunk, reasoning):
     text, content, calls = SCRIPTS["hermes"]
     text = "<think>Hmm.</think>" + text if reasoning else text
-    plan = plan_output("prompt", "hermes", ToolChoice("auto"), parallel=True, reasoning=reasoning)
+    plan = OutputPlan("hermes", ToolChoice("auto"), parallel=True, reasoning=reasoning, in_reasoning=False)
     bodies, whole = stream(plan, text, chunk)
     assert bodies[0]["delta"]["role"] == "assistant" and bodies[-1]["finish_reason"] == "tool_calls"
     assert all(b["finish_reason"] is None for b in bodies[:-1])
@@ -166,7 +166,7 @@ def test_a_call_past_the_cap_ends_its_choice_with_length(monkeypatch):
     from orca_backend.serving.openai_api import tools as tools_module
 
     monkeypatch.setattr(tools_module, "MAX_TOOL_CALL_CHARS", 64)
-    plan = plan_output("prompt", "hermes", ToolChoice("auto"), parallel=True, reasoning=False)
+    plan = OutputPlan("hermes", ToolChoice("auto"), parallel=True, reasoning=False, in_reasoning=False)
     stopped = []
     output, choice = ChatOutput(plan, None, stopped.append), Choice(0, "p")
     text = '<tool_call>{"name": "f", "arguments": {"a": "' + "x" * 200

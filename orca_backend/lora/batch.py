@@ -18,10 +18,6 @@ class LoRABatch:
                 groups.setdefault(id(adapter), (adapter, []))[1].append(row)
         self.groups = [(adapter, _rows(rows, device)) for adapter, rows in groups.values()]
 
-    @property
-    def adapters(self) -> list[LoRAAdapter]:
-        return [adapter for adapter, _ in self.groups]
-
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, projection: str,
             columns: slice = slice(None)) -> torch.Tensor:
         """y [rows, out] += each row's correction of `projection` in `layer`, into `columns` of

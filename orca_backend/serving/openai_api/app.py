@@ -21,7 +21,7 @@ from .generation import Generation
 from .parsing import SPECIAL_TOKEN_PARSERS
 from .protocol import ChatRequest, CompletionRequest, check_sampling, parse
 from .templates import ChatTemplates
-from .tools import after_reasoning, forced_outputs, plan_output, think_first
+from .tools import OutputPlan, after_reasoning, forced_outputs, think_first
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 16 << 20  # a request body beyond it is refused before it is parsed
@@ -141,7 +141,7 @@ async def _chat(request: Request):
     if tool_choice.mode == "auto" and state.tool_parser in SPECIAL_TOKEN_PARSERS:
         sampling.setdefault("skip_special_tokens", False)  # the parser reads the calls' marker token
     generation = Generation(backend, served, [prompt], sampling, req.n, req.stream)
-    plan = plan_output(prompt, state.tool_parser, tool_choice, req.parallel_tool_calls, reasoning)
+    plan = OutputPlan(state.tool_parser, tool_choice, req.parallel_tool_calls, reasoning, think == "open")
     output = ChatOutput(plan, (req.top_logprobs or 0) if req.logprobs else None, generation.stop)
     if req.stream:
         head = envelope("chat.completion.chunk", new_id("chatcmpl"), req.model)

@@ -24,10 +24,6 @@ class ChatOutput:
         self._logprobs: dict[int, list[dict]] = {}  # entries of text not yet sent in a chunk
         self._started: set[int] = set()
 
-    @property
-    def parsed(self) -> bool:
-        return self._plan is not None
-
     def add(self, choice: Choice, piece: Piece) -> Delta | None:
         """Read a piece (already added to its choice); the message's delta, None when plain."""
         if self._plan is None:

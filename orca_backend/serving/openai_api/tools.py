@@ -217,11 +217,6 @@ class OutputPlan:
         return self.choice.mode == "none" and not self.reasoning
 
 
-def plan_output(prompt: str, tool_parser: str | None, choice: ToolChoice, parallel: bool,
-                reasoning: bool) -> OutputPlan:
-    return OutputPlan(tool_parser, choice, parallel, reasoning, reasoning and starts_in_reasoning(prompt))
-
-
 def think_first(prompt: str, reasoning: bool) -> str | None:
     """How reasoning may precede the answer to `prompt` (after_reasoning's `think_first`)."""
     if not reasoning:
