@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from orca_backend.core.errors import ConfigError
-from orca_backend.lora import LoRABatch, load_adapter
+from orca_backend.lora import LoRABatch, PackedLoRA, load_adapter
 
 HIDDEN, INTER = 16, 24
 PREFIX = "base_model.model.model.layers"
@@ -65,35 +65,43 @@ def test_missing_files_and_foreign_tensors_are_refused(tmp_path):
         load_adapter("y", folder, 16)
 
 
-def test_each_row_of_a_mixed_batch_gets_its_own_adapters_correction(tmp_path):
-    """Rows: base, a, b, a, a, base (a's rows not all side by side); q_proj's output is the
-    first HIDDEN columns of a fused [q | k] projection."""
-    a = load_adapter("a", save_adapter(tmp_path / "a", rank=4, seed=1), 16)
-    b = load_adapter("b", save_adapter(tmp_path / "b", rank=8, alpha=24, targets=("q_proj",), seed=2), 16)
+def test_each_row_of_a_mixed_batch_gets_its_own_adapters_correction():
+    """Rows by request: base (1), a (2), b (1), a (1), base (1): a's rows are not side by side
+    (gathered and added back by index), b's are (a view)."""
     g = torch.Generator().manual_seed(3)
-    w = torch.randn(HIDDEN + 8, HIDDEN, generator=g)  # fused [q; k]
+    pack = {n: {(0, "qkv"): PackedLoRA(torch.randn(HIDDEN, r, generator=g), torch.randn(r, HIDDEN + 8, generator=g))}
+            for n, r in (("a", 4), ("b", 8))}
+    w = torch.randn(HIDDEN + 8, HIDDEN, generator=g)  # a fused [q; k]
     x = torch.randn(6, HIDDEN, generator=g)
-    rows = [None, a, b, a, a, None]
-    y = LoRABatch(rows).add(x @ w.T, x, 0, "q_proj", slice(0, HIDDEN))
-    for i, adapter in enumerate(rows):
+    batch = LoRABatch.of_rows([(None, 1), (pack["a"], 2), (pack["b"], 1), (pack["a"], 1), (None, 1)])
+    assert [type(rows).__name__ for _, rows in batch.groups] == ["Tensor", "slice"]
+    y = batch.add(x @ w.T, x, 0, "qkv")
+    for i, name in enumerate([None, "a", "a", "b", "a", None]):
         merged = w.clone()
-        if adapter is not None:
-            lw = adapter.modules[(0, "q_proj")]
-            merged[:HIDDEN] += lw.scale * lw.b @ lw.a
+        if name is not None:
+            p = pack[name][(0, "qkv")]
+            merged += (p.a @ p.b).T
         torch.testing.assert_close(y[i], x[i] @ merged.T)
-    # a projection an adapter does not target is left as it is
+    # a projection no adapter targets is left as it is; no adapter at all: no batch
     z = torch.randn(6, HIDDEN, generator=g)
-    assert torch.equal(LoRABatch(rows).add(z.clone(), x, 0, "o_proj"), z)
+    assert torch.equal(batch.add(z.clone(), x, 0, "o"), z)
+    assert LoRABatch.of_rows([(None, 3)]) is None
 
 
-def test_an_adapter_that_peft_saved_adds_what_peft_adds(tiny_models, tmp_path):
-    """PEFT's own adapter on a tiny Llama (every projection targeted, rsLoRA for one rank
-    pattern): each projection's correction equals PEFT's (its layer minus its base layer)."""
+@pytest.mark.parametrize("tp", [1, 2])
+def test_an_adapter_that_peft_saved_adds_what_peft_adds(tiny_models, tmp_path, tp):
+    """PEFT's own adapter on a tiny Llama (every projection targeted, a rank and an alpha
+    pattern): each of our projections' correction equals PEFT's (its layers minus their base
+    layers), fused q|k|v and gate|up side by side; with two tensor-parallel ranks, each rank's
+    share (its heads' columns of q|k|v, its partial sum of o and down)."""
     import transformers as tf
     from peft import LoraConfig, get_peft_model
 
+    from orca_backend.runner.models import load_model
+    from orca_backend.runner.models.parallel import Shard
+
     torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_pretrained(tiny_models["llama"], torch_dtype=torch.float32)
+    model = tf.AutoModelForCausalLM.from_pretrained(tiny_models["llama"], dtype=torch.float32)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     config = LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False,
                         rank_pattern={"down_proj": 4}, alpha_pattern={"o_proj": 32})
@@ -103,9 +111,31 @@ def test_an_adapter_that_peft_saved_adds_what_peft_adds(tiny_models, tmp_path):
     layers = peft_model.base_model.model.model.layers
     assert set(adapter.modules) == {(i, t) for i in range(len(layers)) for t in targets}
     assert adapter.modules[(0, "down_proj")].rank == 4 and adapter.modules[(0, "o_proj")].scale == 4.0
-    for (i, name), _ in adapter.modules.items():
+
+    def correction(i, name, x):
         module = getattr(layers[i].self_attn if name in targets[:4] else layers[i].mlp, name)
-        x = torch.randn(3, module.in_features)
         with torch.no_grad():
-            expected = module(x) - module.base_layer(x)
-        torch.testing.assert_close(LoRABatch([adapter] * 3).add(torch.zeros_like(expected), x, i, name), expected)
+            return module(x) - module.base_layer(x)
+
+    shares = [load_model(tiny_models["llama"], torch.float32, torch.device("cpu"), shard=Shard(r, tp))
+              for r in range(tp)]
+    packs = [m.pack_lora(adapter, torch.float32, torch.device("cpu")) for m in shares]
+    hidden = model.config.hidden_size
+    for i in range(len(layers)):
+        x = torch.randn(3, hidden)
+        q, k, v = (correction(i, n, x) for n in targets[:3])
+        gate, up = correction(i, "gate_proj", x), correction(i, "up_proj", x)
+        attn = torch.randn(3, q.shape[1])
+        act = torch.randn(3, gate.shape[1])
+        o_sum = down_sum = 0
+        for r, pack in enumerate(packs):
+            mine = lambda t: t.chunk(tp, dim=-1)[r]  # noqa: E731 (this rank's heads / columns)
+            batch = LoRABatch.of_rows([(pack, 3)])
+            got = batch.add(torch.zeros(3, (q.shape[1] + k.shape[1] + v.shape[1]) // tp), x, i, "qkv")
+            torch.testing.assert_close(got, torch.cat([mine(q), mine(k), mine(v)], dim=-1))
+            got = batch.add(torch.zeros(3, 2 * gate.shape[1] // tp), x, i, "gate_up")
+            torch.testing.assert_close(got, torch.cat([mine(gate), mine(up)], dim=-1))
+            o_sum = o_sum + batch.add(torch.zeros(3, hidden), mine(attn), i, "o")
+            down_sum = down_sum + batch.add(torch.zeros(3, hidden), mine(act), i, "down")
+        torch.testing.assert_close(o_sum, correction(i, "o_proj", attn))
+        torch.testing.assert_close(down_sum, correction(i, "down_proj", act))

@@ -76,6 +76,12 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     linear: str = "auto"  # the projections' GEMM: one of LINEARS
     quantization: str = "none"  # "int8": weights quantized per channel, activations per token (CPU)
+    # Multi-LoRA (vLLM's names): requests may name adapters (PEFT folders); at most max_loras distinct
+    # ones among running requests (the device slots), max_cpu_loras kept in host memory (None: max_loras).
+    enable_lora: bool = False
+    max_lora_rank: int = 16
+    max_loras: int = 1
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         _need(self.dtype in DTYPE_SIZES, "dtype", self.dtype, f"one of {', '.join(DTYPE_SIZES)}")
@@ -102,9 +108,18 @@ class EngineConfig:
             pipelined = self.executor == "pipeline" or (self.executor == "stages" and self.stage_transport != "ensemble")
             self.max_inflight = self.pipeline_stages if pipelined else (2 if self.async_scheduling else 1)
         for name in ("max_batch_size", "max_num_batched_tokens", "block_size", "max_prompt_bytes",
-                     "max_inflight", "iteration_timeout_seconds", "pipeline_stages", "tensor_parallel_size"):
+                     "max_inflight", "iteration_timeout_seconds", "pipeline_stages", "tensor_parallel_size",
+                     "max_lora_rank", "max_loras"):
             value = getattr(self, name)
             _need(isinstance(value, int) and value >= 1, name, value, "an integer >= 1")
+        _need(isinstance(self.enable_lora, bool), "enable_lora", self.enable_lora, "true or false")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        _need(isinstance(self.max_cpu_loras, int) and self.max_cpu_loras >= self.max_loras, "max_cpu_loras",
+              self.max_cpu_loras, f"an integer >= max_loras ({self.max_loras})")
+        if self.enable_lora:
+            _need(self.engine != "tensorrt", "enable_lora", self.enable_lora,
+                  "false with engine 'tensorrt' (its engines have no LoRA path; use engine 'torch')")
         for name in ("kv_cache_tokens", "kv_cache_bytes", "max_model_len"):
             value = getattr(self, name)
             _need(value is None or (isinstance(value, int) and value >= 1), name, value,

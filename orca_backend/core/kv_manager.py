@@ -49,10 +49,12 @@ def block_hash(parent_hash: bytes, token_ids) -> bytes:
     return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
 
 
-def root_hash(namespace: str, cache_salt: str | None) -> bytes:
-    """The parent of a sequence's first block: requests with different roots share nothing."""
+def root_hash(namespace: str, cache_salt: str | None, lora_id: int | None = None) -> bytes:
+    """The parent of a sequence's first block: requests with different roots share nothing
+    (another model, another tenant's salt, another LoRA adapter or the base model)."""
+    lora = b"" if lora_id is None else b"\x02" + str(lora_id).encode()  # digits, then the salt's marker byte
     salt = b"\x00" if cache_salt is None else b"\x01" + cache_salt.encode("utf-8")
-    return hashlib.sha256(b"orca-prefix\x00" + namespace.encode("utf-8") + b"\x00" + salt).digest()
+    return hashlib.sha256(b"orca-prefix\x00" + namespace.encode("utf-8") + b"\x00" + lora + salt).digest()
 
 
 class BlockManager:
@@ -146,7 +148,7 @@ class BlockManager:
         return hashes
 
     def _root(self, req: Request) -> bytes:
-        return root_hash(self.namespace, req.params.cache_salt)
+        return root_hash(self.namespace, req.params.cache_salt, None if req.lora is None else req.lora.lora_id)
 
     def _block_tokens(self, req: Request, i: int) -> list[int]:
         return req.token_slice(i * self.block_size, (i + 1) * self.block_size)

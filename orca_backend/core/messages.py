@@ -22,6 +22,17 @@ from .sampling_params import SamplingParams
 _PARAM_FIELDS = tuple(f.name for f in fields(SamplingParams))
 
 
+@dataclass(slots=True, frozen=True)
+class LoRARef:
+    """A LoRA adapter as the engine registered it: `lora_id` is unique to one registration
+    (an adapter unloaded and loaded again under its name gets a new one), so a runner that
+    keeps adapters by id never mixes two versions."""
+
+    lora_id: int
+    name: str
+    path: str
+
+
 @dataclass(slots=True)
 class NewRequest:
     """A request's full state, sent with the first iteration that schedules it."""
@@ -31,6 +42,7 @@ class NewRequest:
     # With params.seed the request draws from a generator of its own; else from the runner's.
     params: SamplingParams
     wants_logprob: bool  # return the sampled token's log-probability
+    lora: LoRARef | None = None  # its adapter; None: the base model
 
 
 @dataclass(slots=True)
@@ -84,7 +96,8 @@ class SchedulerOutput:
 
     def to_wire(self) -> list:
         return [self.iteration_id,
-                [[r.request_id, r.prompt_token_ids, _params_to_wire(r.params), r.wants_logprob]
+                [[r.request_id, r.prompt_token_ids, _params_to_wire(r.params), r.wants_logprob,
+                  None if r.lora is None else [r.lora.lora_id, r.lora.name, r.lora.path]]
                  for r in self.new_requests],
                 [[s.request_id, s.num_computed_tokens, s.num_scheduled_tokens, s.new_token_ids,
                   s.new_block_ids, s.sample, s.num_placeholders] for s in self.scheduled],
@@ -94,8 +107,8 @@ class SchedulerOutput:
     def from_wire(cls, data: list) -> SchedulerOutput:
         iteration_id, new, scheduled, finished, preempted = data
         return cls(iteration_id,
-                   [NewRequest(rid, prompt, SamplingParams(*params), wants)
-                    for rid, prompt, params, wants in new],
+                   [NewRequest(rid, prompt, SamplingParams(*params), wants, None if lora is None else LoRARef(*lora))
+                    for rid, prompt, params, wants, lora in new],
                    [ScheduledRequest(*s) for s in scheduled], finished, preempted)
 
 

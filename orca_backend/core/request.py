@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from .messages import LoRARef
 from .sampling_params import SamplingParams
 
 
@@ -46,6 +47,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     track_logprob: bool = False  # compute each sampled token's log-probability
+    lora: LoRARef | None = None  # its LoRA adapter; None: the base model
     # Prefix caching: prompt tokens whose K/V came from the cache at its first admission
     # (None until admitted), and the chained hashes of its full blocks (see kv_manager).
     num_cached_tokens: int | None = None

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from .config import BATCHING_MODES, POLICIES
 from .kv_manager import BlockManager
-from .messages import NewRequest, RunnerOutput, ScheduledRequest, SchedulerOutput
+from .messages import LoRARef, NewRequest, RunnerOutput, ScheduledRequest, SchedulerOutput
 from .request import Request, RequestStatus
 
 
@@ -26,6 +26,7 @@ class SchedulerConfig:
     # A request in flight may be scheduled again, one step ahead, its next token a placeholder
     # (the runner that samples it fills it in): one stage only, whose runner samples.
     async_scheduling: bool = False
+    max_loras: int | None = None  # distinct LoRA adapters among running requests; None: no adapters
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_num_batched_tokens", "max_inflight"):
@@ -182,20 +183,32 @@ class Scheduler:
             return  # request-level batching: nobody joins a batch that is running
         # In flight at once: one batch of requests (rescheduled ahead), or max_inflight disjoint ones.
         max_running = c.max_batch_size * (1 if c.async_scheduling else c.max_inflight)
-        while self.waiting and len(scheduled) < c.max_batch_size and len(self.running) < max_running:
+        loras = self.running_loras() if c.max_loras is not None else None
+        i = 0
+        while i < len(self.waiting) and len(scheduled) < c.max_batch_size and len(self.running) < max_running:
             if budget <= 0 and not request_mode:
                 break
-            req = self.waiting[0]
-            if not self._admit(req):
-                break  # FCFS: the head of the queue waits for room, nobody overtakes it
+            req = self.waiting[i]
+            if loras is not None and req.lora is not None and req.lora.lora_id not in loras \
+                    and len(loras) >= c.max_loras:
+                i += 1  # its adapter waits for a slot; requests behind it whose adapter has one may go
+                continue
+            if not self._admit(req, i):
+                break  # FCFS: the first that may run waits for room, nobody overtakes it
+            if loras is not None and req.lora is not None:
+                loras[req.lora.lora_id] = req.lora
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if n > 0:
                 scheduled.append((req, n))
                 budget -= n
 
-    def _admit(self, req: Request) -> bool:
-        """Move the head of the queue to running if its blocks fit; its leading blocks found
-        in the prefix cache count as computed."""
+    def running_loras(self) -> dict[int, LoRARef]:
+        """The adapters of the running requests, by id."""
+        return {r.lora.lora_id: r.lora for r in self.running if r.lora is not None}
+
+    def _admit(self, req: Request, position: int = 0) -> bool:
+        """Move waiting[position] to running if its blocks fit; its leading blocks found in
+        the prefix cache count as computed."""
         need = req.max_num_tokens if self.config.policy == "reserve" else req.num_tokens
         hits = self.kv.match_prefix(req)
         if not self.kv.can_allocate(req.request_id, need, hits):
@@ -207,7 +220,10 @@ class Scheduler:
             if self.kv.enable_prefix_caching:
                 self.kv.stats.num_queried_tokens += req.num_prompt_tokens
                 self.kv.stats.num_hit_tokens += req.num_cached_tokens
-        self.waiting.popleft()
+        if position:
+            del self.waiting[position]
+        else:
+            self.waiting.popleft()
         self.running.append(req)
         req.status = RequestStatus.RUNNING
         return True
@@ -220,7 +236,7 @@ class Scheduler:
         for req, n in scheduled:
             if not req.num_sent_tokens:
                 out.new_requests.append(NewRequest(req.request_id, req.prompt_token_ids, req.params,
-                                                   req.wants_logprob))
+                                                   req.wants_logprob, req.lora))
                 req.num_sent_tokens = req.num_prompt_tokens
             start = req.num_computed_tokens + req.num_in_flight_tokens
             end = start + n

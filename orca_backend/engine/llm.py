@@ -6,6 +6,7 @@ from pathlib import Path
 
 from ..core.config import EngineConfig
 from ..core.sampling_params import SamplingParams
+from ..lora import LoRARequest
 from .llm_engine import LLMEngine
 from .outputs import RequestDelta
 
@@ -53,19 +54,29 @@ class LLM:
         return self.engine.rules.model_path
 
     def generate(self, prompts: str | list[str] | list[list[int]],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
-        """Run every prompt to completion (batched by the scheduler); outputs in prompt order."""
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion (batched by the scheduler); outputs in prompt order.
+        `lora_request`: the adapter of every prompt, or one per prompt (None: the base model);
+        an adapter not yet known is registered under its name."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling_params")
+        if not isinstance(lora_request, list):
+            lora_request = [lora_request] * len(prompts)
+        if len(lora_request) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(lora_request)} lora_request")
+        for lora in {lora for lora in lora_request if lora is not None}:
+            if lora.lora_name not in self.engine.loras.names:
+                self.engine.add_lora(lora.lora_name, lora.lora_path)
         outputs: dict[str, RequestOutput] = {}
         try:
-            for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
-                req = self.engine.add_request(f"offline-{id(outputs)}-{i}", prompt, params)
+            for i, (prompt, params, lora) in enumerate(zip(prompts, sampling_params, lora_request)):
+                req = self.engine.add_request(f"offline-{id(outputs)}-{i}", prompt, params,
+                                              lora_name=None if lora is None else lora.lora_name)
                 outputs[req.request_id] = RequestOutput(req.request_id, req.prompt_token_ids)
             while self.engine.has_unfinished_requests():
                 for delta in self.engine.step():

@@ -19,6 +19,7 @@ from ..core.scheduler import Scheduler, SchedulerConfig
 from ..executors.base import Executor, ExecutorFactory, RunnerDiedError, RunnerUnavailableError
 from ..executors.factory import executor_factory_for
 from ..grammar import compiler_for, grammar_of
+from ..lora import LoRARegistry
 from ..runner.spec import RunnerSpec
 from .detokenizer import IncrementalDetokenizer
 from .outputs import EngineSnapshot, EngineStats, IterationRecord, RequestDelta
@@ -56,6 +57,10 @@ class LLMEngine:
         self.executor: Executor = self.executor_factory(self.runner_spec)
         model = self.rules.model_config
         self.grammars = compiler_for(self.rules.model_path, model.vocab_size, model.eos_token_ids)
+        if config.enable_lora and model.architecture == "GPT2LMHeadModel":
+            raise ConfigError("enable_lora: LoRA adapters apply to Llama-family models (q/k/v/o and "
+                              f"gate/up/down projections); this model is {model.architecture}")
+        self.loras = LoRARegistry(model, config.enable_lora, config.max_lora_rank)
         self.stats = EngineStats()
         self.reset()
 
@@ -99,7 +104,7 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(
             max_batch_size=c.max_batch_size, max_num_batched_tokens=c.max_num_batched_tokens,
             policy=c.policy, batching=c.batching, max_inflight=c.max_inflight,
-            async_scheduling=c.async_scheduling), self.kv)
+            async_scheduling=c.async_scheduling, max_loras=c.max_loras if c.enable_lora else None), self.kv)
         if old is not None:  # counters run on across a reset
             self.scheduler.num_preemptions = old.num_preemptions
             self.kv.stats = old.kv.stats
@@ -124,9 +129,11 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, track_logprob: bool = False,
-                    prepared: bool = False, grammar: Future | None = None) -> Request:
+                    prepared: bool = False, grammar: Future | None = None,
+                    lora_name: str | None = None) -> Request:
         """Validate and queue a request; raises InvalidRequestError naming what is wrong.
 
+        `lora_name`: the adapter it runs with (one `add_lora` registered); None: the base model.
         `track_logprob` keeps a cumulative log-probability even when `params.logprobs` is unset;
         `prepared`: `prompt` is the token ids `prepare` returned (a server's tokenizer thread
         checked them), not checked again here; `grammar`: the future `compile_grammar` gave
@@ -135,13 +142,14 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self._tracked:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        lora = None if lora_name is None else self.loras.get(lora_name)
         token_ids = prompt if prepared else self.prepare(prompt, params)
         params = self._resolved(params, len(token_ids))
         grammar = grammar or self.compile_grammar(params)
         ready = grammar is None or grammar.done()  # read once: it may end at any moment
         if grammar is not None and ready:
             grammar_of(grammar)  # a refused grammar raises its InvalidRequestError here
-        req = Request(request_id, token_ids, params, track_logprob=track_logprob)
+        req = Request(request_id, token_ids, params, track_logprob=track_logprob, lora=lora)
         self._tracked[request_id] = _Tracked(req, self.rules.detokenizer(token_ids, params))
         if grammar is not None:
             self.stats.num_structured_requests += 1
@@ -150,6 +158,28 @@ class LLMEngine:
         else:
             self._compiling[request_id] = grammar  # scheduled once it has compiled (step())
         return req
+
+    # -- LoRA adapters ----------------------------------------------------------------------
+    def add_lora(self, name: str, path: str) -> None:
+        """Register the PEFT adapter in `path` as `name` (checked against the model now; its
+        weights are read when a request first uses it). Raises ConfigError."""
+        self.loras.add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unregister an adapter; refused (InvalidRequestError) while a request uses it."""
+        ref = self.loras.get(name)
+        users = sum(1 for t in self._tracked.values() if t.request.lora == ref)
+        if users:
+            raise InvalidRequestError(f"LoRA adapter '{name}' is in use by {users} request(s); unload it "
+                                      "when they have finished")
+        self.loras.remove(name)
+
+    def lora_requests(self) -> tuple[list[str], list[str]]:
+        """(the adapters of running requests, those of waiting ones), by name."""
+        running = {r.lora.name for r in self.scheduler.running if r.lora is not None}
+        waiting = {t.request.lora.name for t in self._tracked.values()
+                   if t.request.lora is not None and t.request.lora.name not in running}
+        return sorted(running), sorted(waiting)
 
     def compile_grammar(self, params: SamplingParams) -> Future | None:
         """Start compiling a request's structured_outputs grammar (None if it has none): the

@@ -1,7 +1,10 @@
 """A LoRA adapter in PEFT's format: `adapter_config.json` (r, lora_alpha, target_modules,
 use_rslora, rank_pattern, alpha_pattern) and `adapter_model.safetensors` (each targeted
-projection's `lora_A.weight` [r, in] and `lora_B.weight` [out, r]). Read once into memory
-(the CPU tier); what we cannot apply is refused with a message naming the field."""
+projection's `lora_A.weight` [r, in] and `lora_B.weight` [out, r]).
+
+`inspect_adapter` checks a folder against a model without reading the weights (tensor shapes
+come from the safetensors header): what cannot be applied is refused with a message naming the
+field or tensor. `load_adapter` reads the weights into memory (the CPU tier)."""
 from __future__ import annotations
 
 import json
@@ -11,12 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
+from ..checkpoint.config import ModelConfig
 from ..core.errors import ConfigError
 
 CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILES = ("adapter_model.safetensors",)
+WEIGHTS_FILE = "adapter_model.safetensors"
 # The projections of a Llama-family layer an adapter may target, as PEFT names them.
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(r"(?P<module>(?:.*\.)?layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<proj>\w+))"
@@ -53,44 +57,88 @@ class LoRAAdapter:
     def projections(self) -> set[str]:
         return {proj for _, proj in self.modules}
 
+    @property
+    def num_bytes(self) -> int:
+        return sum(w.a.nbytes + w.b.nbytes for w in self.modules.values())
+
+
+def inspect_adapter(name: str, folder: str | Path, max_rank: int, model: ModelConfig) -> int:
+    """Check the adapter in `folder` against `model` (layers, projection shapes) and
+    `max_rank`, reading only its config and tensor shapes; returns its rank. Raises
+    ConfigError naming what is missing, does not fit, or is not supported."""
+    shapes = _projection_shapes(model)
+    ranks = []
+    for (layer, proj), ab in _scan(name, Path(folder), max_rank, lambda f, key: f.get_slice(key).get_shape()).items():
+        if layer >= model.num_layers:
+            raise ConfigError(f"LoRA adapter '{name}' has weights for layer {layer}; the model has "
+                              f"{model.num_layers} layers")
+        out, inp = shapes[proj]
+        rank = ab["A"][0]
+        if tuple(ab["A"]) != (rank, inp) or tuple(ab["B"]) != (out, rank):
+            raise ConfigError(f"LoRA adapter '{name}': layer {layer} {proj} has lora_A {tuple(ab['A'])} and lora_B "
+                              f"{tuple(ab['B'])}; this model needs [r, {inp}] and [{out}, r] (an adapter of "
+                              "another model?)")
+        ranks.append(rank)
+    return max(ranks)
+
 
 def load_adapter(name: str, folder: str | Path, max_rank: int, dtype: torch.dtype = torch.float32) -> LoRAAdapter:
-    """The adapter in `folder`; raises ConfigError naming what is missing or not supported
-    (a rank above `max_rank` included)."""
+    """The adapter in `folder`, its weights in memory; raises ConfigError naming what is
+    missing or not supported (a rank above `max_rank` included)."""
     folder = Path(folder)
     config = _read_config(name, folder)
+    modules = {}
+    for where, ab in _scan(name, folder, max_rank, lambda f, key: f.get_tensor(key), config).items():
+        a, b = ab["A"], ab["B"]
+        modules[where] = LoRAWeights(a.to(dtype).contiguous(), b.to(dtype).contiguous(),
+                                     _scale(config, ab["module"], a.shape[0]))
+    return LoRAAdapter(name, folder, modules)
+
+
+def _scan(name: str, folder: Path, max_rank: int, read, config: dict | None = None) -> dict:
+    """{(layer, projection): {"A": read(A), "B": read(B), "module": its path}} of every
+    targeted projection, checked to chain and to fit `max_rank`; `read(file, key)` gives a
+    tensor or its shape."""
+    config = config if config is not None else _read_config(name, folder)
     for key, allowed in _UNSUPPORTED.items():
         if config.get(key) not in allowed:
             raise ConfigError(f"LoRA adapter '{name}': {CONFIG_FILE} sets {key} = {config[key]!r}, which this "
                               "server does not support")
-    path = next((folder / f for f in WEIGHTS_FILES if (folder / f).is_file()), None)
-    if path is None:
-        raise ConfigError(f"LoRA adapter '{name}': {folder} has no {WEIGHTS_FILES[0]}")
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    names: dict[tuple[int, str], str] = {}
-    for key, tensor in load_file(str(path)).items():
-        m = _KEY.match(key)
-        if m is None or m["proj"] not in PROJECTIONS:
-            raise ConfigError(f"LoRA adapter '{name}': tensor {key!r} is not a LoRA weight of a projection this "
-                              f"server applies ({', '.join(PROJECTIONS)})")
-        where = (int(m["layer"]), m["proj"])
-        pairs.setdefault(where, {})[m["ab"]] = tensor
-        names[where] = m["module"]
+    path = folder / WEIGHTS_FILE
+    if not path.is_file():
+        raise ConfigError(f"LoRA adapter '{name}': {folder} has no {WEIGHTS_FILE}")
+    pairs: dict[tuple[int, str], dict] = {}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                m = _KEY.match(key)
+                if m is None or m["proj"] not in PROJECTIONS:
+                    raise ConfigError(f"LoRA adapter '{name}': tensor {key!r} is not a LoRA weight of a projection "
+                                      f"this server applies ({', '.join(PROJECTIONS)})")
+                entry = pairs.setdefault((int(m["layer"]), m["proj"]), {"module": m["module"]})
+                entry[m["ab"]] = read(f, key)
+    except (OSError, ValueError, RuntimeError) as e:  # safetensors' own errors for a damaged file
+        raise ConfigError(f"LoRA adapter '{name}': cannot read {path}: {e}") from None
     if not pairs:
-        raise ConfigError(f"LoRA adapter '{name}': {path.name} holds no LoRA weights")
-    modules = {}
-    for where, ab in sorted(pairs.items()):
-        if set(ab) != {"A", "B"}:
-            raise ConfigError(f"LoRA adapter '{name}': layer {where[0]} {where[1]} has lora_{next(iter(ab))} only")
-        a, b = ab["A"], ab["B"]
-        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0]:
-            raise ConfigError(f"LoRA adapter '{name}': layer {where[0]} {where[1]} has lora_A {tuple(a.shape)} and "
-                              f"lora_B {tuple(b.shape)}, which do not chain")
-        if a.shape[0] > max_rank:
-            raise ConfigError(f"LoRA adapter '{name}' has rank {a.shape[0]}, more than max_lora_rank {max_rank}")
-        modules[where] = LoRAWeights(a.to(dtype).contiguous(), b.to(dtype).contiguous(),
-                                     _scale(config, names[where], a.shape[0]))
-    return LoRAAdapter(name, folder, modules)
+        raise ConfigError(f"LoRA adapter '{name}': {WEIGHTS_FILE} holds no LoRA weights")
+    for (layer, proj), ab in sorted(pairs.items()):
+        if "A" not in ab or "B" not in ab:
+            raise ConfigError(f"LoRA adapter '{name}': layer {layer} {proj} has lora_{'A' if 'A' in ab else 'B'} only")
+        a, b = (tuple(ab[k].shape) if isinstance(ab[k], torch.Tensor) else tuple(ab[k]) for k in "AB")
+        if len(a) != 2 or len(b) != 2 or b[1] != a[0]:
+            raise ConfigError(f"LoRA adapter '{name}': layer {layer} {proj} has lora_A {a} and lora_B {b}, which "
+                              "do not chain")
+        if a[0] > max_rank:
+            raise ConfigError(f"LoRA adapter '{name}' has rank {a[0]}, more than max_lora_rank {max_rank}")
+    return dict(sorted(pairs.items()))
+
+
+def _projection_shapes(model: ModelConfig) -> dict[str, tuple[int, int]]:
+    """[out, in] of each projection of one layer."""
+    h, q, kv, i = model.hidden_size, model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim, \
+        model.intermediate_size
+    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
 
 
 def _read_config(name: str, folder: Path) -> dict:

@@ -10,6 +10,7 @@ import torch
 from ..checkpoint.config import ModelConfig
 from ..core.errors import ConfigError
 from ..grammar import GrammarCompiler, compiler_for
+from ..lora import LoRASlots
 from .model_runner import ModelRunner
 from .null_runner import NullRunner
 from .models import load_model
@@ -46,7 +47,8 @@ def build_runner(spec: RunnerSpec, model=None, rank: int = 0) -> ModelRunner | N
         model = load_model(Path(spec.model_path), dtype, device, layers)
     pack_linears(model, backend)  # a stage's model, loaded before, keeps the backend it has
     runner = ModelRunner(model, spec.num_blocks, spec.block_size, device, dtype, spec.seed,
-                         spec.keep_logits, _attention(spec, device), grammars=grammar_compiler(spec))
+                         spec.keep_logits, _attention(spec, device), grammars=grammar_compiler(spec),
+                         loras=_lora_slots(spec, model, dtype, device))
     if spec.cuda_graphs and spec.attention == "triton" and not spec.layer_range:
         runner.enable_decode_graphs(spec.max_batch_size, -(-spec.max_model_len // spec.block_size),
                                     capture=device.type == "cuda")
@@ -57,6 +59,12 @@ def grammar_compiler(spec: RunnerSpec) -> GrammarCompiler:
     """This process's compiler for the model's tokenizer (the engine's too, in-process)."""
     config = ModelConfig.from_folder(Path(spec.model_path))
     return compiler_for(spec.model_path, config.vocab_size, config.eos_token_ids)
+
+
+def _lora_slots(spec: RunnerSpec, model, dtype: torch.dtype, device: torch.device) -> LoRASlots | None:
+    if not spec.enable_lora:
+        return None
+    return LoRASlots(model, spec.max_loras, spec.max_cpu_loras, spec.max_lora_rank, dtype, device)
 
 
 def _attention(spec: RunnerSpec, device: torch.device):
@@ -91,7 +99,8 @@ def _build_rank(spec: RunnerSpec, rank: int) -> ModelRunner:
         pack_linears(model, backend)
         runner = ModelRunner(model, spec.num_blocks, spec.block_size, device, getattr(torch, spec.dtype),
                              spec.seed, spec.keep_logits, _attention(spec, device), group,
-                             grammars=grammar_compiler(spec) if rank == 0 else None)
+                             grammars=grammar_compiler(spec) if rank == 0 else None,
+                             loras=_lora_slots(spec, model, getattr(torch, spec.dtype), device))
         if group is not None:
             group.connect(collectives, START_TIMEOUT_SECONDS)
     except BaseException:

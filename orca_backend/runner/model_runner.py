@@ -12,7 +12,9 @@ from concurrent.futures import wait
 
 import torch
 
-from ..core.messages import RunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
+from ..core.errors import ConfigError
+from ..core.messages import NewRequest, RunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
+from ..lora import LoRABatch, LoRASlots
 from .models.attention import AttentionBackend, BatchLayout, TorchPagedAttention
 from .models.parallel import ONE_RANK
 from .grammar_masks import GrammarMasks, Masks
@@ -29,10 +31,12 @@ class RunnerError(RuntimeError):
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, seed: int, keep_logits: bool = False,
-                 attention: AttentionBackend | None = None, group=None, grammars=None) -> None:
+                 attention: AttentionBackend | None = None, group=None, grammars=None,
+                 loras: LoRASlots | None = None) -> None:
         """`group`: on rank 0 of a tensor-parallel runner, the other ranks
         (`tensor_parallel.TensorParallelGroup`); `model.shard` says which rank this is.
-        `grammars`: the `GrammarCompiler` of requests with structured outputs."""
+        `grammars`: the `GrammarCompiler` of requests with structured outputs; `loras`: the
+        adapters' tiers (None: LoRA off)."""
         cfg = model.config
         self.model = model
         self.shard = getattr(model, "shard", ONE_RANK)  # the TensorRT runner's model has none
@@ -52,6 +56,7 @@ class ModelRunner:
         self.masks = GrammarMasks(cfg.vocab_size)
         self.requests: dict[str, RunnerRequest] = {}
         self.decode_graphs = None
+        self.loras = loras
 
     @property
     def is_last_stage(self) -> bool:
@@ -99,7 +104,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, message: SchedulerOutput, hidden: torch.Tensor | None):
-        layout, token_ids, sampling = self._apply(message)
+        layout, token_ids, sampling, lora = self._apply(message)
         if not token_ids:  # a message that only says which requests have ended
             return RunnerOutput(message.iteration_id) if self.is_last_stage else self.no_rows()
         last_rows = [row for row, _ in sampling]
@@ -111,7 +116,7 @@ class ModelRunner:
                 len(token_ids), self.model.config.hidden_size, dtype=self.dtype, device=self.device)
             hidden = self.collectives.broadcast(rows.contiguous())
         try:
-            result = self._compute(layout, token_ids, hidden, last_rows)
+            result = self._compute(layout, token_ids, hidden, last_rows, lora)
         except BaseException:
             if masks is not None:  # the library may still hold the matchers: let it finish first
                 wait([masks])
@@ -155,20 +160,23 @@ class ModelRunner:
         self._apply(message)
 
     def _compute(self, layout: BatchLayout, token_ids: list[int], hidden: torch.Tensor | None,
-                 last_rows: list[int]) -> torch.Tensor:
+                 last_rows: list[int], lora: LoRABatch | None = None) -> torch.Tensor:
         """A stage before the last: its hidden states [num_tokens, hidden]. Otherwise the
         logits [len(last_rows), vocab] of the rows that sample (the LM head on those only)."""
-        h = self._forward(layout, token_ids, hidden)
+        h = self._forward(layout, token_ids, hidden, lora)
         return self.model.logits(h[last_rows]) if self.is_last_stage else h
 
-    def _forward(self, layout: BatchLayout, token_ids: list[int], hidden: torch.Tensor | None) -> torch.Tensor:
-        if hidden is None and self.decode_graphs is not None and self.decode_graphs.can_run(layout):
+    def _forward(self, layout: BatchLayout, token_ids: list[int], hidden: torch.Tensor | None,
+                 lora: LoRABatch | None) -> torch.Tensor:
+        if hidden is None and lora is None and self.decode_graphs is not None and self.decode_graphs.can_run(layout):
             return self.decode_graphs.run(layout, token_ids)
         meta = self.attention.plan(layout)  # built once, shared by every layer
         if hidden is None:
             input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
             hidden = self.model.embed_tokens(input_ids, meta)  # [num_tokens, hidden]
-        return self.model.run_layers(hidden, meta, self.kv_caches, self.model.layer_range)
+        if lora is None:
+            return self.model.run_layers(hidden, meta, self.kv_caches, self.model.layer_range)
+        return self.model.run_layers(hidden, meta, self.kv_caches, self.model.layer_range, lora)
 
     def _fill_placeholders(self, message: SchedulerOutput) -> None:
         """Async scheduling: a row's placeholder is the token this runner sampled last for its
@@ -187,29 +195,48 @@ class ModelRunner:
             s.new_token_ids = [*s.new_token_ids, token]
             s.num_placeholders = 0
 
-    def _apply(self, message: SchedulerOutput) -> tuple[BatchLayout, list[int], list]:
+    def _apply(self, message: SchedulerOutput) -> tuple[BatchLayout, list[int], list, LoRABatch | None]:
         """Bring the per-request state up to date; returns the rows to run."""
         for request_id in message.finished_request_ids:
-            self.requests.pop(request_id, None)
+            state = self.requests.pop(request_id, None)
+            if state is not None and state.lora_id is not None:
+                self.loras.release(state.lora_id)
         for request_id in message.preempted_request_ids:
             if request_id in self.requests:
                 self.requests[request_id].block_ids.clear()  # a new table comes on resume
         for new in message.new_requests:
             # Only the stage that samples draws: the others need no generators.
-            self.requests[new.request_id] = RunnerRequest.new(new, self.device if self.samples else None,
-                                                              self.grammars)
+            state = self.requests[new.request_id] = RunnerRequest.new(
+                new, self.device if self.samples else None, self.grammars)
+            if new.lora is not None:
+                self._hold_lora(state, new)
         layout = BatchLayout([], [], [])
         token_ids: list[int] = []
         sampling = []  # (last row, state) of each request that samples
+        lora_rows = []  # (adapter id or None, rows) of each request
         for s in message.scheduled:
             state = self._update(s)
+            lora_rows.append((state.lora_id, s.num_scheduled_tokens))
             token_ids += state.token_ids[s.num_computed_tokens:s.num_computed_tokens + s.num_scheduled_tokens]
             layout.num_computed_tokens.append(s.num_computed_tokens)
             layout.num_scheduled_tokens.append(s.num_scheduled_tokens)
             layout.block_tables.append(state.block_ids)
             if s.sample:
                 sampling.append((len(token_ids) - 1, state))
-        return layout, token_ids, sampling
+        return layout, token_ids, sampling, self.loras.batch(lora_rows) if self.loras is not None else None
+
+    def _hold_lora(self, state: RunnerRequest, new: NewRequest) -> None:
+        """Its adapter's weights, read now: if they cannot be, the request fails alone (its
+        rows run on the base model, and its first sampled token is an error)."""
+        if self.loras is None:
+            state.failure = f"it names LoRA adapter '{new.lora.name}', and this runner has LoRA off"
+            return
+        try:
+            self.loras.hold(new.lora)
+        except ConfigError as e:
+            state.failure = f"its LoRA adapter cannot be loaded: {e}"
+            return
+        state.lora_id = new.lora.lora_id
 
     def _update(self, s: ScheduledRequest) -> RunnerRequest:
         state = self.requests.get(s.request_id)

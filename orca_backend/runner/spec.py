@@ -31,6 +31,10 @@ class RunnerSpec:
     linear: str = "auto"  # the projections' GEMM (models/linear.py)
     quantization: str = "none"  # "int8": int8 projections (CPU)
     null_step_seconds: float = 0.0  # engine "null": the sleep standing for each forward
+    enable_lora: bool = False  # requests may carry LoRA adapters (the runner's tiers, lora/slots.py)
+    max_loras: int = 1  # device slots: distinct adapters in one iteration
+    max_cpu_loras: int = 1  # adapters kept in host memory beyond those in use
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         if self.layer_range is not None:  # a list, after a trip through msgpack or JSON
@@ -52,5 +56,7 @@ class RunnerSpec:
                    tensor_parallel_size=config.tensor_parallel_size,
                    linear=config.linear, quantization=config.quantization,
                    null_step_seconds=config.null_step_seconds,
+                   enable_lora=config.enable_lora, max_loras=config.max_loras,
+                   max_cpu_loras=config.max_cpu_loras, max_lora_rank=config.max_lora_rank,
                    # under the engine's deadline, so a hung rank is named before the runner is
                    collective_timeout_seconds=max(1.0, config.iteration_timeout_seconds / 2))

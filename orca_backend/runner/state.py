@@ -22,6 +22,7 @@ class RunnerRequest:
     failure: str | None = None  # why it cannot sample (its seed broke the generator): it fails alone
     last_sampled: int | None = None  # its token this runner sampled last, until a placeholder takes it
     matcher: Matcher | None = None  # where its output stands in its structured_outputs grammar
+    lora_id: int | None = None  # its adapter, held in the runner's tiers; None: the base model
 
     @classmethod
     def new(cls, new: NewRequest, sampling_device: torch.device | None,

@@ -92,7 +92,9 @@ class TensorRTRunner(ModelRunner):
         # The plugin's address table [1 + L, 2]: the guard row, then each layer's caches.
         self.kv_cache_ptrs = kv_cache_table([self.kv_caches[i] for i in range(config.num_layers)], device)
 
-    def _compute(self, layout: BatchLayout, token_ids: list[int], hidden, last_rows: list[int]):
+    def _compute(self, layout: BatchLayout, token_ids: list[int], hidden, last_rows: list[int], lora=None):
+        if lora is not None:  # EngineConfig refuses enable_lora with this engine
+            raise RuntimeError("engine 'tensorrt' has no LoRA path")
         if hidden is not None:
             raise RuntimeError("engine 'tensorrt' runs whole models, not pipeline stages")
         positions, cu_seqlens_q, seq_lens, block_tables = kernel_metadata(layout)

@@ -1,10 +1,14 @@
 """Llama-family decoder (Llama, SmolLM, Qwen2) over the flattened token tensor."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from ...checkpoint.config import ModelConfig
+from ...lora.adapter import LoRAAdapter
+from ...lora.batch import LoRABatch, Pack, PackedLoRA
 from .attention import AttentionPlan
 from .linear import Linear
 from .parallel import NO_COLLECTIVES, ONE_RANK, Collectives, Shard
@@ -27,7 +31,7 @@ class LlamaModel:
         vocab = shard.part(config.vocab_size)
         if first or (last and tied):
             self.embed = w.take("model.embed_tokens.weight", 0, vocab)  # [vocab / T, hidden]
-        self.layers = {i: _LlamaLayer(config, w, f"{self.LAYER_PREFIX}{i}.", shard, collectives)
+        self.layers = {i: _LlamaLayer(config, w, i, f"{self.LAYER_PREFIX}{i}.", shard, collectives)
                        for i in layer_range}
         if last:
             self.norm = w.take("model.norm.weight")
@@ -47,13 +51,25 @@ class LlamaModel:
     def embed_tokens(self, input_ids: torch.Tensor, meta: AttentionPlan) -> torch.Tensor:
         return self.shard.vocab_embed(self.embed, input_ids, self.collectives)  # [num_tokens, hidden]
 
-    def run_layers(self, h: torch.Tensor, meta: AttentionPlan, kv_caches, layers: range) -> torch.Tensor:
-        """`kv_caches[i]` is layer i's cache, for each i in `layers` (a subrange of layer_range)."""
+    def pack_lora(self, adapter: LoRAAdapter, dtype: torch.dtype, device: torch.device) -> Pack:
+        """`adapter`'s corrections for this model's layers and this rank's share of them."""
+        pack = {}
+        for i, layer in self.layers.items():
+            for projection, parts in layer.lora_layout.items():
+                packed = _pack(adapter, i, parts, dtype, device)
+                if packed is not None:
+                    pack[(i, projection)] = packed
+        return pack
+
+    def run_layers(self, h: torch.Tensor, meta: AttentionPlan, kv_caches, layers: range,
+                   lora: LoRABatch | None = None) -> torch.Tensor:
+        """`kv_caches[i]` is layer i's cache, for each i in `layers` (a subrange of layer_range);
+        `lora`: the iteration's adapters, if any row has one."""
         freqs = meta.positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         rope = (emb.cos().to(h.dtype)[:, None, :], emb.sin().to(h.dtype)[:, None, :])
         for i in layers:
-            h = self.layers[i](h, meta, rope, kv_caches[i])
+            h = self.layers[i](h, meta, rope, kv_caches[i], lora)
         return h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor | None:
@@ -63,8 +79,9 @@ class LlamaModel:
 
 
 class _LlamaLayer:
-    def __init__(self, config: ModelConfig, w: Weights, p: str, shard: Shard,
+    def __init__(self, config: ModelConfig, w: Weights, index: int, p: str, shard: Shard,
                  collectives: Collectives) -> None:
+        self.index = index
         a = p + "self_attn."
         d = config.head_dim
         self.num_heads, self.num_kv_heads, first_kv = shard.heads(config)
@@ -81,6 +98,17 @@ class _LlamaLayer:
         self.gate_up = Linear(torch.cat([w.take(p + "mlp.gate_proj.weight", 0, inter),
                                          w.take(p + "mlp.up_proj.weight", 0, inter)]))
         self.down = Linear(w.take(p + "mlp.down_proj.weight", 1, inter))
+        # Which checkpoint projections each of ours holds, and how this rank shares them: the
+        # fused column-parallel ones side by side (their output rows), the row-parallel ones
+        # by their input columns (a partial sum, like the base projection's, before the all-reduce).
+        q_rows, kv_rows = self.num_heads * d, self.num_kv_heads * d
+        inter_rows = config.intermediate_size // shard.size
+        self.lora_layout = {
+            "qkv": _Parts("out", (("q_proj", q, q_rows), ("k_proj", kv, kv_rows), ("v_proj", kv, kv_rows))),
+            "o": _Parts("in", (("o_proj", q, q_rows),)),
+            "gate_up": _Parts("out", (("gate_proj", inter, inter_rows), ("up_proj", inter, inter_rows))),
+            "down": _Parts("in", (("down_proj", inter, inter_rows),)),
+        }
         self.in_norm = w.take(p + "input_layernorm.weight")
         self.post_norm = w.take(p + "post_attention_layernorm.weight")
         self.eps = config.norm_eps
@@ -88,9 +116,11 @@ class _LlamaLayer:
         self.scale = d ** -0.5
         self.all_reduce = collectives.all_reduce
 
-    def __call__(self, h, meta: AttentionPlan, rope, kv_cache):
+    def __call__(self, h, meta: AttentionPlan, rope, kv_cache, lora: LoRABatch | None = None):
         x = _rms_norm(h, self.in_norm, self.eps)
         qkv = self.qkv(x)  # [T, (Hq + 2 Hkv) * D]
+        if lora is not None:
+            lora.add(qkv, x, self.index, "qkv")
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qk, v = qkv.split([q_size + kv_size, kv_size], dim=-1)
         # q and k rotated in one pass: their heads side by side, as the fused projection left them
@@ -98,11 +128,52 @@ class _LlamaLayer:
                        *rope).split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         attn = meta.attend(q, k, v, kv_cache, self.scale)  # [T, Hq * D]
-        o = self.all_reduce(self.o(attn))
+        o = self.o(attn)
+        if lora is not None:
+            lora.add(o, attn, self.index, "o")
+        o = self.all_reduce(o)
         h = h + (o if self.o_bias is None else o + self.o_bias)
         x = _rms_norm(h, self.post_norm, self.eps)
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return h + self.all_reduce(self.down(F.silu(gate) * up))
+        gate_up = self.gate_up(x)
+        if lora is not None:
+            lora.add(gate_up, x, self.index, "gate_up")
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate) * up
+        down = self.down(act)
+        if lora is not None:
+            lora.add(down, act, self.index, "down")
+        return h + self.all_reduce(down)
+
+
+@dataclass(frozen=True, slots=True)
+class _Parts:
+    """The checkpoint projections one of our projections holds: (name, this rank's slice of
+    the sharded dimension, its length here), split along `dim` ("out": fused side by side
+    in the output; "in": row-parallel, this rank's input columns)."""
+
+    dim: str
+    projections: tuple[tuple[str, slice, int], ...]
+
+
+def _pack(adapter: LoRAAdapter, layer: int, parts: _Parts, dtype, device) -> PackedLoRA | None:
+    found = [(name, part, n, adapter.modules[(layer, name)]) for name, part, n in parts.projections
+             if (layer, name) in adapter.modules]
+    if not found:
+        return None
+    if parts.dim == "in":  # one projection: A's columns of this rank's input, B whole
+        (_, part, _, w), = found
+        return PackedLoRA(w.a[:, part].T.contiguous().to(device, dtype),
+                          (w.b * w.scale).T.contiguous().to(device, dtype))
+    a = torch.cat([w.a for *_, w in found]).T  # [in, R]
+    b = torch.zeros(a.shape[1], sum(n for _, _, n in parts.projections), dtype=torch.float32)  # [R, out]
+    r = column = 0
+    for name, part, n in parts.projections:
+        w = adapter.modules.get((layer, name))
+        if w is not None:
+            b[r:r + w.rank, column:column + n] = (w.b[part] * w.scale).T
+            r += w.rank
+        column += n
+    return PackedLoRA(a.contiguous().to(device, dtype), b.to(device, dtype))
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
