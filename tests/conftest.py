@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -125,3 +126,48 @@ def loop(engine):
     yield loop
     loop.shutdown()
     assert engine.kv.num_used_blocks == 0
+
+
+LORA_PROMPTS = ("The capital of France is", "def fibonacci(n):")
+LORA_MAX_TOKENS = 10
+
+
+ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_lora_adapters(model_folder: Path, root: Path, specs: dict[str, dict]) -> SimpleNamespace:
+    """PEFT adapters for the model in `model_folder`, one per `specs` entry (LoraConfig's
+    arguments; A and B random, B not zero), saved under `root`. `.paths[name]`, and
+    `.greedy[(name, prompt)]`: LORA_MAX_TOKENS greedy tokens of each LORA_PROMPTS prompt
+    with PEFT's merged model under transformers (name None: the base model)."""
+    import torch
+    import transformers as tf
+    from peft import LoraConfig, get_peft_model
+
+    tokenizer = tf.PreTrainedTokenizerFast(tokenizer_file=str(model_folder / "tokenizer.json"))
+    paths, greedy = {}, {}
+    for seed, name in enumerate([None, *specs]):
+        model = tf.AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32)
+        if name is not None:
+            torch.manual_seed(seed)
+            peft_model = get_peft_model(model, LoraConfig(init_lora_weights=False, **specs[name]))
+            paths[name] = root / name
+            peft_model.save_pretrained(paths[name])
+            model = peft_model.merge_and_unload()
+        for prompt in LORA_PROMPTS:
+            ids = torch.tensor([tokenizer(prompt).input_ids])
+            with torch.no_grad():
+                for _ in range(LORA_MAX_TOKENS):  # no cache, no EOS: plain argmax, as ignore_eos runs
+                    ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+            greedy[(name, prompt)] = ids[0, -LORA_MAX_TOKENS:].tolist()
+    return SimpleNamespace(paths=paths, greedy=greedy)
+
+
+@pytest.fixture(scope="session")
+def lora_adapters(tmp_path_factory, default_model):
+    """Three adapters for the default model: "a" rank 8 on q and v, "b" rank 16 on every
+    projection, "c" rank 8 on o, gate and down with rsLoRA (see make_lora_adapters)."""
+    return make_lora_adapters(default_model, tmp_path_factory.mktemp("lora"), {
+        "a": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
+        "b": dict(r=16, lora_alpha=16, target_modules=ALL_PROJECTIONS),
+        "c": dict(r=8, lora_alpha=8, use_rslora=True, target_modules=["o_proj", "gate_proj", "down_proj"])})

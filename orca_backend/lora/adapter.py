@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from ..checkpoint.config import ModelConfig
 from ..core.errors import ConfigError
@@ -117,7 +117,7 @@ def _scan(name: str, folder: Path, max_rank: int, read, config: dict | None = No
                                       f"this server applies ({', '.join(PROJECTIONS)})")
                 entry = pairs.setdefault((int(m["layer"]), m["proj"]), {"module": m["module"]})
                 entry[m["ab"]] = read(f, key)
-    except (OSError, ValueError, RuntimeError) as e:  # safetensors' own errors for a damaged file
+    except (OSError, SafetensorError) as e:
         raise ConfigError(f"LoRA adapter '{name}': cannot read {path}: {e}") from None
     if not pairs:
         raise ConfigError(f"LoRA adapter '{name}': {WEIGHTS_FILE} holds no LoRA weights")
