@@ -164,6 +164,12 @@ class _OneModel:
     async def model(self, name: str):
         return self.served
 
+    async def resolve(self, name: str):
+        return self.served, None
+
+    def lora_ids(self, model):
+        return []
+
     async def generate(self, model, prompt: str, sampling: dict, stream: bool):
         yield Piece(prompt, "stop", 1, 1, 0, None)
 

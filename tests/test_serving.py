@@ -78,12 +78,13 @@ def test_a_models_args_give_its_parameters_and_device():
 
 
 def test_the_documented_parameters_are_the_ones_read():
-    """Every EngineConfig field that is a model parameter, and the serving loop's four: the
+    """Every EngineConfig field that is a model parameter, and the serving loop's five: the
     table of docs/configuration.md and model_repository/orca/config.pbtxt name exactly these
     (the other served models a part of them)."""
     from orca_backend.serving.launch import REPO_ROOT
 
-    read = set(ENGINE_PARAMETERS) | {"max_queue_size", "iteration_trace", "vllm_metrics", "stream_interval"}
+    read = set(ENGINE_PARAMETERS) | {"max_queue_size", "iteration_trace", "vllm_metrics", "stream_interval",
+                                     "runtime_lora_updating"}
     table = (REPO_ROOT / "docs" / "configuration.md").read_text()
     documented = set(re.findall(r"^\| `(\w+)` \|", table, re.M))
     assert documented == read

@@ -22,7 +22,7 @@ from ..grammar import compiler_for, grammar_of
 from ..lora import LoRARegistry
 from ..runner.spec import RunnerSpec
 from .detokenizer import IncrementalDetokenizer
-from .outputs import EngineSnapshot, EngineStats, IterationRecord, RequestDelta
+from .outputs import EngineSnapshot, EngineStats, IterationRecord, LoRASnapshot, RequestDelta
 from .request_rules import RequestRules
 
 log = logging.getLogger(__name__)
@@ -153,6 +153,8 @@ class LLMEngine:
         self._tracked[request_id] = _Tracked(req, self.rules.detokenizer(token_ids, params))
         if grammar is not None:
             self.stats.num_structured_requests += 1
+        if lora is not None:
+            self.stats.num_lora_requests[lora.name] = self.stats.num_lora_requests.get(lora.name, 0) + 1
         if ready:
             self.scheduler.add(req)
         else:
@@ -167,8 +169,7 @@ class LLMEngine:
 
     def remove_lora(self, name: str) -> None:
         """Unregister an adapter; refused (InvalidRequestError) while a request uses it."""
-        ref = self.loras.get(name)
-        users = sum(1 for t in self._tracked.values() if t.request.lora == ref)
+        users = sum(1 for t in self._tracked.values() if t.request.lora is not None and t.request.lora.name == name)
         if users:
             raise InvalidRequestError(f"LoRA adapter '{name}' is in use by {users} request(s); unload it "
                                       "when they have finished")
@@ -243,7 +244,12 @@ class LLMEngine:
             num_runner_restarts=self.stats.num_runner_restarts, num_cached_blocks=self.kv.num_cached_blocks,
             num_prefix_queried_tokens=self.kv.stats.num_queried_tokens,
             num_prefix_hit_tokens=self.kv.stats.num_hit_tokens, num_evictions=self.kv.stats.num_evictions,
-            num_structured_requests=self.stats.num_structured_requests)
+            num_structured_requests=self.stats.num_structured_requests,
+            lora=self._lora_snapshot() if self.config.enable_lora else None)
+
+    def _lora_snapshot(self) -> LoRASnapshot:
+        running, waiting = self.lora_requests()
+        return LoRASnapshot(tuple(running), tuple(waiting), self.config.max_loras, dict(self.stats.num_lora_requests))
 
     # -- iterations -------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:

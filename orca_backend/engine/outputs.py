@@ -52,9 +52,18 @@ class EngineStats:
     forward_seconds: float = 0.0  # the runner's model forward, as it reports it
     num_runner_restarts: int = 0
     num_structured_requests: int = 0  # requests added with a structured_outputs grammar
+    num_lora_requests: dict[str, int] = field(default_factory=dict)  # requests added, by adapter name
     last_iteration: IterationRecord | None = None
     # Every iteration the last step() collected (several when several were in flight).
     last_step_iterations: list[IterationRecord] = field(default_factory=list)
+
+
+@dataclass(slots=True, frozen=True)
+class LoRASnapshot:
+    running: tuple[str, ...]  # the adapters of running requests, by name
+    waiting: tuple[str, ...]  # those only waiting requests have
+    max_loras: int
+    num_requests: dict[str, int]  # requests added so far, by adapter name
 
 
 @dataclass(slots=True)
@@ -72,4 +81,5 @@ class EngineSnapshot:
     num_prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache
     num_prefix_hit_tokens: int = 0  # of those, found there
     num_evictions: int = 0  # cached blocks dropped to reuse their space
+    lora: LoRASnapshot | None = None  # with enable_lora
     num_structured_requests: int = 0  # requests added with a structured_outputs grammar

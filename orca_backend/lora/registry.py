@@ -52,6 +52,10 @@ class LoRARegistry:
         ref = self._by_name[name] = LoRARef(next(self._ids), name, str(path))
         return ref
 
+    def listing(self) -> list[dict]:
+        """[{"name", "path"}] of every adapter, in the order they were added."""
+        return [{"name": ref.name, "path": ref.path} for ref in self._by_name.values()]
+
     def remove(self, name: str) -> LoRARef:
         ref = self._by_name.pop(name, None)
         if ref is None:

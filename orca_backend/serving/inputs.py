@@ -11,6 +11,9 @@ from dataclasses import dataclass
 from ..core.errors import InvalidRequestError
 from ..core.sampling_params import SamplingParams, parse_json
 
+# A request whose parameters carry `lora_command` operates on the model's LoRA adapters instead
+# of generating (the OpenAI frontend's /v1/models and /v1/load_lora_adapter use it).
+LORA_COMMANDS = ("list", "load", "unload")
 RETURN_FLAGS = ("return_finish_reason", "return_cumulative_logprob", "return_logprobs",
                 "return_num_input_tokens", "return_num_output_tokens", "return_num_cached_tokens")
 FLAG_INPUTS = ("stream", "exclude_input_in_output", *RETURN_FLAGS)
@@ -30,6 +33,7 @@ class GenerateRequest:
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
     return_num_cached_tokens: bool = False
+    lora_name: str | None = None  # its adapter (vLLM backend's `lora_name` sampling parameter)
 
     @classmethod
     def parse(cls, text_input: bytes | None, flags: dict[str, bool | None],
@@ -47,13 +51,20 @@ class GenerateRequest:
         except UnicodeDecodeError as e:
             raise InvalidRequestError(f"input 'text_input' is not valid UTF-8: {e}") from None
         if sampling_json is not None:
-            params = SamplingParams.from_json(_utf8(sampling_json, "sampling_parameters"))
+            text = _utf8(sampling_json, "sampling_parameters")
+            values = parse_json(text, "sampling_parameters") if text.strip() else {}
+            if not isinstance(values, dict):
+                raise InvalidRequestError(f"sampling_parameters must be a JSON object, got {type(values).__name__}")
         else:
             values = _json_object(request_parameters)
             for name in FLAG_INPUTS:  # the generate endpoint sends flags as parameters too
                 if flags.get(name) is None and name in values:
                     flags[name] = _bool(values[name], name)
-            params = SamplingParams.from_dict({k: v for k, v in values.items() if k not in FLAG_INPUTS})
+            values = {k: v for k, v in values.items() if k not in FLAG_INPUTS}
+        lora_name = values.pop("lora_name", None)
+        if lora_name is not None and not isinstance(lora_name, str):
+            raise InvalidRequestError(f"sampling parameter 'lora_name' must be a string, got {lora_name!r}")
+        params = SamplingParams.from_dict(values)
         stream = bool(flags.get("stream"))
         exclude = flags.get("exclude_input_in_output")
         if stream and exclude is False:
@@ -61,7 +72,35 @@ class GenerateRequest:
                 "exclude_input_in_output=false is not supported when streaming: "
                 "streamed responses carry only the new text")
         return cls(prompt, params, stream, exclude if exclude is not None else stream,
-                   **{name: bool(flags.get(name)) for name in RETURN_FLAGS})
+                   **{name: bool(flags.get(name)) for name in RETURN_FLAGS}, lora_name=lora_name)
+
+
+@dataclass(slots=True)
+class LoRACommand:
+    """list, load or unload the model's adapters; answered with one response whose text is
+    JSON (list: {"loras": [{"name", "path"}...], "max_loras"}; load, unload: {"name"})."""
+
+    action: str
+    lora_name: str | None = None
+    lora_path: str | None = None
+
+    @classmethod
+    def parse(cls, request_parameters: str | None) -> LoRACommand | None:
+        """The command the request's parameters carry; None for a generation request."""
+        if not request_parameters or "lora_command" not in request_parameters:
+            return None
+        values = _json_object(request_parameters)
+        action = values.get("lora_command")
+        if action is None:
+            return None
+        if action not in LORA_COMMANDS:
+            raise InvalidRequestError(f"parameter 'lora_command' must be one of {', '.join(LORA_COMMANDS)}, "
+                                      f"got {action!r}")
+        needed = {"list": (), "load": ("lora_name", "lora_path"), "unload": ("lora_name",)}[action]
+        for name in needed:
+            if not isinstance(values.get(name), str) or not values[name]:
+                raise InvalidRequestError(f"lora_command '{action}' needs the parameter {name!r} (a non-empty string)")
+        return cls(action, values.get("lora_name"), values.get("lora_path"))
 
 
 def _json_object(text: str | None) -> dict:

@@ -283,6 +283,8 @@ def main() -> None:
                         help="the OpenAI API's parser of the model's tool calls (hermes, llama3_json, pythonic, mistral)")
     parser.add_argument("--reasoning-parser", metavar="NAME",
                         help="the OpenAI API's reasoning parser (deepseek_r1, qwen3)")
+    parser.add_argument("--lora-separator", metavar="SEP",
+                        help="the OpenAI API names LoRA adapters <model><SEP><adapter> (default: by their own name)")
     args, extra = parser.parse_known_args()
     args.work_dir.mkdir(parents=True, exist_ok=True)
     if args.triton_address:
@@ -309,7 +311,7 @@ def main() -> None:
 
 def _frontend_options(args: argparse.Namespace) -> list[str]:
     options = []
-    for name in ("tool_call_parser", "reasoning_parser"):
+    for name in ("tool_call_parser", "reasoning_parser", "lora_separator"):
         if getattr(args, name):
             options += ["--" + name.replace("_", "-"), getattr(args, name)]
     return options

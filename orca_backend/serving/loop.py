@@ -10,6 +10,7 @@ restarted with an empty pool: the server keeps serving.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import queue
 import threading
@@ -19,13 +20,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from ..core.threads import NamedThread
-from ..core.errors import OrcaError
+from ..core.errors import InvalidRequestError, OrcaError
 from ..engine.llm_engine import LLMEngine
 from ..engine.outputs import IterationRecord
 from ..executors.stages import StageStats
-from .inputs import GenerateRequest
-from .sender import (Deltas, ErrorKind, Fail, FailAll, Metrics, Open, Rejected, ResponseSink, Sender, Stats,
-                     Stop, Stream)
+from .inputs import GenerateRequest, LoRACommand
+from .sender import (Deltas, ErrorKind, Fail, FailAll, Metrics, Open, Rejected, Reply, ResponseSink, Sender,
+                     Stats, Stop, Stream)
 from .trace import TraceFile
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,12 @@ class _Abort:
     request_id: str
 
 
+@dataclass(slots=True)
+class _Command:
+    command: LoRACommand
+    sink: ResponseSink
+
+
 class EngineLoop:
     """`metrics`: where the engine's `Stats` and the sender's `Observed` go (a started
     `MetricsRecorder`, stopped with the loop); `stage_stats`: a pipeline's per-stage counters,
@@ -52,8 +59,10 @@ class EngineLoop:
 
     def __init__(self, engine: LLMEngine, metrics: Metrics | None = None,
                  trace_path: str | None = None, max_queue_size: int | None = None,
-                 stage_stats: Callable[[], list[StageStats]] | None = None, stream_interval: int = 1) -> None:
+                 stage_stats: Callable[[], list[StageStats]] | None = None, stream_interval: int = 1,
+                 runtime_lora_updating: bool = False) -> None:
         self.engine = engine
+        self.runtime_lora_updating = runtime_lora_updating  # LoRA commands may load and unload
         self.max_queue_size = max_queue_size  # None: unbounded
         self._stage_stats = stage_stats
         # One JSON line per iteration (batch shape, K/V use, queue), to watch batching happen.
@@ -99,6 +108,14 @@ class EngineLoop:
             # The stream is opened before the engine can produce anything for it.
             self.sender.put(Open(request_id, Stream(request, sink, time.monotonic())))
             self._to_tokenize.put(_Add(request_id, request))
+
+    def submit_command(self, command: LoRACommand, sink: ResponseSink) -> None:
+        """Queue a LoRA command for the engine thread (which owns the adapters); answered once."""
+        with self._lock:
+            if self._closed or self._broken:
+                sink.fail(self._broken or "the server is shutting down", ErrorKind.UNAVAILABLE)
+                return
+            self._inbox.put(_Command(command, sink))
 
     def shutdown(self) -> None:
         """Finish every open request with a final response, then stop every thread."""
@@ -173,6 +190,8 @@ class EngineLoop:
                 return False
             if isinstance(command, _Add):
                 self._add(command)
+            elif isinstance(command, _Command):
+                self._run_command(command)
             else:
                 self._abort(command.request_id)
             block = self._idle() and self._inbox.empty()
@@ -193,11 +212,32 @@ class EngineLoop:
         try:
             self.engine.add_request(add.request_id, add.token_ids, add.request.params,
                                     track_logprob=add.request.return_cumulative_logprob, prepared=True,
-                                    grammar=add.grammar)
+                                    grammar=add.grammar, lora_name=add.request.lora_name)
         except Exception as e:
             self.engine.abort_request(add.request_id)  # in case it got halfway in
             self.sender.put(_refusal(add.request_id, e, "adding the request"))
         self._publish_waiting()
+
+    def _run_command(self, c: _Command) -> None:
+        command, engine = c.command, self.engine
+        try:
+            if command.action != "list" and not self.runtime_lora_updating:
+                raise InvalidRequestError(f"loading and unloading LoRA adapters at run time is off; set the model "
+                                          f"parameter runtime_lora_updating to true to allow '{command.action}'")
+            if command.action == "load":
+                engine.add_lora(command.lora_name, command.lora_path)
+            elif command.action == "unload":
+                engine.remove_lora(command.lora_name)
+            elif not engine.config.enable_lora:
+                raise InvalidRequestError("LoRA feature is not enabled.")
+            running, waiting = engine.lora_requests()
+            reply = {"loras": engine.loras.listing(), "max_loras": engine.config.max_loras,
+                     "running": running, "waiting": waiting}
+            self.sender.put(Reply(c.sink, json.dumps(reply)))
+        except Exception as e:
+            refusal = _refusal("lora-command", e, f"the LoRA command {command.action!r}")
+            self.sender.put(Reply(c.sink, "", (refusal.message, refusal.kind)))
+        self._report(self._stats())
 
     def _abort(self, request_id: str) -> None:
         if self.engine.abort_request(request_id):

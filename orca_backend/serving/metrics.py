@@ -87,6 +87,7 @@ class TritonMetrics:
             "num_structured_requests": series(Counter, "structured_requests_total",
                                               "Requests with a structured_outputs grammar")}
         self._stages: list[dict] = []  # per pipeline stage: its series, made on first report
+        self._lora_requests: dict[str, Counter] = {}  # by adapter name, made on first sight
 
     def apply(self, item: Stats | Observed) -> None:
         if isinstance(item, Stats):
@@ -108,6 +109,12 @@ class TritonMetrics:
             self.grammar_mask.observe_all([stats.grammar_mask_seconds])
         if self.vllm is not None:
             self.vllm.apply_stats(s)
+        for name, count in (s.lora.num_requests.items() if s.lora is not None else ()):
+            if name not in self._lora_requests:
+                self._lora_requests[name] = Counter(make_metric(
+                    "orca_lora_requests_total", "counter", "Requests added with a LoRA adapter, by adapter",
+                    {**self._labels, "adapter": name}))
+            self._lora_requests[name].follow(count)
         for stage in stats.stages or ():
             for name, series in self._stage_series(stage.stage).items():
                 (series.set if name in _STAGE_GAUGES else series.follow)(getattr(stage, name))
@@ -132,7 +139,8 @@ class TritonMetrics:
                   self.restarts, self.rejected, self.prompt_tokens, self.generated_tokens, self.batch_size,
                   self.ttft, self.itl, self.e2e, self.sender_lag, self.grammar_compile, self.grammar_mask,
                   *self.calls.values(),
-                  *self._engine_counters.values(), *(s for stage in self._stages for s in stage.values())]
+                  *self._engine_counters.values(), *(s for stage in self._stages for s in stage.values()),
+                  *self._lora_requests.values()]
         calls = sum(s.flush() for s in series) + (self.vllm.flush() if self.vllm is not None else 0)
         self.calls["metrics"].add(calls)
         return calls

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import typing
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..core.config import EngineConfig, auto_device, auto_dtype, is_model_parameter
 from ..core.errors import ConfigError
@@ -24,6 +26,10 @@ def _option_types() -> dict[str, type]:
 
 
 ENGINE_PARAMETERS = _option_types()
+log = logging.getLogger(__name__)
+MODEL_JSON = "model.json"  # vLLM's engine arguments, as Triton's vLLM backend reads them
+MULTI_LORA_JSON = "multi_lora.json"  # {adapter name: its folder}, as Triton's vLLM backend reads it
+_VLLM_NAMES = {"max_num_seqs": "max_batch_size"}  # vLLM's name -> ours, where they differ
 
 
 def model_parameters(args: dict) -> dict[str, str]:
@@ -45,16 +51,65 @@ class ServingOptions:
     max_queue_size: int | None = None  # None: unbounded
     vllm_metrics: bool = True  # the same facts under vLLM's metric names too
     stream_interval: int = 1  # a stream's tokens per response (the first and the last go at once)
+    runtime_lora_updating: bool = False  # LoRA adapters may be loaded and unloaded by request
 
 
 def serving_options(parameters: dict[str, str]) -> ServingOptions:
     """Take the serving loop's parameters out of `parameters`; empty means unset."""
     trace = parameters.pop("iteration_trace", "").strip() or None
-    vllm = parameters.pop("vllm_metrics", "").strip().lower() or "true"
-    if vllm not in ("true", "false"):
-        raise ConfigError(f"model parameter 'vllm_metrics' must be true or false, got {vllm!r}")
-    return ServingOptions(trace, _positive(parameters, "max_queue_size", None, "(unbounded)"), vllm == "true",
-                          _positive(parameters, "stream_interval", 1, "(1)"))
+    return ServingOptions(trace, _positive(parameters, "max_queue_size", None, "(unbounded)"),
+                          _flag(parameters, "vllm_metrics", True), _positive(parameters, "stream_interval", 1, "(1)"),
+                          _flag(parameters, "runtime_lora_updating", False))
+
+
+def _flag(parameters: dict[str, str], name: str, default: bool) -> bool:
+    raw = parameters.pop(name, "").strip().lower() or str(default).lower()
+    if raw not in ("true", "false"):
+        raise ConfigError(f"model parameter {name!r} must be true or false, got {raw!r}")
+    return raw == "true"
+
+
+def model_json_parameters(version_folder: Path) -> dict[str, str]:
+    """The engine options a vLLM-style `model.json` in the version folder sets, as parameter
+    strings (config.pbtxt's own parameters, when set, take precedence); its vLLM options this
+    engine does not have are logged and left out."""
+    path = version_folder / MODEL_JSON
+    if not path.is_file():
+        return {}
+    values = _json_file(path)
+    taken, ignored = {}, []
+    for key, value in values.items():
+        name = _VLLM_NAMES.get(key, key)
+        if name in ENGINE_PARAMETERS and value is not None:
+            taken[name] = str(value).lower() if isinstance(value, bool) else str(value)
+        else:
+            ignored.append(key)
+    if ignored:
+        log.warning("%s: options this engine does not have, ignored: %s", path, ", ".join(sorted(ignored)))
+    return taken
+
+
+def lora_modules(version_folder: Path) -> dict[str, str]:
+    """{name: folder} of `multi_lora.json` in the version folder (relative folders from there);
+    none without the file."""
+    path = version_folder / MULTI_LORA_JSON
+    if not path.is_file():
+        return {}
+    values = _json_file(path)
+    for name, folder in values.items():
+        if not isinstance(folder, str) or not folder:
+            raise ConfigError(f"{path}: adapter '{name}' must map to its folder (a string), got {folder!r}")
+    return {name: str(version_folder / folder) for name, folder in values.items()}
+
+
+def _json_file(path: Path) -> dict:
+    try:
+        values = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read {path}: {e}") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path} must hold a JSON object, got {type(values).__name__}")
+    return values
 
 
 def _positive(parameters: dict[str, str], name: str, default: int | None, meaning: str) -> int | None:

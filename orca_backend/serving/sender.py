@@ -107,6 +107,16 @@ class Fail:
 
 
 @dataclass(slots=True)
+class Reply:
+    """The one response to a request that does not generate (a LoRA command): `text`, or an
+    error."""
+
+    sink: ResponseSink
+    text: str
+    error: tuple[str, ErrorKind] | None = None
+
+
+@dataclass(slots=True)
 class FailAll:
     """End every open stream (a loop thread failed); each is also aborted in the engine."""
 
@@ -235,6 +245,11 @@ class Sender:
                 self._failed(message.request_id, stream, message.message, message.kind)
         elif isinstance(message, FailAll):
             self._fail_all(message.message)
+        elif isinstance(message, Reply):
+            if message.error is not None:
+                _safe(lambda: message.sink.fail(*message.error))
+            else:
+                _safe(lambda: message.sink.send(Response(message.text, "stop", 0, 0, None, None, True)))
         elif isinstance(message, Deltas):
             self._take_deltas(message)
         elif isinstance(message, Rejected):

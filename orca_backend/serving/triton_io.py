@@ -8,14 +8,18 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from .inputs import FLAG_INPUTS, GenerateRequest
+from .inputs import FLAG_INPUTS, GenerateRequest, LoRACommand
 from .sender import ErrorKind, Response
 
 _ERROR_CODES = {ErrorKind.INVALID: "INVALID_ARG", ErrorKind.CANCELLED: "CANCELLED",
                 ErrorKind.UNAVAILABLE: "UNAVAILABLE", ErrorKind.INTERNAL: "INTERNAL"}
 
 
-def parse_request(request) -> GenerateRequest:
+def parse_request(request) -> GenerateRequest | LoRACommand:
+    command = LoRACommand.parse(request.parameters())
+    if command is not None:
+        return command
+
     def scalar(name):
         tensor = pb_utils.get_input_tensor_by_name(request, name)
         return None if tensor is None else tensor.as_numpy().reshape(-1)[0]

@@ -10,19 +10,22 @@ import logging
 import os
 import signal
 import threading
+from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
 from ..core.threads import NamedThread
 from ..core.errors import OrcaError
+from ..core.sampling_params import SamplingParams
 from ..engine.llm_engine import LLMEngine
 from ..executors.factory import executor_factory_for
 from ..executors.stages import StagedFactory
-from .inputs import GenerateRequest
+from .inputs import GenerateRequest, LoRACommand
 from .loop import EngineLoop
 from .metric_series import MetricsRecorder
 from .metrics import TritonMetrics
-from .parameters import engine_config_from_parameters, instance_device, model_parameters, serving_options
+from .parameters import (engine_config_from_parameters, instance_device, lora_modules, model_json_parameters,
+                         model_parameters, serving_options)
 from .sender import ErrorKind, Response
 from .stages.executor import TritonStagesFactory
 from .trace import trace_path
@@ -30,11 +33,16 @@ from .triton_io import error_response, parse_request, response_tensors
 
 log = logging.getLogger(__name__)
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+_COMMAND_OUTPUTS = GenerateRequest("", SamplingParams())  # a LoRA command's answer: text_output only
 
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
+        version_folder = Path(args["model_repository"]) / args.get("model_version", "1")
         parameters = model_parameters(args)
+        # model.json fills what config.pbtxt leaves empty ("auto" included) or does not name
+        parameters.update({k: v for k, v in model_json_parameters(version_folder).items()
+                           if parameters.get(k, "") in ("", "auto")})
         options = serving_options(parameters)  # takes its own parameters out
         engine_config = engine_config_from_parameters(parameters, instance_device(args))
         name = args["model_name"]
@@ -42,11 +50,14 @@ class TritonPythonModel:
         factory = (TritonStagesFactory(engine_config, name) if engine_config.executor == "stages"
                    else executor_factory_for(engine_config))
         self.engine = LLMEngine(engine_config, factory)
+        for lora_name, lora_path in lora_modules(version_folder).items():
+            self.engine.add_lora(lora_name, lora_path)
         stage_stats = factory.stage_stats if isinstance(factory, StagedFactory) else None
         metrics = MetricsRecorder(TritonMetrics(name, args.get("model_version", "1"),
                                                 self.engine.rules.max_model_len if options.vllm_metrics else None))
         self.loop = EngineLoop(self.engine, metrics, trace_path(options.iteration_trace, name),
-                               options.max_queue_size, stage_stats, options.stream_interval)
+                               options.max_queue_size, stage_stats, options.stream_interval,
+                               options.runtime_lora_updating)
         self.loop.start()
         _close_on_interrupt(self.loop)
 
@@ -62,7 +73,11 @@ class TritonPythonModel:
                 log.exception("parsing a request failed")
                 sink.fail(f"internal error while reading the request ({type(e).__name__})", ErrorKind.INTERNAL)
                 continue
-            self.loop.submit(sink.parsed, sink)
+            if isinstance(sink.parsed, LoRACommand):
+                command, sink.parsed = sink.parsed, _COMMAND_OUTPUTS
+                self.loop.submit_command(command, sink)
+            else:
+                self.loop.submit(sink.parsed, sink)
         return None
 
     def finalize(self) -> None:

@@ -3,7 +3,9 @@ as Triton's vLLM backend labels them), so that dashboards built for vLLM or for 
 backend work unchanged. Buckets are vLLM's (v1 engine); docs/io.md says what each counts."""
 from __future__ import annotations
 
-from ..engine.outputs import EngineSnapshot
+import time
+
+from ..engine.outputs import EngineSnapshot, LoRASnapshot
 from .metric_series import Counter, Gauge, Histogram, MakeMetric
 from .sender import ErrorKind, Observed
 
@@ -14,6 +16,7 @@ _ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 _E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                 240.0, 480.0, 960.0, 1920.0, 7680.0]
 _N_BUCKETS = [1, 2, 5, 10, 20]
+_MAX_LORA_SERIES = 64  # label sets of vllm:lora_requests_info kept (the newest)
 # Why a request ended, for vllm:request_success_total's finished_reason label.
 FINISHED_REASONS = ("stop", "length", "abort", "error")
 
@@ -32,6 +35,10 @@ def buckets_1_2_5(limit: int) -> list[int]:
 class VllmMetrics:
     def __init__(self, make: MakeMetric, model: str, version: str, max_model_len: int) -> None:
         labels = {"model": model, "version": version}
+        self._make, self._labels = make, labels
+        # vllm:lora_requests_info: one series per (running, waiting) set, its value the last time
+        # that set was current, as vLLM's gauge (a router reads the newest series).
+        self.lora_info: dict[tuple, Gauge] = {}
 
         def series(cls, name, description, buckets=None):
             if cls is Histogram:
@@ -81,6 +88,20 @@ class VllmMetrics:
         self.gpu_cache_usage.set(usage)
         for key, counter in self.engine_counters.items():
             counter.follow(getattr(s, key))
+        if s.lora is not None:
+            self._apply_lora(s.lora)
+
+    def _apply_lora(self, lora: LoRASnapshot) -> None:
+        key = (lora.running, lora.waiting)
+        gauge = self.lora_info.pop(key, None)
+        if gauge is None:
+            gauge = Gauge(self._make("vllm:lora_requests_info", "gauge", "Running stats on lora requests.", {
+                **self._labels, "max_lora": str(lora.max_loras), "running_lora_adapters": ",".join(lora.running),
+                "waiting_lora_adapters": ",".join(lora.waiting)}))
+            while len(self.lora_info) >= _MAX_LORA_SERIES:
+                del self.lora_info[next(iter(self.lora_info))]
+        self.lora_info[key] = gauge  # the newest last
+        gauge.set(time.time())
 
     def apply_observed(self, o: Observed) -> None:
         # As vLLM: the first token is a time to first token, never an inter-token latency.
@@ -102,5 +123,5 @@ class VllmMetrics:
         series = [self.running, self.waiting, self.kv_usage, self.gpu_cache_usage, self.prompt_tokens,
                   self.generation_tokens, *self.success.values(), self.ttft, self.itl, self.tpot, self.e2e,
                   self.request_prompt_tokens, self.request_generation_tokens, self.params_n,
-                  *self.engine_counters.values()]
+                  *self.engine_counters.values(), *self.lora_info.values()]
         return sum(s.flush() for s in series)

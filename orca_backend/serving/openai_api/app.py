@@ -50,6 +50,8 @@ def create_app(backend: Backend, api_key: str | None = None, chat_template: str 
     v1.add_api_route("/models/{name:path}", _model, methods=["GET"])
     v1.add_api_route("/completions", _completions, methods=["POST"])
     v1.add_api_route("/chat/completions", _chat, methods=["POST"])
+    v1.add_api_route("/load_lora_adapter", _load_lora, methods=["POST"])
+    v1.add_api_route("/unload_lora_adapter", _unload_lora, methods=["POST"])
     app.include_router(v1)
     return app
 
@@ -98,21 +100,79 @@ async def _ready(request: Request) -> Response:
 
 
 async def _models(request: Request) -> dict:
-    """The ready models whose chat template is loaded (a model is listed once it can chat)."""
-    models = await request.app.state.backend.models(refresh=True)
+    """The ready models whose chat template is loaded (a model is listed once it can chat),
+    each followed by its LoRA adapters."""
+    backend: Backend = request.app.state.backend
+    models = await backend.models(refresh=True)
     templates: ChatTemplates = request.app.state.templates
-    return {"object": "list", "data": [_model_card(m) for m in models if templates.loaded(m)]}
+    return {"object": "list", "data": [card for m in models if templates.loaded(m) for card in _cards(backend, m)]}
 
 
 async def _model(request: Request, name: str) -> dict:
-    return _model_card(await request.app.state.backend.model(name))
+    backend: Backend = request.app.state.backend
+    served, _ = await backend.resolve(name)
+    return next(card for card in _cards(backend, served) if card["id"] == name)
+
+
+def _cards(backend: Backend, model) -> list[dict]:
+    """A model's card, and its adapters' (vLLM's: `root` the adapter's folder, `parent` the model)."""
+    base = _model_card(model)
+    return [base, *({**base, "id": lora_id, "root": path, "parent": model.name}
+                    for lora_id, path in zip(backend.lora_ids(model), model.loras.values()))]
+
+
+async def _load_lora(request: Request) -> Response:
+    """vLLM's /v1/load_lora_adapter: {"lora_name", "lora_path"} (and "model" when several of
+    ours serve); refused unless the model allows it (its runtime_lora_updating parameter)."""
+    body = await _body(request)
+    fields = _lora_fields(body, ("lora_name", "lora_path"))
+    model = await _lora_model(request.app.state.backend, body)
+    await request.app.state.backend.lora_command(model, {"lora_command": "load", **fields})
+    return Response(f"Success: LoRA adapter '{fields['lora_name']}' added successfully.", media_type="text/plain")
+
+
+async def _unload_lora(request: Request) -> Response:
+    body = await _body(request)
+    fields = _lora_fields(body, ("lora_name",))
+    model = await _lora_model(request.app.state.backend, body)
+    try:
+        await request.app.state.backend.lora_command(model, {"lora_command": "unload", **fields})
+    except APIError as e:
+        if e.status == 400 and " is not loaded" in e.message:
+            raise APIError(404, e.message, "lora_name", "lora_not_found") from None
+        raise
+    return Response(f"Success: LoRA adapter '{fields['lora_name']}' removed successfully.", media_type="text/plain")
+
+
+def _lora_fields(body, names: tuple[str, ...]) -> dict:
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    for name in names:
+        if not isinstance(body.get(name), str) or not body[name]:
+            raise invalid(f"'{name}' is required (a non-empty string)", name)
+    return {name: body[name] for name in names}
+
+
+async def _lora_model(backend: Backend, body: dict):
+    """The model a LoRA request is for: `model` if it names one, else the one of ours."""
+    if body.get("model") is not None:
+        if not isinstance(body["model"], str):
+            raise invalid("'model' must be a string", "model")
+        return await backend.model(body["model"])
+    ours = [m for m in await backend.models(refresh=True) if m.takes_lora_commands]
+    if len(ours) != 1:
+        raise invalid(f"name the model to change: {len(ours)} served models take LoRA adapters", "model")
+    return ours[0]
 
 
 async def _completions(request: Request):
     req = parse(CompletionRequest, await _body(request))
     sampling, prompts = req.sampling(), req.prompts()
     backend: Backend = request.app.state.backend
-    generation = Generation(backend, await backend.model(req.model), prompts, sampling, req.n, req.stream)
+    served, lora = await backend.resolve(req.model)
+    if lora is not None:
+        sampling["lora_name"] = lora
+    generation = Generation(backend, served, prompts, sampling, req.n, req.stream)
     if req.stream:
         head = envelope("text_completion", new_id("cmpl"), req.model)
         return await _stream(request, generation,
@@ -129,7 +189,7 @@ async def _chat(request: Request):
     sampling, messages = req.sampling(), req.template_messages()
     tool_choice = req.tool_choice_for(state.tool_parser)
     backend: Backend = state.backend
-    served = await backend.model(req.model)
+    served, lora = await backend.resolve(req.model)
     prompt = await state.templates.render(served, messages, req.tools or None)
     reasoning = state.reasoning_parser is not None
     think = think_first(prompt, reasoning)
@@ -140,6 +200,8 @@ async def _chat(request: Request):
         sampling["structured_outputs"] = after_reasoning(sampling["structured_outputs"], think, "response_format")
     if tool_choice.mode == "auto" and state.tool_parser in SPECIAL_TOKEN_PARSERS:
         sampling.setdefault("skip_special_tokens", False)  # the parser reads the calls' marker token
+    if lora is not None:  # after the checks: the model takes it beside the sampling parameters
+        sampling["lora_name"] = lora
     generation = Generation(backend, served, [prompt], sampling, req.n, req.stream)
     plan = OutputPlan(state.tool_parser, tool_choice, req.parallel_tool_calls, reasoning, think == "open")
     output = ChatOutput(plan, (req.top_logprobs or 0) if req.logprobs else None, generation.stop)

@@ -41,6 +41,8 @@ class ServedModel:
     decoupled: bool  # streams; a model that is not answers once
     tokenizer: Path | None  # the folder of its tokenizer files, for the chat template
     created: int = field(default_factory=lambda: int(time.time()))
+    takes_lora_commands: bool = False  # one of ours (its config names enable_lora): it lists its adapters
+    loras: dict[str, str] = field(default_factory=dict)  # its LoRA adapters: name -> folder, as last listed
 
 
 @dataclass(slots=True)
@@ -65,9 +67,12 @@ class Piece:
 
 class Backend:
     def __init__(self, url: str, models: list[str] | None = None, tokenizer: Path | None = None,
-                 headers: dict[str, str] | None = None, status_codes: bool = False) -> None:
+                 headers: dict[str, str] | None = None, status_codes: bool = False,
+                 lora_separator: str | None = None) -> None:
         """`headers` go with every gRPC call (the key of tritonserver's --grpc-restricted-protocol);
-        `status_codes`: ask Triton for errors as gRPC status codes."""
+        `status_codes`: ask Triton for errors as gRPC status codes; `lora_separator`: adapters
+        are named `<model><separator><adapter>` (Triton's frontend), else by their own name (vLLM)."""
+        self.lora_separator = lora_separator or None
         self.url = url
         self._headers = dict(headers or {})
         self._stream_headers = {**self._headers, **(STATUS_CODE_HEADERS if status_codes else {})}
@@ -102,14 +107,57 @@ class Backend:
     async def model(self, name: str) -> ServedModel:
         """The model a request names: 404 if the server has no such LLM model, 503 if it has
         one that is not ready."""
-        ready = {m.name for m in await self.models()}
-        if name not in ready:
-            ready = {m.name for m in await self.models(refresh=True)}
-        if name in ready:
-            return self._models[name]
+        served, lora = await self.resolve(name)
+        if lora is not None:
+            raise unknown_model(name)
+        return served
+
+    async def resolve(self, name: str) -> tuple[ServedModel, str | None]:
+        """The model and LoRA adapter (None: the base model) a request's `model` names: a model,
+        or an adapter (`<model><separator><adapter>` with a separator, else its own name)."""
+        for refresh in (False, True):
+            found = self._find(name, await self.models(refresh=refresh))
+            if found is not None:
+                return found
         if name in self._models:
             raise APIError(503, f"the model '{name}' is not ready")
         raise unknown_model(name)
+
+    def lora_ids(self, model: ServedModel) -> list[str]:
+        """The names its adapters go by in `model`."""
+        sep = self.lora_separator
+        return [f"{model.name}{sep}{lora}" if sep else lora for lora in model.loras]
+
+    def _find(self, name: str, models: list[ServedModel]) -> tuple[ServedModel, str | None] | None:
+        for model in models:
+            if model.name == name:
+                return model, None
+        for model in models:
+            for lora, lora_id in zip(model.loras, self.lora_ids(model)):
+                if lora_id == name:
+                    return model, lora
+        return None
+
+    async def lora_command(self, model: ServedModel, command: dict) -> dict:
+        """Send a LoRA command (list, load, unload) to one of our models; its JSON answer.
+        Raises APIError with the model's message."""
+        request = {"model_name": model.name, "parameters": command, "request_id": uuid.uuid4().hex,
+                   "inputs": build_inputs("", None, stream=False, batched=model.batched),
+                   "outputs": requested_outputs(("text_output",))}
+
+        async def requests():
+            yield request
+
+        if command["lora_command"] != "list":
+            self._index_time = -float("inf")  # the adapters change: the next lookup reads them again
+        try:
+            async for result, error in self.client.stream_infer(requests(), headers=self._stream_headers):
+                if error is not None:
+                    raise from_model_message(error.message())
+                return json.loads(decode_outputs(result)["text_output"])
+        except grpc.aio.AioRpcError as e:
+            raise from_grpc(e.code(), e.details() or "") from None
+        raise APIError(500, f"the model '{model.name}' gave no answer to a LoRA command")
 
     async def _read_index(self) -> None:
         try:
@@ -133,7 +181,16 @@ class Backend:
                     continue
                 self._models[name] = model
             ready.add(name)
+            await self._list_loras(self._models[name])
         self._ready, self._index_time = ready, time.monotonic()
+
+    async def _list_loras(self, model: ServedModel) -> None:
+        if not model.takes_lora_commands:
+            return
+        try:
+            model.loras = {a["name"]: a["path"] for a in (await self.lora_command(model, {"lora_command": "list"}))["loras"]}
+        except APIError:  # LoRA off, or the model is busy starting: no adapters to list
+            model.loras = {}
 
     async def _describe(self, name: str) -> ServedModel | None:
         try:
@@ -144,7 +201,8 @@ class Backend:
             return None
         return ServedModel(name, int(config.get("max_batch_size", 0)) > 0,
                            bool(config.get("model_transaction_policy", {}).get("decoupled")),
-                           self._tokenizer or _tokenizer_folder(config))
+                           self._tokenizer or _tokenizer_folder(config),
+                           takes_lora_commands="enable_lora" in config.get("parameters", {}))
 
     async def generate(self, model: ServedModel, prompt: str, sampling: dict,
                        stream: bool) -> AsyncIterator[Piece]:

@@ -68,7 +68,8 @@ def from_grpc(code: grpc.StatusCode, details: str, param: str | None = None) -> 
 _UNAVAILABLE = ("the queue is full", "the server is shutting down", "the engine could not be restarted")
 _INVALID = ("prompt ", "max_tokens ", "sampling parameter ", "unknown sampling parameter", "input '",
             "exclude_input_in_output", "parameter '", "request parameters", "sampling_parameters ",
-            "request id ", "structured_outputs ", "unknown structured_outputs ")
+            "request id ", "structured_outputs ", "unknown structured_outputs ", "LoRA ", "lora_command ",
+            "cannot add LoRA adapter", "loading and unloading LoRA")
 
 
 def from_model_message(text: str) -> APIError:
