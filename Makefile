@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install model serve test test-fast bench bench-full bench-prefix bench-engine bench-cpu bench-executors bench-pipeline bench-tp bench-startup bench-host bench-structured bench-tools perf simulate clean
+.PHONY: install model serve test test-fast bench bench-full bench-prefix bench-engine bench-cpu bench-executors bench-pipeline bench-tp bench-startup bench-host bench-structured bench-tools bench-lora perf simulate clean
 
 install: $(STAMP)
 
@@ -93,6 +93,10 @@ bench-host: model
 # docs/benchmarks/structured.md (about 6 minutes).
 bench-structured: model
 	$(PY) benchmarks/bench_structured.py --markdown docs/benchmarks/structured.md
+
+# Multi-LoRA: a decode iteration at batch 32 with 0, 1, 4 and 8 adapters mixed; writes docs/benchmarks/lora.md
+bench-lora: model
+	$(PY) benchmarks/bench_lora.py --markdown docs/benchmarks/lora.md
 
 # What reading tool calls costs the OpenAI API per streamed chunk, beside re-parsing the output.
 bench-tools: install

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from orca_backend.core.errors import ConfigError
-from orca_backend.lora import LoRABatch, PackedLoRA, load_adapter
+from orca_backend.lora import LoRABatch, LoRAProjection, LoRAStack, load_adapter
 
 HIDDEN, INTER = 16, 24
 PREFIX = "base_model.model.model.layers"
@@ -65,27 +65,39 @@ def test_missing_files_and_foreign_tensors_are_refused(tmp_path):
         load_adapter("y", folder, 16)
 
 
-def test_each_row_of_a_mixed_batch_gets_its_own_adapters_correction():
-    """Rows by request: base (1), a (2), b (1), a (1), base (1): a's rows are not side by side
-    (gathered and added back by index), b's are (a view)."""
+@pytest.mark.parametrize("layout, mode", [
+    ([(None, 1), (0, 2), (1, 1), (0, 1), (None, 1)], "bmm"),  # a's rows not side by side; padded to 3 a slot
+    ([(0, 2), (1, 2), (2, 2)], "bmm"),  # no padding
+    ([(2, 1), (0, 1), (1, 10)], "each"),  # one adapter's many rows: padding would triple the work
+    ([(None, 2), (1, 3)], "one"),  # one adapter, its rows side by side: a view
+    ([(1, 1), (None, 1), (1, 1)], "one"),  # one adapter, gathered
+])
+def test_each_row_of_a_mixed_batch_gets_its_own_adapters_correction(tmp_path, layout, mode):
+    """A fused [q | k] projection: slot 0 holds a (q and down, rank 4), slot 1 b (q only, rank
+    8, another alpha), slot 2 c (k only); every row gets W + scale * B A of its own adapter."""
+    adapters = [load_adapter("a", save_adapter(tmp_path / "a", rank=4, seed=1), 8),
+                load_adapter("b", save_adapter(tmp_path / "b", rank=8, alpha=24, targets=("q_proj",), seed=2), 8),
+                load_adapter("c", save_adapter(tmp_path / "c", rank=2, targets=("k_proj",), seed=3), 8)]
+    projection = LoRAProjection("out", (("q_proj", slice(None), HIDDEN), ("k_proj", slice(None), 8)), HIDDEN, HIDDEN + 8)
+    stack = LoRAStack(projection, 3, 8, torch.float32, "cpu")
+    for slot, adapter in enumerate(adapters):
+        stack.load(slot, 0, adapter.modules)
     g = torch.Generator().manual_seed(3)
-    pack = {n: {(0, "qkv"): PackedLoRA(torch.randn(HIDDEN, r, generator=g), torch.randn(r, HIDDEN + 8, generator=g))}
-            for n, r in (("a", 4), ("b", 8))}
-    w = torch.randn(HIDDEN + 8, HIDDEN, generator=g)  # a fused [q; k]
-    x = torch.randn(6, HIDDEN, generator=g)
-    batch = LoRABatch.of_rows([(None, 1), (pack["a"], 2), (pack["b"], 1), (pack["a"], 1), (None, 1)])
-    assert [type(rows).__name__ for _, rows in batch.groups] == ["Tensor", "slice"]
+    w = torch.randn(HIDDEN + 8, HIDDEN, generator=g)
+    rows = [slot for slot, n in layout for _ in range(n)]
+    x = torch.randn(len(rows), HIDDEN, generator=g)
+    batch = LoRABatch({(0, "qkv"): stack}, layout, "cpu")
+    assert batch.mode == mode
     y = batch.add(x @ w.T, x, 0, "qkv")
-    for i, name in enumerate([None, "a", "a", "b", "a", None]):
+    for i, slot in enumerate(rows):
         merged = w.clone()
-        if name is not None:
-            p = pack[name][(0, "qkv")]
-            merged += (p.a @ p.b).T
+        if slot is not None:
+            for (layer, name), lw in adapters[slot].modules.items():
+                if layer == 0 and name in ("q_proj", "k_proj"):
+                    merged[slice(0, HIDDEN) if name == "q_proj" else slice(HIDDEN, None)] += lw.scale * lw.b @ lw.a
         torch.testing.assert_close(y[i], x[i] @ merged.T)
-    # a projection no adapter targets is left as it is; no adapter at all: no batch
-    z = torch.randn(6, HIDDEN, generator=g)
+    z = torch.randn(len(rows), HIDDEN, generator=g)  # a projection no slot has weights for: untouched
     assert torch.equal(batch.add(z.clone(), x, 0, "o"), z)
-    assert LoRABatch.of_rows([(None, 3)]) is None
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -117,9 +129,15 @@ def test_an_adapter_that_peft_saved_adds_what_peft_adds(tiny_models, tmp_path, t
         with torch.no_grad():
             return module(x) - module.base_layer(x)
 
+    def stacks(model):
+        stacks = {key: LoRAStack(p, 1, 8, torch.float32, "cpu") for key, p in model.lora_projections().items()}
+        for (layer, _), stack in stacks.items():
+            stack.load(0, layer, adapter.modules)
+        return stacks
+
     shares = [load_model(tiny_models["llama"], torch.float32, torch.device("cpu"), shard=Shard(r, tp))
               for r in range(tp)]
-    packs = [m.pack_lora(adapter, torch.float32, torch.device("cpu")) for m in shares]
+    packs = [stacks(m) for m in shares]
     hidden = model.config.hidden_size
     for i in range(len(layers)):
         x = torch.randn(3, hidden)
@@ -130,7 +148,7 @@ def test_an_adapter_that_peft_saved_adds_what_peft_adds(tiny_models, tmp_path, t
         o_sum = down_sum = 0
         for r, pack in enumerate(packs):
             mine = lambda t: t.chunk(tp, dim=-1)[r]  # noqa: E731 (this rank's heads / columns)
-            batch = LoRABatch.of_rows([(pack, 3)])
+            batch = LoRABatch(pack, [(0, 3)], "cpu")
             got = batch.add(torch.zeros(3, (q.shape[1] + k.shape[1] + v.shape[1]) // tp), x, i, "qkv")
             torch.testing.assert_close(got, torch.cat([mine(q), mine(k), mine(v)], dim=-1))
             got = batch.add(torch.zeros(3, 2 * gate.shape[1] // tp), x, i, "gate_up")

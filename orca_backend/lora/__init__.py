@@ -3,9 +3,9 @@
 adapter's correction). `adapter` reads PEFT's format, `registry` is the engine's adapters by
 name, `slots` a runner's tiers of them, and `batch` adds an iteration's corrections."""
 from .adapter import LoRAAdapter, LoRAWeights, inspect_adapter, load_adapter
-from .batch import LoRABatch, PackedLoRA
+from .batch import LoRABatch, LoRAProjection, LoRAStack
 from .registry import LoRARegistry, LoRARequest
 from .slots import LoRASlots
 
-__all__ = ["LoRAAdapter", "LoRABatch", "LoRARegistry", "LoRARequest", "LoRASlots", "LoRAWeights", "PackedLoRA",
+__all__ = ["LoRAAdapter", "LoRABatch", "LoRARegistry", "LoRARequest", "LoRASlots", "LoRAWeights", "LoRAProjection", "LoRAStack",
            "inspect_adapter", "load_adapter"]

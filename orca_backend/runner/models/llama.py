@@ -1,14 +1,11 @@
 """Llama-family decoder (Llama, SmolLM, Qwen2) over the flattened token tensor."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
 from ...checkpoint.config import ModelConfig
-from ...lora.adapter import LoRAAdapter
-from ...lora.batch import LoRABatch, Pack, PackedLoRA
+from ...lora.batch import LoRABatch, LoRAProjection
 from .attention import AttentionPlan
 from .linear import Linear
 from .parallel import NO_COLLECTIVES, ONE_RANK, Collectives, Shard
@@ -51,15 +48,10 @@ class LlamaModel:
     def embed_tokens(self, input_ids: torch.Tensor, meta: AttentionPlan) -> torch.Tensor:
         return self.shard.vocab_embed(self.embed, input_ids, self.collectives)  # [num_tokens, hidden]
 
-    def pack_lora(self, adapter: LoRAAdapter, dtype: torch.dtype, device: torch.device) -> Pack:
-        """`adapter`'s corrections for this model's layers and this rank's share of them."""
-        pack = {}
-        for i, layer in self.layers.items():
-            for projection, parts in layer.lora_layout.items():
-                packed = _pack(adapter, i, parts, dtype, device)
-                if packed is not None:
-                    pack[(i, projection)] = packed
-        return pack
+    def lora_projections(self) -> dict[tuple[int, str], LoRAProjection]:
+        """What adapters correct in this model's layers, and this rank's share of it."""
+        return {(i, name): projection for i, layer in self.layers.items()
+                for name, projection in layer.lora_projections.items()}
 
     def run_layers(self, h: torch.Tensor, meta: AttentionPlan, kv_caches, layers: range,
                    lora: LoRABatch | None = None) -> torch.Tensor:
@@ -102,12 +94,14 @@ class _LlamaLayer:
         # fused column-parallel ones side by side (their output rows), the row-parallel ones
         # by their input columns (a partial sum, like the base projection's, before the all-reduce).
         q_rows, kv_rows = self.num_heads * d, self.num_kv_heads * d
-        inter_rows = config.intermediate_size // shard.size
-        self.lora_layout = {
-            "qkv": _Parts("out", (("q_proj", q, q_rows), ("k_proj", kv, kv_rows), ("v_proj", kv, kv_rows))),
-            "o": _Parts("in", (("o_proj", q, q_rows),)),
-            "gate_up": _Parts("out", (("gate_proj", inter, inter_rows), ("up_proj", inter, inter_rows))),
-            "down": _Parts("in", (("down_proj", inter, inter_rows),)),
+        inter_rows, hidden = config.intermediate_size // shard.size, config.hidden_size
+        self.lora_projections = {
+            "qkv": LoRAProjection("out", (("q_proj", q, q_rows), ("k_proj", kv, kv_rows), ("v_proj", kv, kv_rows)),
+                                  hidden, q_rows + 2 * kv_rows),
+            "o": LoRAProjection("in", (("o_proj", q, q_rows),), q_rows, hidden),
+            "gate_up": LoRAProjection("out", (("gate_proj", inter, inter_rows), ("up_proj", inter, inter_rows)),
+                                      hidden, 2 * inter_rows),
+            "down": LoRAProjection("in", (("down_proj", inter, inter_rows),), inter_rows, hidden),
         }
         self.in_norm = w.take(p + "input_layernorm.weight")
         self.post_norm = w.take(p + "post_attention_layernorm.weight")
@@ -143,37 +137,6 @@ class _LlamaLayer:
         if lora is not None:
             lora.add(down, act, self.index, "down")
         return h + self.all_reduce(down)
-
-
-@dataclass(frozen=True, slots=True)
-class _Parts:
-    """The checkpoint projections one of our projections holds: (name, this rank's slice of
-    the sharded dimension, its length here), split along `dim` ("out": fused side by side
-    in the output; "in": row-parallel, this rank's input columns)."""
-
-    dim: str
-    projections: tuple[tuple[str, slice, int], ...]
-
-
-def _pack(adapter: LoRAAdapter, layer: int, parts: _Parts, dtype, device) -> PackedLoRA | None:
-    found = [(name, part, n, adapter.modules[(layer, name)]) for name, part, n in parts.projections
-             if (layer, name) in adapter.modules]
-    if not found:
-        return None
-    if parts.dim == "in":  # one projection: A's columns of this rank's input, B whole
-        (_, part, _, w), = found
-        return PackedLoRA(w.a[:, part].T.contiguous().to(device, dtype),
-                          (w.b * w.scale).T.contiguous().to(device, dtype))
-    a = torch.cat([w.a for *_, w in found]).T  # [in, R]
-    b = torch.zeros(a.shape[1], sum(n for _, _, n in parts.projections), dtype=torch.float32)  # [R, out]
-    r = column = 0
-    for name, part, n in parts.projections:
-        w = adapter.modules.get((layer, name))
-        if w is not None:
-            b[r:r + w.rank, column:column + n] = (w.b[part] * w.scale).T
-            r += w.rank
-        column += n
-    return PackedLoRA(a.contiguous().to(device, dtype), b.to(device, dtype))
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
