@@ -66,6 +66,7 @@ def test_missing_files_and_foreign_tensors_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize("layout, mode", [
+    ([(None, 1), (0, 2), (1, 1), (0, 1), (2, 1), (None, 1)], "kernel"),  # the GPU kernels, interpreted
     ([(None, 1), (0, 2), (1, 1), (0, 1), (None, 1)], "bmm"),  # a's rows not side by side; padded to 3 a slot
     ([(0, 2), (1, 2), (2, 2)], "bmm"),  # no padding
     ([(2, 1), (0, 1), (1, 10)], "each"),  # one adapter's many rows: padding would triple the work
@@ -86,7 +87,7 @@ def test_each_row_of_a_mixed_batch_gets_its_own_adapters_correction(tmp_path, la
     w = torch.randn(HIDDEN + 8, HIDDEN, generator=g)
     rows = [slot for slot, n in layout for _ in range(n)]
     x = torch.randn(len(rows), HIDDEN, generator=g)
-    batch = LoRABatch({(0, "qkv"): stack}, layout, "cpu")
+    batch = LoRABatch({(0, "qkv"): stack}, layout, "cpu", kernel=mode == "kernel")
     assert batch.mode == mode
     y = batch.add(x @ w.T, x, 0, "qkv")
     for i, slot in enumerate(rows):
@@ -157,3 +158,23 @@ def test_an_adapter_that_peft_saved_adds_what_peft_adds(tiny_models, tmp_path, t
             down_sum = down_sum + batch.add(torch.zeros(3, hidden), mine(act), i, "down")
         torch.testing.assert_close(o_sum, correction(i, "o_proj", attn))
         torch.testing.assert_close(down_sum, correction(i, "down_proj", act))
+
+
+def test_the_lora_kernels_compile_for_hopper():
+    """The shrink and expand kernels (run interpreted above) build for sm_90a in bfloat16,
+    with ptxas reporting no spills: what a GPU would launch."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from orca_backend.lora.kernel import _kernels
+    from trt_plugins.aot import ptxas_stats
+
+    pointers = {"x_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "s_ptr": "*fp32",
+                "slots_ptr": "*i32"}
+    for kernel, constexprs in zip(_kernels(False), (dict(BLOCK_K=64, BLOCK_R=64), dict(BLOCK_N=128, BLOCK_R=64))):
+        signature = {name: "constexpr" if name in constexprs else pointers.get(name, "i32") for name in kernel.arg_names}
+        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                                  target=GPUTarget("cuda", 90, 32))
+        assert ".target sm_90a" in compiled.asm["ptx"]
+        assert ptxas_stats(compiled.asm["ptx"], arch="sm_90a")["spill_stores"] == 0

@@ -246,19 +246,26 @@ def build_kernel(interpret: bool, entry: str = _KERNEL):
     kernel's calls to its helpers resolve to helpers of the same kind. The wrapper picks the
     variant from the tensors' device; `aot.py` compiles the JITFunction one.
     """
+    return jit_variant(_DEVICE_FUNCTIONS, interpret, {_KERNEL: _JIT_OPTIONS})[entry]
+
+
+def jit_variant(functions, interpret: bool, options: dict[str, dict] | None = None) -> dict:
+    """`functions` (a kernel and the device functions it calls, by their names) as compiled
+    `JITFunction`s or `InterpretedFunction`s in a namespace of their own; `options[name]` are
+    a function's JIT options. Combine functions named `_max_combine` and `_sum_combine` are
+    the library's own when interpreted."""
     from triton.runtime.interpreter import InterpretedFunction
     make = InterpretedFunction if interpret else JITFunction
     namespace = {"__name__": __name__, "triton": triton, "tl": tl}
-    for fn in _DEVICE_FUNCTIONS:
+    for fn in functions:
         copy = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__)
-        options = _JIT_OPTIONS if copy.__name__ == _KERNEL and not interpret else {}
-        namespace[fn.__name__] = make(copy, **options)
+        namespace[fn.__name__] = make(copy, **({} if interpret else (options or {}).get(fn.__name__, {})))
     if interpret:
         # The interpreter reduces with numpy only for the library's own combine functions
         # (matched by identity, never called); any other one it reduces element by element.
         namespace.update(_max_combine=tl.standard._elementwise_max,
                          _sum_combine=tl.standard._sum_combine)
-    return namespace[entry]
+    return namespace
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,8 @@ does not target one) and per fused projection `b` [slots, r, its columns] (lora_
 the scale folded in). The same stacks serve a GPU kernel that reads each row's slot.
 
 `LoRABatch` is one iteration: each row's slot (or none), worked out once, and `add`, which a
-layer calls after each projection. On the CPU the rows of each adapter are gathered and run as
+layer calls after each projection. On a GPU, two Triton kernels in which each row reads its
+own slot (`kernel.py`). On the CPU the rows of each adapter are gathered and run as
 one batched product over the iteration's slots (`bmm`: one call per projection, however many
 adapters), or as one product per adapter when padding every adapter to the most rows would
 waste more than it saves (a long prompt beside a few decoding rows)."""
@@ -20,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from .kernel import add_lora
 
 _PAD_WASTE = 2.0  # bmm while the padded rows are at most this many times the real ones
 
@@ -74,10 +77,17 @@ class LoRAStack:
 
 class LoRABatch:
     def __init__(self, stacks: dict[tuple[int, str], LoRAStack], row_slots: list[tuple[int | None, int]],
-                 device) -> None:
+                 device, kernel: bool | None = None) -> None:
         """`row_slots`: (slot or None for the base model, number of rows) per request in row
-        order (at least one with a slot)."""
+        order (at least one with a slot). `kernel`: add through the Triton kernels (`kernel.py`,
+        each row its slot); None: on a GPU."""
         self.stacks = stacks
+        if kernel if kernel is not None else torch.device(device).type == "cuda":
+            self.mode = "kernel"
+            self.slots = sorted({slot for slot, _ in row_slots if slot is not None})
+            self.row_slots = torch.tensor([-1 if slot is None else slot for slot, n in row_slots for _ in range(n)],
+                                          dtype=torch.int32, device=device)
+            return
         groups: dict[int, list[int]] = {}
         start = 0
         for slot, n in row_slots:
@@ -111,7 +121,9 @@ class LoRABatch:
         stack = self.stacks.get((layer, projection))
         if stack is None or not any(stack.targeted[s] for s in self.slots):
             return y
-        if self.mode == "one":
+        if self.mode == "kernel":
+            add_lora(y, x, stack.a, stack.b_full, self.row_slots)
+        elif self.mode == "one":
             self._one(stack, y, x)
         elif self.mode == "bmm":
             self._bmm(stack, y, x)
