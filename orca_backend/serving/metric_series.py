@@ -16,7 +16,6 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
-import threading
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable
