@@ -53,6 +53,7 @@ class FakeRunner:
         self.block_size = block_size  # None: no K/V pool kept
         self.slots: dict[int, int] = {}
         self.last_sampled: dict[str, int] = {}  # for async scheduling's placeholders
+        self.loras: dict[str, object] = {}  # each request's LoRA adapter as it arrived (None: the base model)
 
     def execute(self, message: SchedulerOutput) -> tuple[RunnerOutput, Fed]:
         for request_id in message.finished_request_ids:
@@ -65,6 +66,7 @@ class FakeRunner:
             self.token_ids[new.request_id] = list(new.prompt_token_ids)
             self.num_prompt_tokens[new.request_id] = len(new.prompt_token_ids)
             self.block_tables[new.request_id] = []
+            self.loras[new.request_id] = new.lora
         out, fed = RunnerOutput(message.iteration_id), Fed(message=message)
         for s in message.scheduled:
             tokens = self.token_ids[s.request_id]

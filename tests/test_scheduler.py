@@ -155,3 +155,27 @@ def test_iteration_mode_lets_the_same_arrival_join_at_once():
 def test_scheduler_config_names_the_bad_field(options):
     with pytest.raises(ValueError, match=next(iter(options))):
         SchedulerConfig(**options)
+
+
+def test_max_loras_caps_the_adapters_of_running_requests_and_lets_others_by():
+    """max_loras 2; arrivals: a, b, c, a, base, d. c waits for a slot while the second a and the
+    base model go by; c takes the slot the first adapter to finish frees, before d; the
+    adapter travels to the runner with the request, and the wire keeps it."""
+    from orca_backend.core.messages import LoRARef
+
+    engine = FakeEngine(max_loras=2)
+    refs = {name: LoRARef(i + 1, name, f"/adapters/{name}") for i, name in enumerate("abcd")}
+    lengths = {"r0": 2, "r1": 6, "r2": 2, "r3": 2, "r4": 2, "r5": 2}
+    for (request_id, max_tokens), name in zip(lengths.items(), ["a", "b", "c", "a", None, "d"]):
+        engine.add(request_id, 3, max_tokens).lora = refs.get(name)
+    first_seen = {}
+    while engine.scheduler.num_unfinished:
+        fed = engine.step()
+        running = engine.scheduler.running_loras()
+        assert len(running) <= 2
+        for request_id in fed.request_ids:
+            first_seen.setdefault(request_id, len(engine.batches))
+    assert first_seen["r0"] == first_seen["r1"] == first_seen["r3"] == first_seen["r4"] == 1
+    assert first_seen["r2"] > 1 and first_seen["r5"] > first_seen["r2"]
+    assert engine.runner.loras == {"r0": refs["a"], "r1": refs["b"], "r2": refs["c"], "r3": refs["a"],
+                                   "r4": None, "r5": refs["d"]}
