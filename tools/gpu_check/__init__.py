@@ -19,6 +19,8 @@ Sections, run in order (`--sections` picks some):
    size next to the HBM bound, CUDA graphs on and off, and a trace of varied output lengths
    through our engine (continuous batching) and transformers (static batches).
 5. kernel_vs_sdpa: our kernel against dense flash SDPA on prefill and decode shapes.
+6. lora: the multi-LoRA kernels against float64 on a fused q|k|v projection with 8 slots, and
+   their time beside the batched products the CPU path uses.
 
 Each section runs in a process of its own, so that a crash or a poisoned CUDA context costs
 that section only; a failure is recorded with its traceback and the next section runs. A
