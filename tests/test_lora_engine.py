@@ -160,3 +160,19 @@ def test_lora_off_and_unsupported_models_are_refused(default_model, tiny_models)
         LLM(str(tiny_models["gpt2"]), enable_lora=True)
     with pytest.raises(ConfigError, match="max_cpu_loras"):
         LLM(str(default_model), enable_lora=True, max_loras=4, max_cpu_loras=2)
+
+
+def test_decode_graphs_carry_the_adapters(tiny_vocab_llama, tmp_path):
+    """Our attention kernel with decode graphs (on the CPU the same padded buffers, not
+    captured): decode iterations run the LoRA kernels inside the graph's forward, each row's
+    slot from the graph's buffers; prefill runs them eagerly. Both interpreted here."""
+    adapters = make_lora_adapters(tiny_vocab_llama, tmp_path, {
+        "all": dict(r=8, lora_alpha=16, target_modules=ALL_PROJECTIONS),
+        "qv": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])})
+    cases, prompts, requests = mixed(adapters, (None, "all", "qv"))
+    with LLM(str(tiny_vocab_llama), enable_lora=True, max_loras=2, attention="triton", cuda_graphs=True,
+             kv_cache_tokens=512) as llm:
+        outs = llm.generate(prompts, GREEDY, lora_request=requests)
+        graphs = llm.engine.executor.runner.decode_graphs
+        assert graphs is not None and graphs.lora_stacks is not None and graphs.num_replays > 0
+    assert [o.token_ids for o in outs] == [adapters.greedy[c] for c in cases]

@@ -82,11 +82,12 @@ class LoRABatch:
         order (at least one with a slot). `kernel`: add through the Triton kernels (`kernel.py`,
         each row its slot); None: on a GPU."""
         self.stacks = stacks
+        # each row's slot, -1 for the base model (what the kernels and decode graphs read)
+        self.row_slot_list = [-1 if slot is None else slot for slot, n in row_slots for _ in range(n)]
         if kernel if kernel is not None else torch.device(device).type == "cuda":
             self.mode = "kernel"
             self.slots = sorted({slot for slot, _ in row_slots if slot is not None})
-            self.row_slots = torch.tensor([-1 if slot is None else slot for slot, n in row_slots for _ in range(n)],
-                                          dtype=torch.int32, device=device)
+            self.row_slots = torch.tensor(self.row_slot_list, dtype=torch.int32, device=device)
             return
         groups: dict[int, list[int]] = {}
         start = 0
@@ -115,11 +116,20 @@ class LoRABatch:
             self.rows = torch.tensor([r for s in self.slots for r in groups[s]], dtype=torch.long, device=device)
             self.bounds = [sum(counts[:i]) for i in range(len(counts) + 1)]
 
+    @classmethod
+    def for_graph(cls, stacks: dict[tuple[int, str], LoRAStack], row_slots: torch.Tensor) -> LoRABatch:
+        """The kernels over every projection, each row's slot read from `row_slots` (int32,
+        -1 for none) when they run: what a CUDA graph captures once and replays with other
+        slots (the stacks' addresses never change)."""
+        batch = cls.__new__(cls)
+        batch.stacks, batch.mode, batch.slots, batch.row_slots = stacks, "kernel", None, row_slots
+        return batch
+
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, projection: str) -> torch.Tensor:
         """y [rows, out] += each row's adapter's correction of `projection` in `layer`; x
         [rows, in]. In place; returns y."""
         stack = self.stacks.get((layer, projection))
-        if stack is None or not any(stack.targeted[s] for s in self.slots):
+        if stack is None or (self.slots is not None and not any(stack.targeted[s] for s in self.slots)):
             return y
         if self.mode == "kernel":
             add_lora(y, x, stack.a, stack.b_full, self.row_slots)

@@ -63,7 +63,7 @@ class LoRASlots:
         if len(needed) > self.max_loras:
             raise ConfigError(f"an iteration has {len(needed)} LoRA adapters, more than max_loras {self.max_loras}")
         slots = {lora_id: self._slot(lora_id, needed) for lora_id in needed}
-        return LoRABatch(self._stacks, [(None if i is None else slots[i], n) for i, n in rows], self.device)
+        return LoRABatch(self.stacks, [(None if i is None else slots[i], n) for i, n in rows], self.device)
 
     @property
     def slot_ids(self) -> list[int]:
@@ -92,11 +92,17 @@ class LoRASlots:
         self._slot_of.move_to_end(lora_id)
         return slot
 
-    def _put(self, slot: int, adapter: LoRAAdapter) -> None:
+    @property
+    def stacks(self) -> dict:
+        """Every projection's slots, made on first use (and never again: a CUDA graph keeps
+        their addresses)."""
         if self._stacks is None:
             self._stacks = {key: LoRAStack(projection, self.max_loras, self.max_rank, self.dtype, self.device)
                             for key, projection in self.model.lora_projections().items()}
-        for (layer, _), stack in self._stacks.items():
+        return self._stacks
+
+    def _put(self, slot: int, adapter: LoRAAdapter) -> None:
+        for (layer, _), stack in self.stacks.items():
             stack.load(slot, layer, adapter.modules)
 
     def _trim_cpu(self) -> None:

@@ -145,7 +145,8 @@ class ModelRunner:
 
         try:
             self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.attention.kernel,
-                                              self.device, max_batch_size, max_blocks, capture)
+                                              self.device, max_batch_size, max_blocks, capture,
+                                              self.loras.stacks if self.loras is not None else None)
         except Exception:
             if not capture:
                 raise
@@ -168,8 +169,10 @@ class ModelRunner:
 
     def _forward(self, layout: BatchLayout, token_ids: list[int], hidden: torch.Tensor | None,
                  lora: LoRABatch | None) -> torch.Tensor:
-        if hidden is None and lora is None and self.decode_graphs is not None and self.decode_graphs.can_run(layout):
-            return self.decode_graphs.run(layout, token_ids)
+        graphs = self.decode_graphs
+        if hidden is None and graphs is not None and graphs.can_run(layout) and (
+                lora is None or graphs.lora_stacks is not None):
+            return graphs.run(layout, token_ids, lora.row_slot_list if lora is not None else None)
         meta = self.attention.plan(layout)  # built once, shared by every layer
         if hidden is None:
             input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
