@@ -82,13 +82,17 @@ def inspect_adapter(name: str, folder: str | Path, max_rank: int, model: ModelCo
     return max(ranks)
 
 
-def load_adapter(name: str, folder: str | Path, max_rank: int, dtype: torch.dtype = torch.float32) -> LoRAAdapter:
-    """The adapter in `folder`, its weights in memory; raises ConfigError naming what is
-    missing or not supported (a rank above `max_rank` included)."""
+def load_adapter(name: str, folder: str | Path, max_rank: int, dtype: torch.dtype = torch.float32,
+                 layers: range | None = None) -> LoRAAdapter:
+    """The adapter in `folder`, its weights in memory (of `layers` only, a pipeline stage's;
+    None: all); raises ConfigError naming what is missing or not supported (a rank above
+    `max_rank` included)."""
     folder = Path(folder)
     config = _read_config(name, folder)
     modules = {}
     for where, ab in _scan(name, folder, max_rank, lambda f, key: f.get_tensor(key), config).items():
+        if layers is not None and where[0] not in layers:
+            continue
         a, b = ab["A"], ab["B"]
         modules[where] = LoRAWeights(a.to(dtype).contiguous(), b.to(dtype).contiguous(),
                                      _scale(config, ab["module"], a.shape[0]))

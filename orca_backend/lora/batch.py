@@ -145,7 +145,7 @@ class LoRABatch:
         slot, rows = self.slots[0], self.rows
         c = (x[rows] @ stack.a[slot]) @ stack.b_full[slot]  # [n, out]
         if isinstance(rows, slice):
-            y[rows] += c  # whole rows: contiguous
+            y[rows].add_(c)  # whole rows: a contiguous view
         else:
             y.index_add_(0, rows, c)
 

@@ -1,12 +1,12 @@
 """A runner's adapters in two tiers, as vLLM and S-LoRA keep them:
 
-- the CPU tier: weights read from an adapter's folder the first time a request with it reaches
-  this runner; kept while a request this runner holds uses it, and beyond that up to
+- the CPU tier: weights (of this model's layers) read from an adapter's folder the first time a
+  request with it reaches this runner (that iteration waits for the read); kept while a request this runner holds uses it, and beyond that up to
   `max_cpu_loras` (least recently used dropped first);
 - `max_loras` slots on the model's device (`batch.LoRAStack`: each projection's adapters
   stacked, for this model's layers and this rank's share); an iteration's adapters are put in
-  slots before it runs, replacing the least recently used, never one of its own. The scheduler admits no more distinct
-  adapters than there are slots, so an iteration always fits.
+  slots before it runs, replacing the least recently used, never one of its own. The
+  scheduler admits no more distinct adapters than there are slots, so an iteration always fits.
 """
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ class LoRASlots:
         Raises ConfigError if they cannot be read (the request fails, nothing else)."""
         if ref.lora_id not in self._cpu:
             # float32 on the host: a slot takes the model's dtype on its device
-            self._cpu[ref.lora_id] = load_adapter(ref.name, ref.path, self.max_rank)
+            self._cpu[ref.lora_id] = load_adapter(ref.name, ref.path, self.max_rank,
+                                                  layers=getattr(self.model, "layer_range", None))
             self.num_loads += 1
         self._cpu.move_to_end(ref.lora_id)
         self._users[ref.lora_id] = self._users.get(ref.lora_id, 0) + 1
