@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .errors import ConfigError
+from .speculative import SpeculativeConfig
 
 POLICIES = ("paged", "reserve")  # K/V: blocks as tokens arrive, or ORCA's reservation of max_tokens
 BATCHING_MODES = ("iteration", "request")
@@ -82,8 +83,13 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_loras: int = 1
     max_cpu_loras: int | None = None
+    # Speculative decoding, vLLM's `speculative_config` (a mapping or its JSON text; "" or None: off):
+    # {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4,
+    #  "max_batch_size": 8}; read into a SpeculativeConfig.
+    speculative_config: str | dict | SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         _need(self.dtype in DTYPE_SIZES, "dtype", self.dtype, f"one of {', '.join(DTYPE_SIZES)}")
         _need(self.device == "cpu" or self.device.startswith("cuda"), "device", self.device,
               "'cpu' or 'cuda[:N]'")

@@ -60,6 +60,7 @@ class Request:
     num_in_flight: int = 0
     num_in_flight_tokens: int = 0
     num_placeholders: int = 0
+    num_in_flight_drafts: int = 0  # proposed tokens being checked (speculative decoding)
     finish_on_return: RequestStatus | None = None  # finished while in flight: applied on return
     num_prompt_tokens: int = field(init=False, default=0)
 

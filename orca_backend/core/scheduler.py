@@ -14,6 +14,7 @@ from .config import BATCHING_MODES, POLICIES
 from .kv_manager import BlockManager
 from .messages import LoRARef, NewRequest, RunnerOutput, ScheduledRequest, SchedulerOutput
 from .request import Request, RequestStatus
+from .speculative import NgramProposer, SpeculativeConfig, may_speculate
 
 
 @dataclass(slots=True)
@@ -27,6 +28,7 @@ class SchedulerConfig:
     # (the runner that samples it fills it in): one stage only, whose runner samples.
     async_scheduling: bool = False
     max_loras: int | None = None  # distinct LoRA adapters among running requests; None: no adapters
+    speculative: SpeculativeConfig | None = None  # propose tokens for decoding requests to check
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_num_batched_tokens", "max_inflight"):
@@ -59,7 +61,10 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_iterations = 0
         self._iteration_ids = itertools.count()
-        self._in_flight: dict[int, list[tuple[Request, int, bool]]] = {}  # rows: (request, tokens, samples)
+        # rows: (request, tokens, samples, proposed tokens)
+        self._in_flight: dict[int, list[tuple[Request, int, bool, list[int]]]] = {}
+        self.proposer = NgramProposer(config.speculative) if config.speculative is not None else None
+        self._drafts: dict[str, list[int]] = {}  # this iteration's proposals, by request id
         # For the runner, since the last message: requests to forget, tables to drop.
         self._finished_ids: list[str] = []
         self._preempted_ids: list[str] = []
@@ -83,6 +88,8 @@ class Scheduler:
         self.kv.free(req.request_id)
         if req.num_sent_tokens:
             self._finished_ids.append(req.request_id)
+        if self.proposer is not None:
+            self.proposer.forget(req.request_id)
 
     @property
     def num_unfinished(self) -> int:
@@ -108,6 +115,9 @@ class Scheduler:
         ids of ended requests, when nothing is in flight)."""
         scheduled: list[tuple[Request, int]] = []
         num_preemptions = self.num_preemptions
+        spec = self.config.speculative
+        # Speculate only at low load: a big batch is no longer bound by reading the weights.
+        self._speculate = spec is not None and len(self.running) <= spec.max_batch_size
         budget = self._schedule_running(scheduled, self.config.max_num_batched_tokens)
         if self.num_preemptions == num_preemptions:  # no room was short: admit newcomers
             self._schedule_waiting(scheduled, budget)
@@ -133,18 +143,33 @@ class Scheduler:
                     budget -= n
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            drafts = self._propose(req, budget - n) if n == 1 and self._speculate else []
+            n += len(drafts)
             if not self._make_room(req, req.num_computed_tokens + n):
                 break  # req itself was the newest and got preempted
+            if drafts:
+                self._drafts[req.request_id] = drafts
             self.kv.allocate(req.request_id, req.num_computed_tokens + n)
             scheduled.append((req, n))
             budget -= n
         return budget
 
+    def _propose(self, req: Request, room: int) -> list[int]:
+        """Tokens to check after a decoding request's next one: at most `room` (the token
+        budget left), and never past its max_tokens (the runner adds one token of its own)."""
+        if room <= 0 or not may_speculate(req.params, req.num_output_tokens, req.wants_logprob):
+            return []
+        limit = min(room, req.params.max_tokens - req.num_output_tokens - 1)
+        return self.proposer.propose(req.request_id, req.prompt_token_ids + req.output_token_ids, limit)
+
     def _ahead(self, req: Request, budget: int) -> int:
         """Async scheduling: how many tokens of an in-flight request to schedule now; 0 when
-        it waits for its iteration (an end pending, its last token coming, no free blocks)."""
-        if not self.config.async_scheduling or req.finish_on_return is not None:
+        it waits for its iteration (an end pending, its last token coming, no free blocks, or
+        proposals being checked: how many tokens it will have is not known yet)."""
+        if not self.config.async_scheduling or req.finish_on_return is not None or req.num_in_flight_drafts:
             return 0
+        if self._speculate and may_speculate(req.params, req.num_output_tokens, req.wants_logprob):
+            return 0  # it waits for its token, then proposes from it: several tokens beat one step ahead
         if req.num_output_tokens + req.num_placeholders >= req.params.max_tokens:
             return 0
         start = req.num_computed_tokens + req.num_in_flight_tokens
@@ -234,12 +259,13 @@ class Scheduler:
         self._finished_ids, self._preempted_ids = [], []
         rows = []
         for req, n in scheduled:
+            drafts = self._drafts.pop(req.request_id, [])
             if not req.num_sent_tokens:
                 out.new_requests.append(NewRequest(req.request_id, req.prompt_token_ids, req.params,
                                                    req.wants_logprob, req.lora))
                 req.num_sent_tokens = req.num_prompt_tokens
             start = req.num_computed_tokens + req.num_in_flight_tokens
-            end = start + n
+            end = start + n - len(drafts)  # the request's own tokens end here; the proposals follow
             known = min(end, req.num_tokens)  # beyond: tokens the runner samples and fills in
             new_token_ids = req.token_slice(req.num_sent_tokens, known) if known > req.num_sent_tokens else []
             num_placeholders = max(0, end - max(req.num_sent_tokens, req.num_tokens))
@@ -248,11 +274,12 @@ class Scheduler:
             new_block_ids, req.num_sent_blocks = table[req.num_sent_blocks:], len(table)
             sample = end == req.num_tokens + req.num_placeholders
             out.scheduled.append(ScheduledRequest(req.request_id, start, n, new_token_ids, new_block_ids,
-                                                  sample, num_placeholders))
+                                                  sample, num_placeholders, drafts))
             req.num_in_flight += 1
             req.num_in_flight_tokens += n
             req.num_placeholders += sample
-            rows.append((req, n, sample))
+            req.num_in_flight_drafts += len(drafts)
+            rows.append((req, n, sample, drafts))
         self._in_flight[out.iteration_id] = rows
         return out
 
@@ -261,26 +288,31 @@ class Scheduler:
         """Record a returned iteration: computed tokens advance, sampled tokens append.
         Returns its requests that are still live (those finished meanwhile retire now)."""
         live = self._returned(output.iteration_id)
-        for req, n in live:
-            req.num_computed_tokens += n
+        for req, n, drafts in live:
             token = output.sampled.get(req.request_id)
+            # Of a speculating request, only the K/V of its token and of the proposals accepted
+            # counts: the rest is overwritten by the tokens that really follow.
+            accepted = drafts[:output.num_accepted.get(req.request_id, 0)] if token is not None else []
+            req.num_computed_tokens += n - len(drafts) + len(accepted)
             if token is not None:
+                req.output_token_ids += accepted
                 req.output_token_ids.append(token.token_id)
             self.kv.cache_computed_blocks(req)  # their K/V is written now: others may share it
-        return [req for req, _ in live]
+        return [req for req, _, _ in live]
 
     def fail_iteration(self, iteration_id: int) -> list[Request]:
         """The iteration failed as a whole: returns its live requests, for the caller to end."""
-        return [req for req, _ in self._returned(iteration_id)]
+        return [req for req, _, _ in self._returned(iteration_id)]
 
-    def _returned(self, iteration_id: int) -> list[tuple[Request, int]]:
+    def _returned(self, iteration_id: int) -> list[tuple[Request, int, list[int]]]:
         live = []
-        for req, n, sample in self._in_flight.pop(iteration_id):
+        for req, n, sample, drafts in self._in_flight.pop(iteration_id):
             req.num_in_flight -= 1
             req.num_in_flight_tokens -= n
             req.num_placeholders -= sample
+            req.num_in_flight_drafts -= len(drafts)
             if req.finish_on_return is None:
-                live.append((req, n))
+                live.append((req, n, drafts))
             elif not req.in_flight:  # its last iteration is back: the end applies now
                 self.finish(req, req.finish_on_return)
         return live

@@ -104,7 +104,8 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(
             max_batch_size=c.max_batch_size, max_num_batched_tokens=c.max_num_batched_tokens,
             policy=c.policy, batching=c.batching, max_inflight=c.max_inflight,
-            async_scheduling=c.async_scheduling, max_loras=c.max_loras if c.enable_lora else None), self.kv)
+            async_scheduling=c.async_scheduling, max_loras=c.max_loras if c.enable_lora else None,
+            speculative=c.speculative_config), self.kv)
         if old is not None:  # counters run on across a reset
             self.scheduler.num_preemptions = old.num_preemptions
             self.kv.stats = old.kv.stats
@@ -339,13 +340,17 @@ class LLMEngine:
                                   f"with iteration {out.iteration_id}'s output")
         live = self.scheduler.update(out)
         sampling = {s.request_id for s in message.scheduled if s.sample}
+        drafts = {s.request_id: len(s.draft_token_ids) for s in message.scheduled if s.draft_token_ids}
         deltas = []
         for req in live:
             token = out.sampled.get(req.request_id)
             if req.request_id in out.errors:
                 deltas.append(self._fail(req, out.errors[req.request_id]))
             elif token is not None:
-                deltas.append(self._process_safely(req, token, out))
+                accepted = out.num_accepted.get(req.request_id, 0) if req.request_id in drafts else 0
+                if req.request_id in drafts:
+                    self.stats.speculation.add(drafts[req.request_id], accepted)
+                deltas.append(self._process_safely(req, token, out, 1 + accepted))
             elif req.request_id in sampling:
                 deltas.append(self._fail(req, "internal error: the runner returned no token"))
         if not message.num_requests:
@@ -386,10 +391,10 @@ class LLMEngine:
                 self.scheduler.add(tracked.request)
         return deltas
 
-    def _process_safely(self, req: Request, token: SampledToken, out: RunnerOutput) -> RequestDelta:
+    def _process_safely(self, req: Request, token: SampledToken, out: RunnerOutput, num_new: int) -> RequestDelta:
         try:
             logits = out.logits.get(req.request_id) if out.logits is not None else None
-            return self._process(req, token, logits)
+            return self._process(req, token, logits, num_new)
         except Exception as e:
             log.exception("request %s failed after its token was sampled", req.request_id)
             return self._fail(req, f"internal error while processing this request's output: {e}")
@@ -400,25 +405,34 @@ class LLMEngine:
         self._end(req, RequestStatus.FINISHED_ERROR)
         return _error_delta(req, message)
 
-    def _process(self, req: Request, token: SampledToken, logits: bytes | None) -> RequestDelta:
+    def _process(self, req: Request, token: SampledToken, logits: bytes | None, num_new: int = 1) -> RequestDelta:
+        """The delta of a request's `num_new` newest tokens (several when proposals were
+        accepted before `token`): each taken in turn, so that a stop, EOS or max_tokens among
+        them ends the request at that token and the ones after it are dropped."""
         tracked = self._tracked[req.request_id]
         if token.logprob is not None:
             tracked.cumulative_logprob = (tracked.cumulative_logprob or 0.0) + token.logprob
-        status = self._finish_status(req, tracked, token.token_id)
+        new = req.output_token_ids[-num_new:]
+        for j, token_id in enumerate(new):
+            behind = len(new) - 1 - j
+            status = self.rules.finish_status(req.params, tracked.detokenizer, token_id,
+                                              req.num_output_tokens - behind, req.num_tokens - behind)
+            if status is not None:
+                if behind:
+                    del req.output_token_ids[-behind:]
+                    new = new[:j + 1]
+                break
         if status is not None:
             self.scheduler.finish(req, status)
             del self._tracked[req.request_id]
         return RequestDelta(  # the status, not the request's: an end in flight applies on return
-            req.request_id, [token.token_id], tracked.detokenizer.take_delta(final=status is not None),
+            req.request_id, new, tracked.detokenizer.take_delta(final=status is not None),
             status.reason if status is not None else None, req.num_prompt_tokens, req.num_output_tokens,
             tracked.cumulative_logprob,
             [token.top_logprobs] if token.top_logprobs is not None else None,
             torch.frombuffer(bytearray(logits), dtype=torch.float32) if logits is not None else None,
             num_cached_tokens=req.num_cached_tokens or 0)
 
-    def _finish_status(self, req: Request, tracked: _Tracked, token_id: int) -> RequestStatus | None:
-        return self.rules.finish_status(req.params, tracked.detokenizer, token_id, req.num_output_tokens,
-                                        req.num_tokens)
 
 
 def _error_delta(req: Request, message: str) -> RequestDelta:

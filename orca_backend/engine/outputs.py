@@ -46,6 +46,26 @@ class IterationRecord:
 
 
 @dataclass(slots=True)
+class SpeculationStats:
+    """vLLM's speculative-decoding counters: requests that proposed, tokens proposed, tokens
+    accepted, and acceptances by position (the i-th proposal of a step)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def add(self, num_proposed: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_proposed
+        self.num_accepted_tokens += num_accepted
+        while len(self.accepted_per_position) < num_proposed:
+            self.accepted_per_position.append(0)
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+
+@dataclass(slots=True)
 class EngineStats:
     num_iterations: int = 0
     step_seconds: float = 0.0  # whole step() time
@@ -53,6 +73,7 @@ class EngineStats:
     num_runner_restarts: int = 0
     num_structured_requests: int = 0  # requests added with a structured_outputs grammar
     num_lora_requests: dict[str, int] = field(default_factory=dict)  # requests added, by adapter name
+    speculation: SpeculationStats = field(default_factory=SpeculationStats)
     last_iteration: IterationRecord | None = None
     # Every iteration the last step() collected (several when several were in flight).
     last_step_iterations: list[IterationRecord] = field(default_factory=list)

@@ -104,10 +104,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, message: SchedulerOutput, hidden: torch.Tensor | None):
-        layout, token_ids, sampling, lora = self._apply(message)
+        layout, token_ids, sampling, lora, checks = self._apply(message)
         if not token_ids:  # a message that only says which requests have ended
             return RunnerOutput(message.iteration_id) if self.is_last_stage else self.no_rows()
-        last_rows = [row for row, _ in sampling]
+        # The rows that sample, then every row of each speculating request (its own and its proposals')
+        last_rows = [row for row, _ in sampling] + [row for first, _, drafts in checks
+                                                    for row in range(first, first + len(drafts) + 1)]
         states = [state for _, state in sampling]
         masks = self.masks.start(states) if self.samples else None  # while the forward runs
         start = time.perf_counter()
@@ -133,10 +135,30 @@ class ModelRunner:
             out.logits = {s.request_id: logits[j].cpu().numpy().tobytes() for j, s in enumerate(states)}
         if states:
             done = masks.result() if masks is not None else None
-            self._collect(out, self._sample(logits, states, done), states)
+            self._collect(out, self._sample(logits[:len(states)], states, done), states)
             if done is not None:
                 out.mask_seconds = done.seconds
+        if checks:
+            self._verify(out, logits[len(states):], checks)
         return out
+
+    def _verify(self, out: RunnerOutput, logits: torch.Tensor, checks: list) -> None:
+        """Each speculating request's proposals checked against its rows' logits (in order,
+        k + 1 rows each): how many it accepts, and its token after them. A failure is the
+        request's own."""
+        start = 0
+        for _, state, drafts in checks:
+            rows = logits[start:start + len(drafts) + 1]
+            start += len(drafts) + 1
+            try:
+                if state.failure:
+                    raise RuntimeError(state.failure)
+                accepted, token_id = self.sampler.verify(rows, state, drafts)
+            except Exception as e:
+                out.errors[state.request_id] = f"internal error while checking this request's proposed tokens: {e}"
+                continue
+            out.sampled[state.request_id] = SampledToken(token_id)
+            out.num_accepted[state.request_id] = accepted
 
     def enable_decode_graphs(self, max_batch_size: int, max_blocks: int, capture: bool) -> None:
         """Run decode-only iterations of up to max_batch_size requests from CUDA graphs (with
@@ -198,8 +220,10 @@ class ModelRunner:
             s.new_token_ids = [*s.new_token_ids, token]
             s.num_placeholders = 0
 
-    def _apply(self, message: SchedulerOutput) -> tuple[BatchLayout, list[int], list, LoRABatch | None]:
-        """Bring the per-request state up to date; returns the rows to run."""
+    def _apply(self, message: SchedulerOutput) -> tuple[BatchLayout, list[int], list, LoRABatch | None, list]:
+        """Bring the per-request state up to date; returns the rows to run: the layout, the
+        token ids, (last row, state) of each request that samples, the LoRA corrections, and
+        (first row, state, proposed tokens) of each speculating request."""
         for request_id in message.finished_request_ids:
             state = self.requests.pop(request_id, None)
             if state is not None and state.lora_id is not None:
@@ -216,17 +240,22 @@ class ModelRunner:
         layout = BatchLayout([], [], [])
         token_ids: list[int] = []
         sampling = []  # (last row, state) of each request that samples
+        checks = []  # (first row, state, proposed tokens) of each speculating request
         lora_rows = []  # (adapter id or None, rows) of each request
         for s in message.scheduled:
             state = self._update(s)
             lora_rows.append((state.lora_id, s.num_scheduled_tokens))
-            token_ids += state.token_ids[s.num_computed_tokens:s.num_computed_tokens + s.num_scheduled_tokens]
+            own = s.num_scheduled_tokens - len(s.draft_token_ids)
+            if s.draft_token_ids:
+                checks.append((len(token_ids) + own - 1, state, s.draft_token_ids))
+            token_ids += state.token_ids[s.num_computed_tokens:s.num_computed_tokens + own] + s.draft_token_ids
             layout.num_computed_tokens.append(s.num_computed_tokens)
             layout.num_scheduled_tokens.append(s.num_scheduled_tokens)
             layout.block_tables.append(state.block_ids)
-            if s.sample:
+            if s.sample and not s.draft_token_ids:
                 sampling.append((len(token_ids) - 1, state))
-        return layout, token_ids, sampling, self.loras.batch(lora_rows) if self.loras is not None else None
+        return (layout, token_ids, sampling, self.loras.batch(lora_rows) if self.loras is not None else None,
+                checks)
 
     def _hold_lora(self, state: RunnerRequest, new: NewRequest) -> None:
         """Its adapter's weights, read now: if they cannot be, the request fails alone (its
@@ -250,8 +279,8 @@ class ModelRunner:
             raise RunnerError(f"request {s.request_id!r} got K/V blocks outside [0, {self.num_blocks})")
         state.token_ids += s.new_token_ids
         state.block_ids += s.new_block_ids
-        end = s.num_computed_tokens + s.num_scheduled_tokens
-        if end > len(state.token_ids) or end > len(state.block_ids) * self.block_size:
+        end = s.num_computed_tokens + s.num_scheduled_tokens  # proposals included: they need K/V slots too
+        if end - len(s.draft_token_ids) > len(state.token_ids) or end > len(state.block_ids) * self.block_size:
             raise RunnerError(f"request {s.request_id!r} is scheduled up to token {end}, but the "
                               f"runner has {len(state.token_ids)} tokens and "
                               f"{len(state.block_ids)} K/V blocks for it")

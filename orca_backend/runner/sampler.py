@@ -75,7 +75,31 @@ class Sampler:
             return []
         return p.stop_token_ids + ([] if p.ignore_eos else self.eos_token_ids)
 
-    def _sample(self, logits: torch.Tensor, requests: list[RunnerRequest]) -> torch.Tensor:
+    def verify(self, logits: torch.Tensor, req: RunnerRequest, drafts: list[int]) -> tuple[int, int]:
+        """Speculative decoding: logits [k + 1, vocab] of a request's row and its k proposed
+        tokens' rows. Returns (how many proposals it accepts, the token after them). Greedy:
+        proposals while each equals the argmax, then the argmax: the tokens decoding one by
+        one would give. Sampling: Leviathan et al.'s rejection sampling with a one-hot proposal
+        (accept token d with probability p(d); at the first rejection, draw from p without d;
+        after k acceptances, from the last row), which leaves the output distributed as p."""
+        k = len(drafts)
+        if req.params.greedy:
+            targets = logits.argmax(dim=-1).tolist()
+            accepted = next((i for i in range(k) if targets[i] != drafts[i]), k)
+            return accepted, targets[accepted]
+        probs = self._probs(logits, [req] * (k + 1))  # [k + 1, vocab]
+        generator = req.generator or self.generator
+        chances = torch.rand(k, generator=generator, device=probs.device).tolist()
+        proposed = probs[torch.arange(k, device=probs.device), torch.tensor(drafts, device=probs.device)].tolist()
+        for i in range(k):
+            if chances[i] >= proposed[i]:
+                rest = probs[i].clone()
+                rest[drafts[i]] = 0.0
+                return i, int(torch.multinomial(rest / rest.sum(), 1, generator=generator))
+        return k, int(torch.multinomial(probs[k], 1, generator=generator))
+
+    def _probs(self, logits: torch.Tensor, requests: list[RunnerRequest]) -> torch.Tensor:
+        """Each row's distribution after temperature, top-k, top-p and min-p."""
         temps = torch.tensor([r.params.temperature for r in requests], device=logits.device)
         logits = logits / temps[:, None]
         if any(r.params.top_k > 0 or r.params.top_p < 1 for r in requests):
@@ -84,6 +108,10 @@ class Sampler:
         min_p = torch.tensor([r.params.min_p for r in requests], device=logits.device)
         if (min_p > 0).any():
             probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), 0.0)
+        return probs
+
+    def _sample(self, logits: torch.Tensor, requests: list[RunnerRequest]) -> torch.Tensor:
+        probs = self._probs(logits, requests)
         # Exponential race: argmax(p / q), q ~ Exp(1), draws from p. Seeded requests draw
         # their q from their own generator, so their output does not depend on the batch.
         q = torch.empty_like(probs).exponential_(generator=self.generator)

@@ -81,7 +81,8 @@ def model_json_parameters(version_folder: Path) -> dict[str, str]:
     for key, value in values.items():
         name = _VLLM_NAMES.get(key, key)
         if name in ENGINE_PARAMETERS and value is not None:
-            taken[name] = str(value).lower() if isinstance(value, bool) else str(value)
+            taken[name] = (str(value).lower() if isinstance(value, bool)
+                           else json.dumps(value) if isinstance(value, (dict, list)) else str(value))
         else:
             ignored.append(key)
     if ignored:

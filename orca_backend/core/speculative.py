@@ -1,0 +1,113 @@
+"""Speculative decoding's configuration and the n-gram proposer (prompt lookup).
+
+A speculating request is scheduled for 1 + k rows: its last sampled token and k proposed ones.
+The runner checks the proposals against the model's own choice at each row and returns how
+many it accepted, plus one token of its own (the bonus): k + 1 tokens for one pass over the
+weights when every proposal holds. The proposer here needs no model: the longest recent n-gram
+of the request's tokens is looked up earlier in them, and the tokens that followed it there are
+the proposal (text that repeats its input: editing, summarising, code).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ConfigError
+
+METHODS = ("ngram",)
+
+
+@dataclass(slots=True, frozen=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config` (the keys Triton's vLLM backend passes through)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3  # k: proposals per step
+    prompt_lookup_min: int = 1  # the shortest n-gram looked up
+    prompt_lookup_max: int = 4  # the longest
+    # Speculate in an iteration only while at most this many requests run: at high load the
+    # extra rows cost more than they save (the batch is no longer bound by reading weights).
+    max_batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ConfigError(f"speculative_config 'method' must be one of {', '.join(METHODS)}, got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "max_batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"speculative_config {name!r} must be an integer >= 1, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(f"speculative_config 'prompt_lookup_min' ({self.prompt_lookup_min}) must be <= "
+                              f"'prompt_lookup_max' ({self.prompt_lookup_max})")
+
+    @classmethod
+    def parse(cls, value: Any) -> SpeculativeConfig | None:
+        """From a mapping or its JSON text (None or "" for no speculation); raises ConfigError."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            if not value.strip():
+                return None
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(f"speculative_config has unknown key {unknown[0]!r}; known: {', '.join(sorted(known))}")
+        return cls(**value)
+
+
+def may_speculate(params, num_output_tokens: int, wants_logprob: bool) -> bool:
+    """Whether a request's next tokens may be proposed and checked several at once: not with
+    what depends on each token before the next is drawn (penalties over the output so far, a
+    grammar, min_tokens not yet reached) or reports per token (log-probabilities)."""
+    return not (params.needs_penalties or params.structured_outputs is not None or wants_logprob
+                or num_output_tokens < params.min_tokens)
+
+
+class NgramProposer:
+    """Proposals by prompt lookup, over each request's tokens (kept here as bytes, 4 per token,
+    so that the search is `bytes.rfind` in C, not a Python loop over the context)."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self._seen: dict[str, tuple[bytearray, int]] = {}  # request id -> (its tokens as bytes, count)
+
+    def propose(self, request_id: str, tokens: list[int], limit: int) -> list[int]:
+        """Up to min(k, limit) tokens to follow `tokens` (the request's prompt and output so
+        far): after the most recent earlier occurrence of its longest suffix of n tokens,
+        prompt_lookup_max >= n >= prompt_lookup_min, that has one. [] when none has."""
+        limit = min(limit, self.config.num_speculative_tokens)
+        if limit <= 0:
+            return []
+        data = self._bytes(request_id, tokens)
+        num_tokens = len(tokens)
+        for n in range(min(self.config.prompt_lookup_max, num_tokens - 1), self.config.prompt_lookup_min - 1, -1):
+            pattern = bytes(data[(num_tokens - n) * 4:])
+            end = (num_tokens - 1) * 4  # an occurrence that ends before the last token
+            while True:
+                at = data.rfind(pattern, 0, end)
+                if at < 0:
+                    break
+                if at % 4 == 0:  # aligned on a token
+                    start = at // 4 + n
+                    return tokens[start:start + limit]
+                end = at + len(pattern) - 1
+        return []
+
+    def forget(self, request_id: str) -> None:
+        self._seen.pop(request_id, None)
+
+    def _bytes(self, request_id: str, tokens: list[int]) -> bytearray:
+        data, count = self._seen.get(request_id, (bytearray(), 0))
+        if count > len(tokens):  # not this request's history any more (a recompute): start over
+            data, count = bytearray(), 0
+        for t in tokens[count:]:
+            data += t.to_bytes(4, "little")
+        self._seen[request_id] = (data, len(tokens))
+        return data

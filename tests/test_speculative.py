@@ -1,0 +1,151 @@
+"""Speculative decoding with n-gram proposals: the proposer and its configuration; the rejection
+sampler's output distribution against the target's; and through the engine on the default
+model, greedy output token for token the output without speculation, with every stop, EOS and
+max_tokens alignment inside accepted runs, preemption, prefix caching, seeded sampling, and the
+process and pipeline executors."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from orca_backend.core.errors import ConfigError
+from orca_backend.core.sampling_params import SamplingParams
+from orca_backend.core.speculative import NgramProposer, SpeculativeConfig
+from orca_backend.engine.llm import LLM
+
+# Prompts whose continuations repeat what they hold (proposals get accepted) and one that does not.
+PROMPTS = ["Repeat this list exactly: apple, banana, cherry, date, elderberry, fig, grape. "
+           "Repeat: apple, banana,",
+           "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n",
+           "The capital of France is"]
+SPEC = {"num_speculative_tokens": 4, "max_batch_size": 64}
+
+
+def test_the_proposer_looks_up_the_longest_recent_ngram():
+    p = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=3))
+    assert p.propose("r", [1, 2, 3, 4, 5, 9, 1, 2, 3], 5) == [4, 5, 9]  # the 3-gram 1 2 3
+    assert p.propose("r", [1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 2, 3], 5) == [7, 2, 3]  # 2 3: its latest earlier place
+    assert p.propose("r", [1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 2, 3], 1) == [7]  # the limit
+    assert p.propose("x", [5, 6, 7, 8], 5) == []  # nothing repeats
+    assert p.propose("y", [9, 9], 5) == []  # a 1-gram is below prompt_lookup_min
+    # token ids whose bytes line up across tokens are never a match in between
+    assert p.propose("z", [256, 1, 2, 0, 1, 2], 5) == [0, 1, 2]
+    assert p.propose("w", [1, 256, 1, 1], 3) == []
+
+
+@pytest.mark.parametrize("value, words", [
+    ({"method": "eagle"}, "'method' must be one of ngram"),
+    ({"num_speculative_tokens": 0}, "'num_speculative_tokens' must be an integer >= 1"),
+    ({"prompt_lookup_min": 5, "prompt_lookup_max": 2}, "'prompt_lookup_min' \\(5\\) must be <="),
+    ({"draft": 1}, "unknown key 'draft'"),
+    ("{not json", "not valid JSON"),
+    ("[1]", "must be a JSON object"),
+])
+def test_a_bad_speculative_config_is_refused_by_name(value, words):
+    with pytest.raises(ConfigError, match=words):
+        SpeculativeConfig.parse(value)
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """A 6-token vocabulary, two proposals (one likely, one not), 40,000 draws with a fixed
+    seed: the first two tokens emitted are distributed as the target's rows (independent
+    here), total variation below 0.015; every proposal accepted at its probability."""
+    from orca_backend.runner.sampler import Sampler
+    from orca_backend.runner.state import RunnerRequest
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 0.3], [0.1, 1.5, -0.5, 2.2, 0.0, 0.0],
+                           [0.0, 0.0, 3.0, 0.0, 1.0, 0.0]])
+    drafts = [0, 4]
+    params = SamplingParams(temperature=0.8, top_k=5)
+    state = RunnerRequest("r", 1, [1], params, False)
+    state.generator = torch.Generator().manual_seed(1234)
+    sampler = Sampler(torch.device("cpu"), 0, [])
+    target = sampler._probs(logits, [state] * 3)
+    first_counts, second_counts = torch.zeros(6), torch.zeros(6)
+    accepted_first = 0
+    n = 40_000
+    for _ in range(n):
+        accepted, token = sampler.verify(logits, state, drafts)
+        first_counts[drafts[0] if accepted >= 1 else token] += 1
+        if accepted >= 1:  # the second token: the second proposal, or the draw that replaced it
+            accepted_first += 1
+            second_counts[drafts[1] if accepted == 2 else token] += 1
+    # the first token is distributed as the first row; the second (after the first proposal) as the second row
+    assert (first_counts / n - target[0]).abs().sum() / 2 < 0.015
+    assert (second_counts / second_counts.sum() - target[1]).abs().sum() / 2 < 0.015
+    assert abs(accepted_first / n - target[0, drafts[0]].item()) < 0.01
+
+
+@pytest.fixture(scope="module")
+def reference(default_model):
+    with LLM(str(default_model), kv_cache_tokens=4096) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def speculating(default_model):
+    with LLM(str(default_model), kv_cache_tokens=4096, speculative_config=SPEC) as llm:
+        yield llm
+
+
+def same(a, b) -> None:
+    for x, y in zip(a, b, strict=True):
+        assert (x.token_ids, x.text, x.finish_reason, x.error) == (y.token_ids, y.text, y.finish_reason, y.error)
+
+
+def test_greedy_output_is_the_output_without_speculation_at_every_end(reference, speculating):
+    """Each prompt ends by max_tokens, a stop token and a stop string at each of its first 12
+    tokens (one batch of 3 x 37 requests, speculating), and by EOS: every output, text and
+    finish reason equal to the engine's without speculation; proposals were accepted."""
+    base = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    full = [o.token_ids for o in reference.generate(PROMPTS, base)]
+    prompts, params = [], []
+    for prompt, tokens in zip(PROMPTS, full):
+        text = reference.engine.rules.tokenizer.decode
+        for j in range(1, 13):
+            prompts += [prompt] * 3
+            params += [SamplingParams(max_tokens=j, temperature=0, ignore_eos=True),
+                       SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=[tokens[j - 1]]),
+                       SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                      stop=[text(tokens[j - 1:j]).strip() or "\n"])]
+        prompts.append(prompt)
+        params.append(SamplingParams(max_tokens=40, temperature=0))  # EOS where the model says so
+    before = speculating.engine.stats.speculation.num_accepted_tokens
+    same(reference.generate(prompts, params), speculating.generate(prompts, params))
+    assert speculating.engine.stats.speculation.num_accepted_tokens > before
+    assert speculating.engine.kv.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("options", [dict(executor="process"), dict(executor="pipeline", pipeline_stages=2),
+                                     dict(kv_cache_tokens=160, block_size=4, max_num_batched_tokens=64)],
+                         ids=["process", "pipeline", "preempting"])
+def test_greedy_output_is_the_same_through_other_executors_and_preemption(default_model, reference, options):
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompts = PROMPTS * 2
+    with LLM(str(default_model), speculative_config=SPEC, **{"kv_cache_tokens": 4096, **options}) as llm:
+        outs = llm.generate(prompts, params)
+        stats = llm.engine.stats.speculation
+        preemptions = llm.engine.scheduler.num_preemptions
+    same(reference.generate(prompts, params), outs)
+    assert stats.num_accepted_tokens > 0
+    if "block_size" in options:
+        assert preemptions > 0
+
+
+def test_prefix_caching_names_only_accepted_tokens(speculating, reference):
+    """A request whose prompt is an earlier request's prompt and output hits the cache, and
+    its output is right: the cached blocks hold accepted tokens' K/V only."""
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    first, = speculating.generate(PROMPTS[0], params)
+    follow = PROMPTS[0] + first.text + " Again:"
+    again, = speculating.generate(follow, params)
+    assert again.num_cached_tokens >= 32
+    same(reference.generate(follow, params), [again])
+
+
+def test_seeded_sampling_with_speculation_is_reproducible(speculating):
+    params = [SamplingParams(max_tokens=24, temperature=0.7, seed=s) for s in (1, 2)]
+    first = speculating.generate(PROMPTS[:2] * 2, params * 2)
+    second = speculating.generate(PROMPTS[:2] * 2, params * 2)
+    assert [o.token_ids for o in first] == [o.token_ids for o in second]
+    assert all(len(o.token_ids) <= 24 for o in first)
