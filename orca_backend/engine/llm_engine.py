@@ -246,7 +246,8 @@ class LLMEngine:
             num_prefix_queried_tokens=self.kv.stats.num_queried_tokens,
             num_prefix_hit_tokens=self.kv.stats.num_hit_tokens, num_evictions=self.kv.stats.num_evictions,
             num_structured_requests=self.stats.num_structured_requests,
-            lora=self._lora_snapshot() if self.config.enable_lora else None)
+            lora=self._lora_snapshot() if self.config.enable_lora else None,
+            speculation=self.stats.speculation.copy() if self.config.speculative_config is not None else None)
 
     def _lora_snapshot(self) -> LoRASnapshot:
         running, waiting = self.lora_requests()

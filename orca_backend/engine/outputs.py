@@ -55,6 +55,10 @@ class SpeculationStats:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
 
+    def copy(self) -> SpeculationStats:
+        return SpeculationStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                                list(self.accepted_per_position))
+
     def add(self, num_proposed: int, num_accepted: int) -> None:
         self.num_drafts += 1
         self.num_draft_tokens += num_proposed
@@ -103,4 +107,5 @@ class EngineSnapshot:
     num_prefix_hit_tokens: int = 0  # of those, found there
     num_evictions: int = 0  # cached blocks dropped to reuse their space
     lora: LoRASnapshot | None = None  # with enable_lora
+    speculation: SpeculationStats | None = None  # with speculative_config (a copy)
     num_structured_requests: int = 0  # requests added with a structured_outputs grammar

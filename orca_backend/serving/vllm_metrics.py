@@ -36,6 +36,9 @@ class VllmMetrics:
     def __init__(self, make: MakeMetric, model: str, version: str, max_model_len: int) -> None:
         labels = {"model": model, "version": version}
         self._make, self._labels = make, labels
+        # Speculative decoding's counters, made when a snapshot first has them (speculation on).
+        self.spec_counters: dict[str, Counter] = {}
+        self.spec_per_position: list[Counter] = []  # made as positions appear
         # vllm:lora_requests_info: one series per (running, waiting) set, its value the last time
         # that set was current, as vLLM's gauge (a router reads the newest series).
         self.lora_info: dict[tuple, Gauge] = {}
@@ -90,6 +93,25 @@ class VllmMetrics:
             counter.follow(getattr(s, key))
         if s.lora is not None:
             self._apply_lora(s.lora)
+        if s.speculation is not None:
+            self._apply_speculation(s.speculation)
+
+    def _apply_speculation(self, spec) -> None:
+        if not self.spec_counters:
+            self.spec_counters = {key: Counter(self._make(f"vllm:spec_decode_{key}_total", "counter",
+                                                          f"Speculative decoding: {what}.", self._labels))
+                                  for key, what in (("num_drafts", "steps that proposed tokens"),
+                                                    ("num_draft_tokens", "tokens proposed"),
+                                                    ("num_accepted_tokens", "proposed tokens accepted"))}
+        for key, counter in self.spec_counters.items():
+            counter.follow(getattr(spec, key))
+        while len(self.spec_per_position) < len(spec.accepted_per_position):
+            self.spec_per_position.append(Counter(self._make(
+                "vllm:spec_decode_num_accepted_tokens_per_pos", "counter",
+                "Speculative decoding: tokens accepted at each position of a step's proposals.",
+                {**self._labels, "position": str(len(self.spec_per_position))})))
+        for counter, count in zip(self.spec_per_position, spec.accepted_per_position):
+            counter.follow(count)
 
     def _apply_lora(self, lora: LoRASnapshot) -> None:
         key = (lora.running, lora.waiting)
@@ -123,5 +145,6 @@ class VllmMetrics:
         series = [self.running, self.waiting, self.kv_usage, self.gpu_cache_usage, self.prompt_tokens,
                   self.generation_tokens, *self.success.values(), self.ttft, self.itl, self.tpot, self.e2e,
                   self.request_prompt_tokens, self.request_generation_tokens, self.params_n,
-                  *self.engine_counters.values(), *self.lora_info.values()]
+                  *self.engine_counters.values(), *self.lora_info.values(), *self.spec_counters.values(),
+                  *self.spec_per_position]
         return sum(s.flush() for s in series)
