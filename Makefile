@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install model serve test test-fast bench bench-full bench-prefix bench-engine bench-cpu bench-executors bench-pipeline bench-tp bench-startup bench-host bench-structured bench-tools bench-lora perf simulate clean
+.PHONY: install model serve test test-fast bench bench-full bench-prefix bench-engine bench-cpu bench-executors bench-pipeline bench-tp bench-startup bench-host bench-structured bench-tools bench-lora bench-spec perf simulate clean
 
 install: $(STAMP)
 
@@ -97,6 +97,10 @@ bench-structured: model
 # Multi-LoRA: a decode iteration at batch 32 with 0, 1, 4 and 8 adapters mixed; writes docs/benchmarks/lora.md
 bench-lora: model
 	$(PY) benchmarks/bench_lora.py --markdown docs/benchmarks/lora.md
+
+# Speculative decoding (n-gram) against none and llama-server, batch 1 to 32; writes docs/benchmarks/speculative.md
+bench-spec: model
+	$(PY) benchmarks/bench_spec.py --markdown docs/benchmarks/speculative.md
 
 # What reading tool calls costs the OpenAI API per streamed chunk, beside re-parsing the output.
 bench-tools: install

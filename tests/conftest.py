@@ -10,7 +10,7 @@ import pytest
 from orca_backend.checkpoint.store import prepare_default_model
 
 TINY_VOCAB = 512  # token ids below this decode with the default model's tokenizer
-SERVER_FIXTURES = {"server", "hostile"}  # a test that takes one is in the slow group `server`
+SERVER_FIXTURES = {"server", "hostile", "feature_server"}  # a test that takes one is in the slow group `server`
 
 
 def pytest_collection_modifyitems(items) -> None:
@@ -171,3 +171,49 @@ def lora_adapters(tmp_path_factory, default_model):
         "a": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
         "b": dict(r=16, lora_alpha=16, target_modules=ALL_PROJECTIONS),
         "c": dict(r=8, lora_alpha=8, use_rslora=True, target_modules=["o_proj", "gate_proj", "down_proj"])})
+
+
+def write_model(repo: Path, name: str, parameters: dict, files: dict[str, str] | None = None) -> Path:
+    """A copy of model_repository/orca named `name` with these parameters and files in its
+    version folder; returns the version folder."""
+    from orca_backend.serving.stages.repository import TEMPLATE, set_parameters
+
+    config = set_parameters(TEMPLATE.read_text(), parameters).replace('name: "orca"', f'name: "{name}"', 1)
+    version = repo / name / "1"
+    version.mkdir(parents=True)
+    (repo / name / "config.pbtxt").write_text(config)
+    (version / "model.py").write_text("from orca_backend.serving.triton_model import TritonPythonModel  # noqa\n")
+    for file, text in (files or {}).items():
+        (version / file).write_text(text)
+    return version
+
+
+@pytest.fixture(scope="session")
+def feature_server(tmp_path_factory, lora_adapters):
+    """One tritonserver for the features that need models of their own configuration:
+    `lora`: LoRA options in config.pbtxt, adapters a and b from multi_lora.json, run-time
+    loading on; `lora_json`: LoRA on through model.json (as Triton's vLLM backend reads it, a
+    vLLM option it does not have included), adapter c from a folder relative to the version;
+    `spec`: speculative decoding (n-gram, 4 tokens) from config.pbtxt."""
+    import json
+
+    from orca_backend.serving.launch import Server
+
+    repo = tmp_path_factory.mktemp("feature_repo")
+    paths = lora_adapters.paths
+    write_model(repo, "lora", {"enable_lora": "true", "max_loras": "2", "max_cpu_loras": "3",
+                               "runtime_lora_updating": "true", "kv_cache_tokens": "4096", "max_batch_size": "8"},
+                {"multi_lora.json": json.dumps({"a": str(paths["a"]), "b": str(paths["b"])})})
+    version = write_model(repo, "lora_json", {"kv_cache_tokens": "2048"}, {
+        "model.json": json.dumps({"enable_lora": "true", "max_lora_rank": 16, "max_loras": 1,
+                                  "gpu_memory_utilization": 0.5}),
+        "multi_lora.json": json.dumps({"c": "adapters/c"})})
+    shutil.copytree(paths["c"], version / "adapters" / "c")
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4}).replace('"', '\\"')  # quoted for pbtxt
+    write_model(repo, "spec", {"speculative_config": spec, "kv_cache_tokens": "4096"})
+    server = Server(tmp_path_factory.mktemp("feature_triton"), repo, ["--exit-timeout-secs=20"])
+    try:
+        server.wait_ready(600)
+        yield server
+    finally:
+        server.stop()

@@ -6,7 +6,6 @@ Triton's frontend's naming; loaded, used and unloaded at run time), and the metr
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import requests
@@ -15,45 +14,10 @@ import transformers as tf
 from client.triton_client import StreamingClient
 from conftest import LORA_MAX_TOKENS, LORA_PROMPTS
 from helpers import assert_no_leak, settled_metrics, wait_until
-from orca_backend.serving.launch import Frontend, Server
-from orca_backend.serving.stages.repository import TEMPLATE, set_parameters
+from orca_backend.serving.launch import Frontend
 
 GREEDY = {"temperature": 0, "max_tokens": LORA_MAX_TOKENS, "ignore_eos": True}
 PROMPT = LORA_PROMPTS[0]
-
-
-def write_model(repo, name: str, parameters: dict, files: dict[str, str]):
-    config = set_parameters(TEMPLATE.read_text(), parameters).replace('name: "orca"', f'name: "{name}"', 1)
-    version = repo / name / "1"
-    version.mkdir(parents=True)
-    (repo / name / "config.pbtxt").write_text(config)
-    (version / "model.py").write_text("from orca_backend.serving.triton_model import TritonPythonModel  # noqa\n")
-    for file, text in files.items():
-        (version / file).write_text(text)
-    return version
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory, lora_adapters):
-    """`lora`: LoRA options in config.pbtxt, adapters a and b from multi_lora.json, run-time
-    loading on; `lora_json`: LoRA on through model.json (as Triton's vLLM backend reads it, a
-    vLLM option it does not have included), adapter c from a folder relative to the version."""
-    repo = tmp_path_factory.mktemp("lora_repo")
-    paths = lora_adapters.paths
-    write_model(repo, "lora", {"enable_lora": "true", "max_loras": "2", "max_cpu_loras": "3",
-                               "runtime_lora_updating": "true", "kv_cache_tokens": "4096", "max_batch_size": "8"},
-                {"multi_lora.json": json.dumps({"a": str(paths["a"]), "b": str(paths["b"])})})
-    version = write_model(repo, "lora_json", {"kv_cache_tokens": "2048"}, {
-        "model.json": json.dumps({"enable_lora": "true", "max_lora_rank": 16, "max_loras": 1,
-                                  "gpu_memory_utilization": 0.5}),
-        "multi_lora.json": json.dumps({"c": "adapters/c"})})
-    shutil.copytree(paths["c"], version / "adapters" / "c")
-    server = Server(tmp_path_factory.mktemp("lora_triton"), repo, ["--exit-timeout-secs=20"])
-    try:
-        server.wait_ready(600)
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -63,25 +27,25 @@ def text(default_model, lora_adapters):
     return lambda name, prompt=PROMPT: tokenizer.decode(lora_adapters.greedy[(name, prompt)])
 
 
-def test_tritonclient_streams_each_adapter_mixed_in_one_batch(served, text):
-    with StreamingClient(served.grpc_url, "lora") as c:
+def test_tritonclient_streams_each_adapter_mixed_in_one_batch(feature_server, text):
+    with StreamingClient(feature_server.grpc_url, "lora") as c:
         ids = {name: [c.send(p, sampling={**GREEDY, **({"lora_name": name} if name else {})}, stream=True)
                       for p in LORA_PROMPTS] for name in (None, "a", "b")}
         for name, request_ids in ids.items():
             for prompt, request_id in zip(LORA_PROMPTS, request_ids):
                 result = c.wait(request_id)
                 assert result.error is None and result.text == text(name, prompt), name
-    with StreamingClient(served.grpc_url, "lora_json") as c:
+    with StreamingClient(feature_server.grpc_url, "lora_json") as c:
         assert c.generate(PROMPT, sampling={**GREEDY, "lora_name": "c"}).text == text("c")
     # Triton's generate endpoint: lora_name among the request's parameters
-    status, body = served.http("/v2/models/lora/generate", json.dumps(
+    status, body = feature_server.http("/v2/models/lora/generate", json.dumps(
         {"text_input": PROMPT, "parameters": {**GREEDY, "lora_name": "b", "exclude_input_in_output": True}}).encode())
     assert status == 200 and json.loads(body)["text_output"] == text("b")
-    assert_no_leak(served, "lora")
+    assert_no_leak(feature_server, "lora")
 
 
-def test_unknown_adapters_and_lora_off_are_invalid_arg_beside_a_healthy_stream(served, server, text):
-    with StreamingClient(served.grpc_url, "lora") as c:
+def test_unknown_adapters_and_lora_off_are_invalid_arg_beside_a_healthy_stream(feature_server, server, text):
+    with StreamingClient(feature_server.grpc_url, "lora") as c:
         healthy = c.send(PROMPT, sampling={**GREEDY, "lora_name": "a"}, stream=True)
         wait_until(lambda: c._results[healthy].responses, what="the healthy stream's first token")
         bad = c.wait(c.send(PROMPT, sampling={**GREEDY, "lora_name": "nope"}))
@@ -90,19 +54,19 @@ def test_unknown_adapters_and_lora_off_are_invalid_arg_beside_a_healthy_stream(s
     for model, name, message in (("lora", "nope", "LoRA nope is not supported"),
                                  ("orca", "a", "LoRA feature is not enabled."),
                                  ("lora", 7, "sampling parameter 'lora_name' must be a string")):
-        http = server if model == "orca" else served
+        http = server if model == "orca" else feature_server
         status, body = http.http(f"/v2/models/{model}/generate", json.dumps(
             {"text_input": PROMPT, "parameters": {**GREEDY, "lora_name": name}}).encode())
         assert status == 400 and message in json.loads(body)["error"], body  # INVALID_ARG
-    assert_no_leak(served, "lora")
+    assert_no_leak(feature_server, "lora")
     assert_no_leak(server, "orca")
 
 
 @pytest.fixture(scope="module")
-def openai_urls(served, tmp_path_factory):
+def openai_urls(feature_server, tmp_path_factory):
     """Two OpenAI frontends: adapters by their own name (vLLM) and as <model>/<adapter>."""
     work = tmp_path_factory.mktemp("lora_openai")
-    frontends = [Frontend(work, served.grpc_url), Frontend(work, served.grpc_url, args=["--lora-separator", "/"])]
+    frontends = [Frontend(work, feature_server.grpc_url), Frontend(work, feature_server.grpc_url, args=["--lora-separator", "/"])]
     try:
         for f in frontends:
             f.wait_ready()
@@ -135,7 +99,7 @@ def test_the_openai_api_lists_and_serves_adapters_by_either_name(openai_urls, te
         plain.completions.create(model="lora/b", prompt=PROMPT, max_tokens=2)  # no separator on this one
 
 
-def test_adapters_are_loaded_used_and_unloaded_at_run_time(openai_urls, served, lora_adapters, text):
+def test_adapters_are_loaded_used_and_unloaded_at_run_time(openai_urls, feature_server, lora_adapters, text):
     import openai
 
     url = openai_urls[0]
@@ -165,18 +129,18 @@ def test_adapters_are_loaded_used_and_unloaded_at_run_time(openai_urls, served, 
     assert off.status_code == 400 and "runtime_lora_updating" in off.json()["error"]["message"]
     missing = requests.post(url + "/v1/load_lora_adapter", json={"lora_name": "x", "model": "lora"}, timeout=60)
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "lora_path"
-    assert_no_leak(served, "lora")
+    assert_no_leak(feature_server, "lora")
 
 
-def test_the_metrics_say_which_adapters_run_and_count_requests_per_adapter(served):
-    before = settled_metrics(served)
-    with StreamingClient(served.grpc_url, "lora") as c:
+def test_the_metrics_say_which_adapters_run_and_count_requests_per_adapter(feature_server):
+    before = settled_metrics(feature_server)
+    with StreamingClient(feature_server.grpc_url, "lora") as c:
         long = c.send(PROMPT, sampling={**GREEDY, "max_tokens": 300, "lora_name": "a"}, stream=True)
         wait_until(lambda: len(c._results[long].responses) > 2, what="a's request running")
         # a running, b waits for nothing (two slots): both show as running
         c.wait(c.send(PROMPT, sampling={**GREEDY, "lora_name": "b"}))
         c.wait(long)
-    after = settled_metrics(served)
+    after = settled_metrics(feature_server)
     count = 'orca_lora_requests_total{adapter="%s",model="lora"}'
     for name in ("a", "b"):
         assert after[count % name] == before.get(count % name, 0) + 1

@@ -1,16 +1,10 @@
 """Speculative decoding served by a real tritonserver: a model with `speculative_config` in its
-config.pbtxt streams the same text as the model without it, responses carrying several tokens
+config.pbtxt (`spec` of the `feature_server` fixture) streams the same text as the model without it, responses carrying several tokens
 when proposals were accepted, the token counts exact; vLLM's spec_decode metrics count it."""
 from __future__ import annotations
 
-import json
-
-import pytest
-
 from client.triton_client import StreamingClient
 from helpers import assert_no_leak, settled_metrics
-from orca_backend.serving.launch import Server
-from orca_backend.serving.stages.repository import TEMPLATE, set_parameters
 
 PROMPTS = ["Repeat this list exactly: apple, banana, cherry, date, elderberry, fig, grape. Repeat: apple, banana,",
            "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n",
@@ -19,39 +13,22 @@ GREEDY = {"temperature": 0, "max_tokens": 32, "ignore_eos": True}
 FLAGS = dict(stream=True, flags={"return_num_output_tokens": True, "return_finish_reason": True})
 
 
-@pytest.fixture(scope="module")
-def spec_server(tmp_path_factory, default_model):
-    repo = tmp_path_factory.mktemp("spec_repo")
-    config = set_parameters(TEMPLATE.read_text(), {
-        "speculative_config": json.dumps({"method": "ngram", "num_speculative_tokens": 4}).replace('"', '\\"'),
-        "kv_cache_tokens": "4096"}).replace('name: "orca"', 'name: "spec"', 1)
-    (repo / "spec" / "1").mkdir(parents=True)
-    (repo / "spec" / "config.pbtxt").write_text(config)
-    (repo / "spec" / "1" / "model.py").write_text("from orca_backend.serving.triton_model import TritonPythonModel  # noqa\n")
-    server = Server(tmp_path_factory.mktemp("spec_triton"), repo, ["--exit-timeout-secs=20"])
-    try:
-        server.wait_ready(600)
-        yield server
-    finally:
-        server.stop()
-
-
 def run(server, model: str) -> list:
     with StreamingClient(server.grpc_url, model) as c:
         ids = [c.send(p, sampling=GREEDY, **FLAGS) for p in PROMPTS]
         return [c.wait(i) for i in ids]
 
 
-def test_served_speculation_streams_the_same_text_with_exact_counts(spec_server, server):
-    before = settled_metrics(spec_server)
-    reference, speculating = run(server, "orca"), run(spec_server, "spec")
+def test_served_speculation_streams_the_same_text_with_exact_counts(feature_server, server):
+    before = settled_metrics(feature_server)
+    reference, speculating = run(server, "orca"), run(feature_server, "spec")
     for ref, spec in zip(reference, speculating):
         assert spec.error is None and spec.text == ref.text
         counts = [int(r["num_output_tokens"]) for r in spec.responses]
         assert sum(counts) == GREEDY["max_tokens"]  # every token counted once, none past max_tokens
         assert spec.responses[-1]["finish_reason"] == "length"
     assert any(int(r["num_output_tokens"]) > 1 for s in speculating for r in s.responses)  # several at once
-    after = settled_metrics(spec_server)
+    after = settled_metrics(feature_server)
     labels = '{model="spec",version="1"}'
 
     def grew(name: str) -> float:
@@ -61,4 +38,4 @@ def test_served_speculation_streams_the_same_text_with_exact_counts(spec_server,
     assert grew("spec_decode_num_drafts_total") > 0 and 0 < accepted <= grew("spec_decode_num_draft_tokens_total")
     per_position = sum(v for k, v in after.items() if k.startswith("vllm:spec_decode_num_accepted_tokens_per_pos{"))
     assert per_position == after[f"vllm:spec_decode_num_accepted_tokens_total{labels}"]
-    assert_no_leak(spec_server, "spec")
+    assert_no_leak(feature_server, "spec")

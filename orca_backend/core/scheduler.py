@@ -144,6 +144,8 @@ class Scheduler:
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             drafts = self._propose(req, budget - n) if n == 1 and self._speculate else []
+            if drafts and not self.kv.can_allocate(req.request_id, req.num_computed_tokens + n + len(drafts)):
+                drafts = []  # proposals never preempt anyone
             n += len(drafts)
             if not self._make_room(req, req.num_computed_tokens + n):
                 break  # req itself was the newest and got preempted

@@ -1,0 +1,133 @@
+"""What speculative decoding (n-gram prompt lookup) buys on this machine: decode speed with and
+without it, on prompts whose answer repeats their input (editing, code) and on prompts whose
+answer does not, at batch 1 to 32; where the adaptive switch (`max_batch_size`) should sit; and
+llama.cpp's llama-server (no speculation, F32 GGUF of the same weights) on the same prompts.
+
+One engine per configuration, all built first; rounds alternate between them. Figures are
+generated tokens per second of wall time (`LLM.generate`, greedy, `ignore_eos`, 64 tokens a
+request), best of the rounds; a batch of B repeats the kind's prompts round-robin.
+
+    python benchmarks/bench_spec.py [--rounds 2] [--markdown docs/benchmarks/speculative.md]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.report import log, machine_lines, table  # noqa: E402
+from orca_backend.core.sampling_params import SamplingParams  # noqa: E402
+from orca_backend.engine.llm import LLM  # noqa: E402
+from orca_backend.serving.launch import REPO_ROOT, free_ports  # noqa: E402
+
+MAX_TOKENS = 64
+TEXT = ("Speculative decoding proposes several tokens and checks them in one pass over the weights, so a "
+        "step that reads every weight can yield more than one token when the proposals hold.")
+CODE = ("def total_price(items, tax_rate):\n    subtotal = 0\n    for item in items:\n"
+        "        subtotal += item.price * item.quantity\n    return subtotal * (1 + tax_rate)\n")
+PROMPTS = {
+    "repeats its input": [
+        f"Fix the spelling and return the whole text unchanged otherwise.\nText: {TEXT}\nFixed text: {TEXT[:40]}",
+        f"Rename subtotal to running_total in this code and return all of it.\n{CODE}\nRenamed:\n{CODE[:30]}",
+        f"Copy this paragraph exactly.\n{TEXT}\nCopy: {TEXT[:25]}"],
+    "does not": ["Write a short story about a lighthouse keeper who finds a message in a bottle.",
+                 "List ten ideas for a weekend in the mountains, with a sentence on each.",
+                 "Explain to a child why the sky is blue."]}
+BATCHES = (1, 2, 4, 8, 16, 32)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
+
+
+def tokens_per_second(llm: LLM, prompts: list[str], batch: int) -> float:
+    requests = [prompts[i % len(prompts)] for i in range(batch)]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate(requests, params)
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+
+
+def llama_single(prompts: list[str]) -> float | None:
+    """llama-server's decode tokens/s at one stream, as its own timings say; None if not built
+    (`make bench-cpu` builds it)."""
+    root = REPO_ROOT / "build" / "llama.cpp"
+    binary, gguf = root / "cmake-build/bin/llama-server", root / "gguf/model-f32.gguf"
+    if not binary.exists() or not gguf.exists():
+        return None
+    port = free_ports(1)[0]
+    proc = subprocess.Popen([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", "1",
+                             "-c", "2048", "-t", str(os.cpu_count()), "--no-webui"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        per_token = []
+        for prompt in prompts:
+            r = httpx.post(url + "/completion", json={"prompt": prompt, "n_predict": MAX_TOKENS, "temperature": 0,
+                                                      "ignore_eos": True, "cache_prompt": False}, timeout=300)
+            per_token.append(r.json()["timings"]["predicted_per_token_ms"])
+        return 1000 / (sum(per_token) / len(per_token))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--markdown", type=Path)
+    args = p.parse_args()
+    options = dict(kv_cache_tokens=16384, max_batch_size=32)
+    engines = {"off": LLM(**options),
+               "ngram, always": LLM(speculative_config={**NGRAM, "max_batch_size": 64}, **options),
+               "ngram, adaptive (max_batch_size 8)": LLM(speculative_config={**NGRAM, "max_batch_size": 8}, **options)}
+    best: dict[tuple, float] = {}
+    for r in range(args.rounds):
+        for kind, prompts in PROMPTS.items():
+            for batch in BATCHES:
+                for name, llm in engines.items():
+                    rate = tokens_per_second(llm, prompts, batch)
+                    best[(kind, batch, name)] = max(best.get((kind, batch, name), 0.0), rate)
+                log(f"round {r + 1}, {kind}, batch {batch}: " + ", ".join(
+                    f"{name} {best[(kind, batch, name)]:.0f}" for name in engines))
+    accepted = {name: llm.engine.stats.speculation for name, llm in engines.items()}
+    for llm in engines.values():
+        llm.shutdown()
+    llama = {kind: llama_single(prompts) for kind, prompts in PROMPTS.items()}
+    rows = []
+    for kind in PROMPTS:
+        for batch in BATCHES:
+            off = best[(kind, batch, "off")]
+            rows.append([kind, batch, f"{off:.0f}", *(f"{best[(kind, batch, n)]:.0f} ({best[(kind, batch, n)] / off:.2f}x)"
+                                                      for n in list(engines)[1:])])
+    spec = accepted["ngram, always"]
+    lines = [f"# Speculative decoding on the CPU ({datetime.date.today()})", "",
+             f"`python benchmarks/bench_spec.py --rounds {args.rounds}` (`make bench-spec`): the default model, "
+             f"greedy, {MAX_TOKENS} tokens a request (`ignore_eos`), n-gram proposals of up to "
+             f"{NGRAM['num_speculative_tokens']} tokens; generated tokens per second, best of the rounds.", "",
+             *table(["prompts", "batch", "off tok/s", *list(engines)[1:]], rows), "",
+             f"Proposals accepted (always on, every run): {spec.num_accepted_tokens:,} of "
+             f"{spec.num_draft_tokens:,} tokens ({spec.num_accepted_tokens / max(1, spec.num_draft_tokens):.0%}), "
+             f"by position {spec.accepted_per_position}.", ""]
+    for kind, rate in llama.items():
+        if rate is not None:
+            lines.append(f"llama-server (F32 GGUF, one slot, no speculation), prompts that {kind}: "
+                         f"{rate:.0f} tokens/s at batch 1.")
+    lines += ["", *machine_lines(), ""]
+    print("\n".join(lines))
+    if args.markdown:
+        args.markdown.write_text("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
