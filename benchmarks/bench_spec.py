@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
-
-import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.report import log, machine_lines, table  # noqa: E402
@@ -41,7 +42,7 @@ PROMPTS = {
                  "List ten ideas for a weekend in the mountains, with a sentence on each.",
                  "Explain to a child why the sky is blue."]}
 BATCHES = (1, 2, 4, 8, 16, 32)
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 3, "prompt_lookup_max": 4}
 
 
 def tokens_per_second(llm: LLM, prompts: list[str], batch: int) -> float:
@@ -67,15 +68,18 @@ def llama_single(prompts: list[str]) -> float | None:
     try:
         for _ in range(600):
             try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
+                with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
                 time.sleep(0.5)
         per_token = []
         for prompt in prompts:
-            r = httpx.post(url + "/completion", json={"prompt": prompt, "n_predict": MAX_TOKENS, "temperature": 0,
-                                                      "ignore_eos": True, "cache_prompt": False}, timeout=300)
-            per_token.append(r.json()["timings"]["predicted_per_token_ms"])
+            body = json.dumps({"prompt": prompt, "n_predict": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+                               "cache_prompt": False}).encode()
+            request = urllib.request.Request(url + "/completion", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=300) as r:
+                per_token.append(json.loads(r.read())["timings"]["predicted_per_token_ms"])
         return 1000 / (sum(per_token) / len(per_token))
     finally:
         proc.terminate()
@@ -90,7 +94,7 @@ def main() -> None:
     options = dict(kv_cache_tokens=16384, max_batch_size=32)
     engines = {"off": LLM(**options),
                "ngram, always": LLM(speculative_config={**NGRAM, "max_batch_size": 64}, **options),
-               "ngram, adaptive (max_batch_size 8)": LLM(speculative_config={**NGRAM, "max_batch_size": 8}, **options)}
+               "ngram, adaptive (max_batch_size 4, the default)": LLM(speculative_config=NGRAM, **options)}
     best: dict[tuple, float] = {}
     for r in range(args.rounds):
         for kind, prompts in PROMPTS.items():
@@ -114,14 +118,16 @@ def main() -> None:
     lines = [f"# Speculative decoding on the CPU ({datetime.date.today()})", "",
              f"`python benchmarks/bench_spec.py --rounds {args.rounds}` (`make bench-spec`): the default model, "
              f"greedy, {MAX_TOKENS} tokens a request (`ignore_eos`), n-gram proposals of up to "
-             f"{NGRAM['num_speculative_tokens']} tokens; generated tokens per second, best of the rounds.", "",
+             f"{NGRAM['num_speculative_tokens']} tokens (n-grams of {NGRAM['prompt_lookup_min']} to "
+             f"{NGRAM['prompt_lookup_max']}); generated tokens per second, best of the rounds. \"always\" "
+             "speculates at any batch; \"adaptive\" only while at most 4 requests run.", "",
              *table(["prompts", "batch", "off tok/s", *list(engines)[1:]], rows), "",
              f"Proposals accepted (always on, every run): {spec.num_accepted_tokens:,} of "
              f"{spec.num_draft_tokens:,} tokens ({spec.num_accepted_tokens / max(1, spec.num_draft_tokens):.0%}), "
              f"by position {spec.accepted_per_position}.", ""]
     for kind, rate in llama.items():
         if rate is not None:
-            lines.append(f"llama-server (F32 GGUF, one slot, no speculation), prompts that {kind}: "
+            lines.append(f"llama-server (F32 GGUF, one slot, no speculation), prompts whose answer {kind}: "
                          f"{rate:.0f} tokens/s at batch 1.")
     lines += ["", *machine_lines(), ""]
     print("\n".join(lines))

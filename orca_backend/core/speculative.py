@@ -23,12 +23,15 @@ class SpeculativeConfig:
     """vLLM's `speculative_config` (the keys Triton's vLLM backend passes through)."""
 
     method: str = "ngram"
-    num_speculative_tokens: int = 3  # k: proposals per step
-    prompt_lookup_min: int = 1  # the shortest n-gram looked up
-    prompt_lookup_max: int = 4  # the longest
-    # Speculate in an iteration only while at most this many requests run: at high load the
-    # extra rows cost more than they save (the batch is no longer bound by reading weights).
-    max_batch_size: int = 8
+    num_speculative_tokens: int = 4  # k: proposals per step
+    # The n-gram lengths looked up, longest first. Below 3, a match is too often chance: on this
+    # project's CPUs 1-gram proposals were accepted 22% of the time and slowed batches of 4 by a
+    # third (docs/benchmarks/speculative.md).
+    prompt_lookup_min: int = 3
+    prompt_lookup_max: int = 4
+    # Speculate in an iteration only while at most this many requests run: at higher load the
+    # extra rows cost more than they save (measured: a gain at 4, a loss from 8 on these CPUs).
+    max_batch_size: int = 4
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
