@@ -149,3 +149,41 @@ def test_seeded_sampling_with_speculation_is_reproducible(speculating):
     second = speculating.generate(PROMPTS[:2] * 2, params * 2)
     assert [o.token_ids for o in first] == [o.token_ids for o in second]
     assert all(len(o.token_ids) <= 24 for o in first)
+
+
+class _Oracle:
+    """Proposes the tokens a reference run produced next, the last of them wrong every other
+    step: proposals accepted, and rejected, whatever the model."""
+
+    def __init__(self, sequences: list[list[int]]) -> None:
+        self.sequences, self.calls = sequences, 0
+
+    def propose(self, request_id: str, tokens: list[int], limit: int) -> list[int]:
+        self.calls += 1
+        for seq in self.sequences:
+            if seq[:len(tokens)] == tokens:
+                drafts = seq[len(tokens):len(tokens) + min(limit, 3)]
+                if drafts and self.calls % 2:
+                    drafts[-1] = (drafts[-1] + 1) % 512
+                return drafts
+        return []
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+
+def test_speculation_over_two_tensor_parallel_ranks(tiny_vocab_llama):
+    """The proposals reach every rank with the message; rank 0 checks them. A tiny Llama that
+    two ranks split (its random output never repeats, so an oracle proposes): greedy tokens
+    equal one rank without speculation, some proposals accepted and some rejected."""
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    prompts = [PROMPTS[2], PROMPTS[0]]
+    with LLM(str(tiny_vocab_llama), kv_cache_tokens=512) as llm:
+        want = llm.generate(prompts, params)
+    sequences = [o.prompt_token_ids + o.token_ids for o in want]
+    with LLM(str(tiny_vocab_llama), kv_cache_tokens=512, tensor_parallel_size=2, speculative_config={}) as llm:
+        llm.engine.scheduler.proposer = _Oracle(sequences)
+        got = llm.generate(prompts, params)
+        stats = llm.engine.stats.speculation
+    same(want, got)
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens

@@ -61,6 +61,7 @@ class Request:
     num_in_flight_tokens: int = 0
     num_placeholders: int = 0
     num_in_flight_drafts: int = 0  # proposed tokens being checked (speculative decoding)
+    next_proposal_at: int = 0  # speculative decoding: output count at which to look for proposals again
     finish_on_return: RequestStatus | None = None  # finished while in flight: applied on return
     num_prompt_tokens: int = field(init=False, default=0)
 

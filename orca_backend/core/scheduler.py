@@ -17,6 +17,11 @@ from .request import Request, RequestStatus
 from .speculative import NgramProposer, SpeculativeConfig, may_speculate
 
 
+# Tokens a request decodes one at a time (one step ahead, with async scheduling) after a lookup
+# found no proposal, before it looks again.
+_PROPOSAL_BACKOFF = 4
+
+
 @dataclass(slots=True)
 class SchedulerConfig:
     max_batch_size: int = 32  # requests per iteration
@@ -162,7 +167,10 @@ class Scheduler:
         if room <= 0 or not may_speculate(req.params, req.num_output_tokens, req.wants_logprob):
             return []
         limit = min(room, req.params.max_tokens - req.num_output_tokens - 1)
-        return self.proposer.propose(req.request_id, req.prompt_token_ids + req.output_token_ids, limit)
+        drafts = self.proposer.propose(req.request_id, req.prompt_token_ids + req.output_token_ids, limit)
+        # Found none: look again a few tokens on, decoding ahead meanwhile (async scheduling).
+        req.next_proposal_at = req.num_output_tokens + (0 if drafts else _PROPOSAL_BACKOFF)
+        return drafts
 
     def _ahead(self, req: Request, budget: int) -> int:
         """Async scheduling: how many tokens of an in-flight request to schedule now; 0 when
@@ -170,7 +178,8 @@ class Scheduler:
         proposals being checked: how many tokens it will have is not known yet)."""
         if not self.config.async_scheduling or req.finish_on_return is not None or req.num_in_flight_drafts:
             return 0
-        if self._speculate and may_speculate(req.params, req.num_output_tokens, req.wants_logprob):
+        if (self._speculate and req.num_output_tokens >= req.next_proposal_at
+                and may_speculate(req.params, req.num_output_tokens, req.wants_logprob)):
             return 0  # it waits for its token, then proposes from it: several tokens beat one step ahead
         if req.num_output_tokens + req.num_placeholders >= req.params.max_tokens:
             return 0
