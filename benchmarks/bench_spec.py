@@ -94,7 +94,7 @@ def main() -> None:
     options = dict(kv_cache_tokens=16384, max_batch_size=32)
     engines = {"off": LLM(**options),
                "ngram, always": LLM(speculative_config={**NGRAM, "max_batch_size": 64}, **options),
-               "ngram, adaptive (max_batch_size 4, the default)": LLM(speculative_config=NGRAM, **options)}
+               "ngram, adaptive (max_batch_size 2, the default)": LLM(speculative_config=NGRAM, **options)}
     best: dict[tuple, float] = {}
     for r in range(args.rounds):
         for kind, prompts in PROMPTS.items():
@@ -120,7 +120,7 @@ def main() -> None:
              f"greedy, {MAX_TOKENS} tokens a request (`ignore_eos`), n-gram proposals of up to "
              f"{NGRAM['num_speculative_tokens']} tokens (n-grams of {NGRAM['prompt_lookup_min']} to "
              f"{NGRAM['prompt_lookup_max']}); generated tokens per second, best of the rounds. \"always\" "
-             "speculates at any batch; \"adaptive\" only while at most 4 requests run.", "",
+             "speculates at any batch; \"adaptive\" only while at most 2 requests run.", "",
              *table(["prompts", "batch", "off tok/s", *list(engines)[1:]], rows), "",
              f"Proposals accepted (always on, every run): {spec.num_accepted_tokens:,} of "
              f"{spec.num_draft_tokens:,} tokens ({spec.num_accepted_tokens / max(1, spec.num_draft_tokens):.0%}), "

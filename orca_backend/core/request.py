@@ -62,6 +62,7 @@ class Request:
     num_placeholders: int = 0
     num_in_flight_drafts: int = 0  # proposed tokens being checked (speculative decoding)
     next_proposal_at: int = 0  # speculative decoding: output count at which to look for proposals again
+    num_accepted_drafts: int = 0  # its proposed tokens accepted so far
     finish_on_return: RequestStatus | None = None  # finished while in flight: applied on return
     num_prompt_tokens: int = field(init=False, default=0)
 

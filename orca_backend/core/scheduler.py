@@ -168,8 +168,10 @@ class Scheduler:
             return []
         limit = min(room, req.params.max_tokens - req.num_output_tokens - 1)
         drafts = self.proposer.propose(req.request_id, req.prompt_token_ids + req.output_token_ids, limit)
-        # Found none: look again a few tokens on, decoding ahead meanwhile (async scheduling).
-        req.next_proposal_at = req.num_output_tokens + (0 if drafts else _PROPOSAL_BACKOFF)
+        # Found none, and none of its proposals ever held (its text does not repeat itself): look
+        # again a few tokens on, decoding one step ahead meanwhile (async scheduling).
+        backoff = not drafts and not req.num_accepted_drafts
+        req.next_proposal_at = req.num_output_tokens + (_PROPOSAL_BACKOFF if backoff else 0)
         return drafts
 
     def _ahead(self, req: Request, budget: int) -> int:
@@ -306,6 +308,7 @@ class Scheduler:
             accepted = drafts[:output.num_accepted.get(req.request_id, 0)] if token is not None else []
             req.num_computed_tokens += n - len(drafts) + len(accepted)
             if token is not None:
+                req.num_accepted_drafts += len(accepted)
                 req.output_token_ids += accepted
                 req.output_token_ids.append(token.token_id)
             self.kv.cache_computed_blocks(req)  # their K/V is written now: others may share it

@@ -30,8 +30,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 3
     prompt_lookup_max: int = 4
     # Speculate in an iteration only while at most this many requests run: at higher load the
-    # extra rows cost more than they save (measured: a gain at 4, a loss from 8 on these CPUs).
-    max_batch_size: int = 4
+    # extra rows cost more than they save (measured on these CPUs: a gain at 2, 0.8x to 1.0x at 4
+    # across runs, a loss from 8).
+    max_batch_size: int = 2
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
