@@ -126,6 +126,8 @@ class EngineConfig:
         if self.enable_lora:
             _need(self.engine != "tensorrt", "enable_lora", self.enable_lora,
                   "false with engine 'tensorrt' (its engines have no LoRA path; use engine 'torch')")
+        _need(self.speculative_config is None or self.engine != "tensorrt", "speculative_config",
+              self.speculative_config, "unset with engine 'tensorrt' (its profile has one logit row a request)")
         for name in ("kv_cache_tokens", "kv_cache_bytes", "max_model_len"):
             value = getattr(self, name)
             _need(value is None or (isinstance(value, int) and value >= 1), name, value,

@@ -69,9 +69,11 @@ class SpeculativeConfig:
 def may_speculate(params, num_output_tokens: int, wants_logprob: bool) -> bool:
     """Whether a request's next tokens may be proposed and checked several at once: not with
     what depends on each token before the next is drawn (penalties over the output so far, a
-    grammar, min_tokens not yet reached) or reports per token (log-probabilities)."""
+    grammar, min_tokens not yet reached), reports per token (log-probabilities), or a seed
+    (checking draws from its generator otherwise than sampling does, and whether it speculates
+    depends on the load: its output must not)."""
     return not (params.needs_penalties or params.structured_outputs is not None or wants_logprob
-                or num_output_tokens < params.min_tokens)
+                or num_output_tokens < params.min_tokens or (params.seed is not None and not params.greedy))
 
 
 class NgramProposer:

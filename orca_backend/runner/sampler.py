@@ -88,6 +88,7 @@ class Sampler:
             accepted = next((i for i in range(k) if targets[i] != drafts[i]), k)
             return accepted, targets[accepted]
         probs = self._probs(logits, [req] * (k + 1))  # [k + 1, vocab]
+        probs = probs / probs.sum(dim=-1, keepdim=True)  # min_p's cut leaves them short of 1
         generator = req.generator or self.generator
         chances = torch.rand(k, generator=generator, device=probs.device).tolist()
         proposed = probs[torch.arange(k, device=probs.device), torch.tensor(drafts, device=probs.device)].tolist()
@@ -95,6 +96,8 @@ class Sampler:
             if chances[i] >= proposed[i]:
                 rest = probs[i].clone()
                 rest[drafts[i]] = 0.0
+                if not rest.sum() > 0:  # the proposal held all the mass (rounding rejected it): it stands
+                    continue
                 return i, int(torch.multinomial(rest / rest.sum(), 1, generator=generator))
         return k, int(torch.multinomial(probs[k], 1, generator=generator))
 
