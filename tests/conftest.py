@@ -197,6 +197,7 @@ def feature_server(tmp_path_factory, lora_adapters):
     `spec`: speculative decoding (n-gram, 4 tokens) from config.pbtxt."""
     import json
 
+    from helpers import serving
     from orca_backend.serving.launch import Server
 
     repo = tmp_path_factory.mktemp("feature_repo")
@@ -211,9 +212,5 @@ def feature_server(tmp_path_factory, lora_adapters):
     shutil.copytree(paths["c"], version / "adapters" / "c")
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4}).replace('"', '\\"')  # quoted for pbtxt
     write_model(repo, "spec", {"speculative_config": spec, "kv_cache_tokens": "4096"})
-    server = Server(tmp_path_factory.mktemp("feature_triton"), repo, ["--exit-timeout-secs=20"])
-    try:
-        server.wait_ready(600)
+    with serving(Server(tmp_path_factory.mktemp("feature_triton"), repo, ["--exit-timeout-secs=20"])) as server:
         yield server
-    finally:
-        server.stop()

@@ -13,6 +13,16 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PORTS = (8000, 8001, 8002, 9000)  # make serve's: tritonserver's HTTP, gRPC, metrics; the OpenAI API
 
 
+@contextlib.contextmanager
+def serving(server, timeout: float = 600):
+    """A started `Server` once it is ready, stopped on the way out (a fixture's body)."""
+    try:
+        server.wait_ready(timeout)
+        yield server
+    finally:
+        server.stop()
+
+
 def wait_until(predicate, timeout: float = 60.0, what: str = "condition") -> None:
     """Poll `predicate` until it holds; a regression fails the test instead of hanging it."""
     deadline = time.monotonic() + timeout

@@ -22,7 +22,7 @@ from client.triton_client import StreamingClient
 from orca_backend.serving.launch import Server
 from orca_backend.serving.stages.repository import TEMPLATE, PipelineLayout, set_parameters, write_repository
 
-from helpers import assert_no_leak, wait_until
+from helpers import assert_no_leak, serving, wait_until
 
 pytestmark = pytest.mark.server  # slow group: a real tritonserver
 
@@ -62,12 +62,8 @@ def server(tmp_path_factory, default_model):
     for stage, fail_at in FAIL_AT.items():  # the stage models of `pf`, wrapped in test faults
         stall = (1, STALL_SECONDS) if stage == 1 else None
         (repo / f"pf_stage_{stage}" / "1" / "model.py").write_text(faulty_stage_model_py(fail_at, stall))
-    s = Server(tmp_path_factory.mktemp("pipeline_triton"), repo, ["--exit-timeout-secs=20"])
-    try:
-        s.wait_ready(600)
+    with serving(Server(tmp_path_factory.mktemp("pipeline_triton"), repo, ["--exit-timeout-secs=20"])) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def greedy(max_tokens: int) -> dict:
