@@ -57,10 +57,6 @@ class LoRAAdapter:
     def projections(self) -> set[str]:
         return {proj for _, proj in self.modules}
 
-    @property
-    def num_bytes(self) -> int:
-        return sum(w.a.nbytes + w.b.nbytes for w in self.modules.values())
-
 
 def inspect_adapter(name: str, folder: str | Path, max_rank: int, model: ModelConfig) -> int:
     """Check the adapter in `folder` against `model` (layers, projection shapes) and

@@ -31,7 +31,6 @@ class LoRASlots:
         self._users: dict[int, int] = {}  # lora id -> requests held here that use it
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # lora id -> its slot, least recently used first
         self._stacks: dict | None = None  # made when the first adapter is put in a slot
-        self.num_loads = 0  # adapters read from disk
         self.num_slot_loads = 0  # adapters put into a slot
 
     def hold(self, ref: LoRARef) -> None:
@@ -41,7 +40,6 @@ class LoRASlots:
             # float32 on the host: a slot takes the model's dtype on its device
             self._cpu[ref.lora_id] = load_adapter(ref.name, ref.path, self.max_rank,
                                                   layers=getattr(self.model, "layer_range", None))
-            self.num_loads += 1
         self._cpu.move_to_end(ref.lora_id)
         self._users[ref.lora_id] = self._users.get(ref.lora_id, 0) + 1
         self._trim_cpu()
