@@ -189,12 +189,13 @@ def write_model(repo: Path, name: str, parameters: dict, files: dict[str, str] |
 
 
 @pytest.fixture(scope="session")
-def feature_server(tmp_path_factory, lora_adapters):
+def feature_server(tmp_path_factory, default_model, lora_adapters):
     """One tritonserver for the features that need models of their own configuration:
     `lora`: LoRA options in config.pbtxt, adapters a and b from multi_lora.json, run-time
     loading on; `lora_json`: LoRA on through model.json (as Triton's vLLM backend reads it, a
     vLLM option it does not have included), adapter c from a folder relative to the version;
-    `spec`: speculative decoding (n-gram, 4 tokens) from config.pbtxt."""
+    `spec`: speculative decoding (n-gram, 4 tokens) from config.pbtxt; `draft`: the default
+    model drafting for itself."""
     import json
 
     from helpers import serving
@@ -212,5 +213,7 @@ def feature_server(tmp_path_factory, lora_adapters):
     shutil.copytree(paths["c"], version / "adapters" / "c")
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4}).replace('"', '\\"')  # quoted for pbtxt
     write_model(repo, "spec", {"speculative_config": spec, "kv_cache_tokens": "4096"})
+    draft = json.dumps({"method": "draft_model", "model": str(default_model), "num_speculative_tokens": 3})
+    write_model(repo, "draft", {"speculative_config": draft.replace('"', '\\"'), "kv_cache_tokens": "4096"})
     with serving(Server(tmp_path_factory.mktemp("feature_triton"), repo, ["--exit-timeout-secs=20"])) as server:
         yield server

@@ -1,8 +1,9 @@
-"""Speculative decoding with n-gram proposals: the proposer and its configuration; the rejection
-sampler's output distribution against the target's; and through the engine on the default
-model, greedy output token for token the output without speculation, with every stop, EOS and
-max_tokens alignment inside accepted runs, preemption, prefix caching, seeded sampling, and the
-process and pipeline executors."""
+"""Speculative decoding with n-gram proposals and with a draft model: the proposers and their
+configuration; the rejection sampler's output distribution against the target's; and through
+the engine on the default model, greedy output token for token the output without speculation,
+with every stop, EOS and max_tokens alignment inside accepted runs, preemption, prefix caching,
+seeded sampling, the process and pipeline executors and two tensor-parallel ranks. The default
+model drafting for itself accepts every proposal."""
 from __future__ import annotations
 
 import pytest
@@ -91,15 +92,29 @@ def speculating(default_model):
         yield llm
 
 
+def self_draft(model) -> dict:
+    return {"method": "draft_model", "model": str(model), **SPEC}
+
+
+@pytest.fixture(scope="module")
+def drafting(default_model):
+    """The default model proposing for itself: every proposal is its own greedy choice."""
+    with LLM(str(default_model), kv_cache_tokens=4096, speculative_config=self_draft(default_model)) as llm:
+        yield llm
+
+
 def same(a, b) -> None:
     for x, y in zip(a, b, strict=True):
         assert (x.token_ids, x.text, x.finish_reason, x.error) == (y.token_ids, y.text, y.finish_reason, y.error)
 
 
-def test_greedy_output_is_the_output_without_speculation_at_every_end(reference, speculating):
+@pytest.mark.parametrize("proposer", ["speculating", "drafting"], ids=["ngram", "draft_model"])
+def test_greedy_output_is_the_output_without_speculation_at_every_end(reference, request, proposer):
     """Each prompt ends by max_tokens, a stop token and a stop string at each of its first 12
     tokens (one batch of 3 x 37 requests, speculating), and by EOS: every output, text and
-    finish reason equal to the engine's without speculation; proposals were accepted."""
+    finish reason equal to the engine's without speculation; proposals were accepted (every
+    one, when the model drafts for itself)."""
+    speculating = request.getfixturevalue(proposer)
     base = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     full = [o.token_ids for o in reference.generate(PROMPTS, base)]
     prompts, params = [], []
@@ -113,9 +128,13 @@ def test_greedy_output_is_the_output_without_speculation_at_every_end(reference,
                                       stop=[text(tokens[j - 1:j]).strip() or "\n"])]
         prompts.append(prompt)
         params.append(SamplingParams(max_tokens=40, temperature=0))  # EOS where the model says so
-    before = speculating.engine.stats.speculation.num_accepted_tokens
+    before = speculating.engine.stats.speculation.copy()
     same(reference.generate(prompts, params), speculating.generate(prompts, params))
-    assert speculating.engine.stats.speculation.num_accepted_tokens > before
+    stats = speculating.engine.stats.speculation
+    assert stats.num_accepted_tokens > before.num_accepted_tokens
+    if proposer == "drafting":
+        assert stats.num_accepted_tokens - before.num_accepted_tokens == \
+            stats.num_draft_tokens - before.num_draft_tokens
     assert speculating.engine.kv.num_used_blocks == 0
 
 
@@ -135,9 +154,12 @@ def test_greedy_output_is_the_same_through_other_executors_and_preemption(defaul
         assert preemptions > 0
 
 
-def test_prefix_caching_names_only_accepted_tokens(speculating, reference):
+@pytest.mark.parametrize("proposer", ["speculating", "drafting"], ids=["ngram", "draft_model"])
+def test_prefix_caching_names_only_accepted_tokens(request, proposer, reference):
     """A request whose prompt is an earlier request's prompt and output hits the cache, and
-    its output is right: the cached blocks hold accepted tokens' K/V only."""
+    its output is right: the cached blocks hold accepted tokens' K/V only (a draft model
+    computes its own K/V of the cached tokens, and still proposes right)."""
+    speculating = request.getfixturevalue(proposer)
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     first, = speculating.generate(PROMPTS[0], params)
     follow = PROMPTS[0] + first.text + " Again:"
@@ -177,6 +199,37 @@ class _Oracle:
         pass
 
 
+def test_a_draft_model_over_two_tensor_parallel_ranks(tiny_vocab_llama):
+    """Rank 0 runs the draft model (whole) and its proposals reach the other rank with the
+    message: the tiny Llama drafting for itself, split over two ranks, equal to one rank
+    without speculation, every proposal accepted."""
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    prompts = [PROMPTS[2], PROMPTS[0]]
+    with LLM(str(tiny_vocab_llama), kv_cache_tokens=512) as llm:
+        want = llm.generate(prompts, params)
+    with LLM(str(tiny_vocab_llama), kv_cache_tokens=512, tensor_parallel_size=2,
+             speculative_config=self_draft(tiny_vocab_llama)) as llm:
+        got = llm.generate(prompts, params)
+        stats = llm.engine.stats.speculation
+    same(want, got)
+    assert 0 < stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+@pytest.mark.parametrize("options, words", [
+    (dict(speculative_config={"method": "draft_model"}), "'draft_model' needs 'model'"),
+    (dict(speculative_config={"model": "x"}), "method 'ngram' uses no model"),
+    (dict(executor="pipeline", pipeline_stages=2), "method 'ngram' with engine 'null' or executor 'pipeline'"),
+    (dict(draft="tiny"), "a vocabulary of 512 tokens, the model 49152"),
+    (dict(draft="tiny_vocab"), "takes 512 positions, fewer than the model's max_model_len 8192"),
+])
+def test_an_unfit_draft_model_is_refused_by_name(default_model, tiny_models, tiny_vocab_llama, options, words):
+    drafts = {"tiny": tiny_models["llama"], "tiny_vocab": tiny_vocab_llama, None: default_model}
+    draft = drafts[options.pop("draft", None)]
+    options.setdefault("speculative_config", self_draft(draft))
+    with pytest.raises(ConfigError, match=words):
+        LLM(str(default_model), kv_cache_tokens=512, **options)
+
+
 def test_speculation_over_two_tensor_parallel_ranks(tiny_vocab_llama):
     """The proposals reach every rank with the message; rank 0 checks them. A tiny Llama that
     two ranks split (its random output never repeats, so an oracle proposes): greedy tokens
@@ -192,3 +245,68 @@ def test_speculation_over_two_tensor_parallel_ranks(tiny_vocab_llama):
         stats = llm.engine.stats.speculation
     same(want, got)
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+@pytest.mark.parametrize("options", [dict(executor="process"),
+                                     dict(kv_cache_tokens=160, block_size=4, max_num_batched_tokens=64)],
+                         ids=["process", "preempting"])
+def test_a_draft_model_in_a_child_process_and_under_preemption(default_model, reference, options):
+    """The model drafting for itself in the process executor's child, and with a pool so small
+    that requests are preempted (the draft's K/V is recomputed on resume): output equal to the
+    engine's without speculation, every proposal accepted."""
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompts = PROMPTS * 2
+    with LLM(str(default_model), speculative_config=self_draft(default_model),
+             **{"kv_cache_tokens": 4096, **options}) as llm:
+        outs = llm.generate(prompts, params)
+        stats = llm.engine.stats.speculation
+        preemptions = llm.engine.scheduler.num_preemptions
+    same(reference.generate(prompts, params), outs)
+    assert 0 < stats.num_accepted_tokens == stats.num_draft_tokens
+    if "block_size" in options:
+        assert preemptions > 0
+
+
+def test_a_draft_model_for_an_adapter_is_checked_row_by_row(default_model, reference, lora_adapters):
+    """The base model drafting for a LoRA adapter, in one batch with base-model requests: the
+    adapter's requests accept some proposals and reject others (so the draft's K/V is kept for
+    accepted ones and written over after), the base model's accept all; greedy output equal to
+    the engine's without speculation."""
+    from orca_backend.lora import LoRARequest
+
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0], PROMPTS[1]]
+    adapter = LoRARequest("b", 1, str(lora_adapters.paths["b"]))
+    loras = [adapter, adapter, None, None]
+    options = dict(kv_cache_tokens=4096, enable_lora=True)
+    with LLM(str(default_model), **options) as llm:
+        want = llm.generate(prompts, params, lora_request=loras)
+    with LLM(str(default_model), speculative_config=self_draft(default_model), **options) as llm:
+        got = llm.generate(prompts, params, lora_request=loras)
+        stats = llm.engine.stats.speculation
+    same(want, got)
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+def test_the_draft_model_reuses_exactly_the_kv_of_accepted_proposals(tiny_vocab_llama):
+    """Called again after the target accepted 0..k of its proposals (and added its own token),
+    the draft proposes what a fresh draft computing the whole history proposes: it kept the K/V
+    of the accepted proposals and wrote over the rest."""
+    from orca_backend.runner.drafter import DraftModel
+    from orca_backend.runner.models import load_model
+    from orca_backend.runner.models.attention import TorchPagedAttention
+
+    model = load_model(tiny_vocab_llama, torch.float32, torch.device("cpu"))
+
+    def fresh() -> DraftModel:
+        return DraftModel(model, 64, torch.device("cpu"), torch.float32, TorchPagedAttention(4, torch.device("cpu")))
+
+    blocks = list(range(40))
+    draft = fresh()
+    tokens = [5, 17, 300, 9, 42, 7]
+    for step, accept in enumerate([4, 0, 2, 3, 1, 4, 0]):
+        drafts, = draft.propose([("r", tokens, blocks, 4)])
+        want, = fresh().propose([("r", tokens, blocks, 4)])
+        assert drafts == want, f"step {step}"
+        tokens = tokens + drafts[:accept] + [1000 + step]  # the target's own token after those accepted
+    assert draft._valid("r", tokens) == len(tokens) - 1  # the last proposal was rejected: none kept

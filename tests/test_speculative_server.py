@@ -1,7 +1,10 @@
-"""Speculative decoding served by a real tritonserver: a model with `speculative_config` in its
-config.pbtxt (`spec` of the `feature_server` fixture) streams the same text as the model without it, responses carrying several tokens
-when proposals were accepted, the token counts exact; vLLM's spec_decode metrics count it."""
+"""Speculative decoding served by a real tritonserver: models with `speculative_config` in their
+config.pbtxt (`spec` and `draft` of the `feature_server` fixture) stream the same text as the
+model without it, responses carrying several tokens when proposals were accepted, the token
+counts exact; vLLM's spec_decode metrics count it."""
 from __future__ import annotations
+
+import pytest
 
 from client.triton_client import StreamingClient
 from helpers import assert_no_leak, settled_metrics
@@ -20,9 +23,11 @@ def run(server, model: str) -> list:
         return [c.generate(p, sampling=GREEDY, **FLAGS) for p in PROMPTS]
 
 
-def test_served_speculation_streams_the_same_text_with_exact_counts(feature_server, server):
+@pytest.mark.parametrize("model", ["spec", "draft"])
+def test_served_speculation_streams_the_same_text_with_exact_counts(feature_server, server, model):
+    """`spec`: n-gram proposals; `draft`: the model drafting for itself (every proposal holds)."""
     before = settled_metrics(feature_server)
-    reference, speculating = run(server, "orca"), run(feature_server, "spec")
+    reference, speculating = run(server, "orca"), run(feature_server, model)
     for ref, spec in zip(reference, speculating):
         assert spec.error is None and spec.text == ref.text
         counts = [int(r["num_output_tokens"]) for r in spec.responses]
@@ -30,13 +35,16 @@ def test_served_speculation_streams_the_same_text_with_exact_counts(feature_serv
         assert spec.responses[-1]["finish_reason"] == "length"
     assert any(int(r["num_output_tokens"]) > 1 for s in speculating for r in s.responses)  # several at once
     after = settled_metrics(feature_server)
-    labels = '{model="spec",version="1"}'
+    labels = f'{{model="{model}",version="1"}}'
 
     def grew(name: str) -> float:
         return after[f"vllm:{name}{labels}"] - before.get(f"vllm:{name}{labels}", 0)
 
-    accepted = grew("spec_decode_num_accepted_tokens_total")
-    assert grew("spec_decode_num_drafts_total") > 0 and 0 < accepted <= grew("spec_decode_num_draft_tokens_total")
-    per_position = sum(v for k, v in after.items() if k.startswith("vllm:spec_decode_num_accepted_tokens_per_pos{"))
+    accepted, proposed = grew("spec_decode_num_accepted_tokens_total"), grew("spec_decode_num_draft_tokens_total")
+    assert grew("spec_decode_num_drafts_total") > 0 and 0 < accepted <= proposed
+    if model == "draft":
+        assert accepted == proposed
+    per_position = sum(v for k, v in after.items()
+                       if k.startswith("vllm:spec_decode_num_accepted_tokens_per_pos{") and f'model="{model}"' in k)
     assert per_position == after[f"vllm:spec_decode_num_accepted_tokens_total{labels}"]
-    assert_no_leak(feature_server, "spec")
+    assert_no_leak(feature_server, model)

@@ -85,7 +85,8 @@ class EngineConfig:
     max_cpu_loras: int | None = None
     # Speculative decoding, vLLM's `speculative_config` (a mapping or its JSON text; "" or None: off):
     # {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4,
-    #  "max_batch_size": 8}; read into a SpeculativeConfig.
+    #  "max_batch_size": 8} or {"method": "draft_model", "model": "/path/to/draft", ...}; read into a
+    # SpeculativeConfig.
     speculative_config: str | dict | SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
@@ -128,6 +129,10 @@ class EngineConfig:
                   "false with engine 'tensorrt' (its engines have no LoRA path; use engine 'torch')")
         _need(self.speculative_config is None or self.engine != "tensorrt", "speculative_config",
               self.speculative_config, "unset with engine 'tensorrt' (its profile has one logit row a request)")
+        if self.speculative_config is not None and self.speculative_config.method == "draft_model":
+            _need(one_stage and self.engine == "torch", "speculative_config", self.speculative_config,
+                  "method 'ngram' with engine 'null' or executor 'pipeline'/'stages' (the draft model runs "
+                  "beside a whole model with engine 'torch', in the runner that samples)")
         for name in ("kv_cache_tokens", "kv_cache_bytes", "max_model_len"):
             value = getattr(self, name)
             _need(value is None or (isinstance(value, int) and value >= 1), name, value,
@@ -179,6 +184,12 @@ class EngineConfig:
         if self.attention != "auto":
             return self.attention
         return "torch" if self.device == "cpu" else "triton"
+
+    @property
+    def draft_model_path(self) -> str:
+        """Speculative decoding's draft checkpoint ("" without one)."""
+        spec = self.speculative_config
+        return spec.model if spec is not None and spec.method == "draft_model" else ""
 
     def num_kv_blocks(self, kv_elements_per_token: int) -> int:
         """Pool size in blocks from kv_cache_tokens, else from the byte budget."""

@@ -63,8 +63,16 @@ class ScheduledRequest:
     num_placeholders: int = 0
     # Speculative decoding: proposed tokens after the request's own, its last rows (counted in
     # num_scheduled_tokens, never kept in the token history): the runner checks them and
-    # reports how many it accepted, with one token of its own after them.
+    # reports those it accepted, with one token of its own after them.
     draft_token_ids: list[int] = field(default_factory=list)
+    # Proposal rows the runner fills itself, from its draft model, before the iteration runs
+    # (then they are in draft_token_ids, and this is 0).
+    num_proposals: int = 0
+
+    @property
+    def num_drafts(self) -> int:
+        """Its proposal rows, filled in or not."""
+        return len(self.draft_token_ids) + self.num_proposals
 
 
 @dataclass(slots=True)
@@ -104,7 +112,8 @@ class SchedulerOutput:
                   None if r.lora is None else [r.lora.lora_id, r.lora.name, r.lora.path]]
                  for r in self.new_requests],
                 [[s.request_id, s.num_computed_tokens, s.num_scheduled_tokens, s.new_token_ids,
-                  s.new_block_ids, s.sample, s.num_placeholders, s.draft_token_ids] for s in self.scheduled],
+                  s.new_block_ids, s.sample, s.num_placeholders, s.draft_token_ids, s.num_proposals]
+                 for s in self.scheduled],
                 self.finished_request_ids, self.preempted_request_ids]
 
     @classmethod
@@ -141,25 +150,25 @@ class RunnerOutput:
     forward_seconds: float = 0.0  # time in the model forward, for the overhead benchmark
     logits: dict[str, bytes] | None = None  # float32 rows, with EngineConfig.keep_logits (tests)
     mask_seconds: float = 0.0  # computing the grammar masks of its rows (beside the forward)
-    # Speculating requests: how many of their proposed tokens were accepted (the sampled token
-    # comes after those); a speculating request that sampled is always here.
-    num_accepted: dict[str, int] = field(default_factory=dict)
+    # Speculating requests: their proposed tokens that were accepted (the sampled token comes
+    # after those); a speculating request that sampled is always here.
+    accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     def to_wire(self) -> list:
         return [self.iteration_id,
                 {rid: [t.token_id, t.logprob,
                        None if t.top_logprobs is None else [[k, *v] for k, v in t.top_logprobs.items()]]
                  for rid, t in self.sampled.items()},
-                self.errors, self.forward_seconds, self.logits, self.mask_seconds, self.num_accepted]
+                self.errors, self.forward_seconds, self.logits, self.mask_seconds, self.accepted_token_ids]
 
     @classmethod
     def from_wire(cls, data: list) -> RunnerOutput:
-        iteration_id, sampled, errors, forward_seconds, logits, mask_seconds, num_accepted = data
+        iteration_id, sampled, errors, forward_seconds, logits, mask_seconds, accepted = data
         return cls(iteration_id,
                    {rid: SampledToken(token_id, logprob,
                                       None if top is None else {k: (lp, rank) for k, lp, rank in top})
                     for rid, (token_id, logprob, top) in sampled.items()},
-                   errors, forward_seconds, logits, mask_seconds, num_accepted)
+                   errors, forward_seconds, logits, mask_seconds, accepted)
 
 
 def encode(message: SchedulerOutput | RunnerOutput) -> bytes:

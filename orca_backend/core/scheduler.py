@@ -66,10 +66,13 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_iterations = 0
         self._iteration_ids = itertools.count()
-        # rows: (request, tokens, samples, proposed tokens)
-        self._in_flight: dict[int, list[tuple[Request, int, bool, list[int]]]] = {}
-        self.proposer = NgramProposer(config.speculative) if config.speculative is not None else None
-        self._drafts: dict[str, list[int]] = {}  # this iteration's proposals, by request id
+        # rows: (request, tokens, samples, proposal rows)
+        self._in_flight: dict[int, list[tuple[Request, int, bool, int]]] = {}
+        spec = config.speculative
+        # None with a draft model: the runner proposes, and the scheduler reserves its rows
+        self.proposer = NgramProposer(spec) if spec is not None and spec.method == "ngram" else None
+        # This iteration's proposals, by request id: the tokens, or with a draft model their number.
+        self._drafts: dict[str, list[int] | int] = {}
         # For the runner, since the last message: requests to forget, tables to drop.
         self._finished_ids: list[str] = []
         self._preempted_ids: list[str] = []
@@ -149,9 +152,10 @@ class Scheduler:
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             drafts = self._propose(req, budget - n) if n == 1 and self._speculate else []
-            if drafts and not self.kv.can_allocate(req.request_id, req.num_computed_tokens + n + len(drafts)):
-                drafts = []  # proposals never preempt anyone
-            n += len(drafts)
+            num_drafts = drafts if isinstance(drafts, int) else len(drafts)
+            if num_drafts and not self.kv.can_allocate(req.request_id, req.num_computed_tokens + n + num_drafts):
+                drafts = num_drafts = 0  # proposals never preempt anyone
+            n += num_drafts
             if not self._make_room(req, req.num_computed_tokens + n):
                 break  # req itself was the newest and got preempted
             if drafts:
@@ -161,12 +165,15 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _propose(self, req: Request, room: int) -> list[int]:
-        """Tokens to check after a decoding request's next one: at most `room` (the token
-        budget left), and never past its max_tokens (the runner adds one token of its own)."""
+    def _propose(self, req: Request, room: int) -> list[int] | int:
+        """Tokens to check after a decoding request's next one (with a draft model, how many
+        the runner is to propose): at most `room` (the token budget left), and never past its
+        max_tokens (the runner adds one token of its own)."""
         if room <= 0 or not may_speculate(req.params, req.num_output_tokens, req.wants_logprob):
             return []
         limit = min(room, req.params.max_tokens - req.num_output_tokens - 1)
+        if self.proposer is None:
+            return max(0, min(limit, self.config.speculative.num_speculative_tokens))
         drafts = self.proposer.propose(req.request_id, req.prompt_token_ids + req.output_token_ids, limit)
         # Found none, and none of its proposals ever held (its text does not repeat itself): look
         # again a few tokens on, decoding one step ahead meanwhile (async scheduling).
@@ -273,12 +280,13 @@ class Scheduler:
         rows = []
         for req, n in scheduled:
             drafts = self._drafts.pop(req.request_id, [])
+            num_drafts = drafts if isinstance(drafts, int) else len(drafts)
             if not req.num_sent_tokens:
                 out.new_requests.append(NewRequest(req.request_id, req.prompt_token_ids, req.params,
                                                    req.wants_logprob, req.lora))
                 req.num_sent_tokens = req.num_prompt_tokens
             start = req.num_computed_tokens + req.num_in_flight_tokens
-            end = start + n - len(drafts)  # the request's own tokens end here; the proposals follow
+            end = start + n - num_drafts  # the request's own tokens end here; the proposals follow
             known = min(end, req.num_tokens)  # beyond: tokens the runner samples and fills in
             new_token_ids = req.token_slice(req.num_sent_tokens, known) if known > req.num_sent_tokens else []
             num_placeholders = max(0, end - max(req.num_sent_tokens, req.num_tokens))
@@ -287,12 +295,13 @@ class Scheduler:
             new_block_ids, req.num_sent_blocks = table[req.num_sent_blocks:], len(table)
             sample = end == req.num_tokens + req.num_placeholders
             out.scheduled.append(ScheduledRequest(req.request_id, start, n, new_token_ids, new_block_ids,
-                                                  sample, num_placeholders, drafts))
+                                                  sample, num_placeholders, [] if isinstance(drafts, int) else drafts,
+                                                  drafts if isinstance(drafts, int) else 0))
             req.num_in_flight += 1
             req.num_in_flight_tokens += n
             req.num_placeholders += sample
-            req.num_in_flight_drafts += len(drafts)
-            rows.append((req, n, sample, drafts))
+            req.num_in_flight_drafts += num_drafts
+            rows.append((req, n, sample, num_drafts))
         self._in_flight[out.iteration_id] = rows
         return out
 
@@ -301,12 +310,12 @@ class Scheduler:
         """Record a returned iteration: computed tokens advance, sampled tokens append.
         Returns its requests that are still live (those finished meanwhile retire now)."""
         live = self._returned(output.iteration_id)
-        for req, n, drafts in live:
+        for req, n, num_drafts in live:
             token = output.sampled.get(req.request_id)
             # Of a speculating request, only the K/V of its token and of the proposals accepted
             # counts: the rest is overwritten by the tokens that really follow.
-            accepted = drafts[:output.num_accepted.get(req.request_id, 0)] if token is not None else []
-            req.num_computed_tokens += n - len(drafts) + len(accepted)
+            accepted = output.accepted_token_ids.get(req.request_id, []) if token is not None and num_drafts else []
+            req.num_computed_tokens += n - num_drafts + len(accepted)
             if token is not None:
                 req.num_accepted_drafts += len(accepted)
                 req.output_token_ids += accepted
@@ -318,15 +327,15 @@ class Scheduler:
         """The iteration failed as a whole: returns its live requests, for the caller to end."""
         return [req for req, _, _ in self._returned(iteration_id)]
 
-    def _returned(self, iteration_id: int) -> list[tuple[Request, int, list[int]]]:
+    def _returned(self, iteration_id: int) -> list[tuple[Request, int, int]]:
         live = []
-        for req, n, sample, drafts in self._in_flight.pop(iteration_id):
+        for req, n, sample, num_drafts in self._in_flight.pop(iteration_id):
             req.num_in_flight -= 1
             req.num_in_flight_tokens -= n
             req.num_placeholders -= sample
-            req.num_in_flight_drafts -= len(drafts)
+            req.num_in_flight_drafts -= num_drafts
             if req.finish_on_return is None:
-                live.append((req, n, drafts))
+                live.append((req, n, num_drafts))
             elif not req.in_flight:  # its last iteration is back: the end applies now
                 self.finish(req, req.finish_on_return)
         return live

@@ -1,11 +1,13 @@
 """Speculative decoding's configuration and the n-gram proposer (prompt lookup).
 
 A speculating request is scheduled for 1 + k rows: its last sampled token and k proposed ones.
-The runner checks the proposals against the model's own choice at each row and returns how
-many it accepted, plus one token of its own (the bonus): k + 1 tokens for one pass over the
-weights when every proposal holds. The proposer here needs no model: the longest recent n-gram
-of the request's tokens is looked up earlier in them, and the tokens that followed it there are
-the proposal (text that repeats its input: editing, summarising, code).
+The runner checks the proposals against the model's own choice at each row and returns those
+it accepted, plus one token of its own (the bonus): k + 1 tokens for one pass over the weights
+when every proposal holds. Two proposers: `ngram` (here, in the scheduler) needs no model: the
+longest recent n-gram of the request's tokens is looked up earlier in them, and the tokens that
+followed it there are the proposal (text that repeats its input: editing, summarising, code).
+`draft_model` is a smaller checkpoint with the same tokenizer that the runner runs k steps
+ahead itself (`runner/drafter.py`): the scheduler only reserves the rows.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from typing import Any
 
 from .errors import ConfigError
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 
 
 @dataclass(slots=True, frozen=True)
@@ -33,10 +35,17 @@ class SpeculativeConfig:
     # extra rows cost more than they save (measured on these CPUs: a gain at 2, 0.8x to 1.0x at 4
     # across runs, a loss from 8).
     max_batch_size: int = 2
+    model: str | None = None  # draft_model: the draft checkpoint's folder (same tokenizer)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ConfigError(f"speculative_config 'method' must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
+            raise ConfigError("speculative_config method 'draft_model' needs 'model': the folder of a "
+                              f"checkpoint with the same tokenizer, got {self.model!r}")
+        if self.method == "ngram" and self.model is not None:
+            raise ConfigError(f"speculative_config 'model' ({self.model!r}) is for method 'draft_model'; "
+                              "method 'ngram' uses no model")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "max_batch_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -5,9 +5,11 @@ import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from ..checkpoint.config import ModelConfig
 from ..checkpoint.store import cache_root
 from ..core.config import EngineConfig
 from ..core.errors import ConfigError, InvalidRequestError
@@ -49,9 +51,10 @@ class LLMEngine:
         self.rules = RequestRules(config)
         self.runner_spec = RunnerSpec.from_config(
             config, model_path=self.rules.model_path, max_model_len=self.rules.max_model_len,
-            # kv_cache_bytes is each rank's: a rank holds only its K/V heads
+            # kv_cache_bytes is each rank's: a rank holds only its K/V heads (rank 0 the draft's too)
             num_blocks=config.num_kv_blocks(
-                self.rules.model_config.kv_elements_per_rank_token(config.tensor_parallel_size)),
+                self.rules.model_config.kv_elements_per_rank_token(config.tensor_parallel_size)
+                + self._draft_kv_elements()),
             engine_cache_dir=self._engine_cache_dir())
         self.executor_factory = executor_factory or executor_factory_for(config)
         self.executor: Executor = self.executor_factory(self.runner_spec)
@@ -63,6 +66,21 @@ class LLMEngine:
         self.loras = LoRARegistry(model, config.enable_lora, config.max_lora_rank)
         self.stats = EngineStats()
         self.reset()
+
+    def _draft_kv_elements(self) -> int:
+        """K/V elements a token takes in the draft model's pool (0 without one), once its
+        checkpoint is found fit to propose for this model."""
+        path = self.config.draft_model_path
+        if not path:
+            return 0
+        draft, model = ModelConfig.from_folder(Path(path)), self.rules.model_config
+        if draft.vocab_size != model.vocab_size:
+            raise ConfigError(f"speculative_config 'model' {path} has a vocabulary of {draft.vocab_size} tokens, "
+                              f"the model {model.vocab_size}: a draft model needs the model's tokenizer")
+        if draft.max_model_len < self.rules.max_model_len:
+            raise ConfigError(f"speculative_config 'model' {path} takes {draft.max_model_len} positions, fewer "
+                              f"than the model's max_model_len {self.rules.max_model_len} (set max_model_len)")
+        return draft.kv_elements_per_rank_token(1)
 
     def _engine_cache_dir(self) -> str:
         if self.config.engine != "tensorrt":
@@ -341,14 +359,14 @@ class LLMEngine:
                                   f"with iteration {out.iteration_id}'s output")
         live = self.scheduler.update(out)
         sampling = {s.request_id for s in message.scheduled if s.sample}
-        drafts = {s.request_id: len(s.draft_token_ids) for s in message.scheduled if s.draft_token_ids}
+        drafts = {s.request_id: s.num_drafts for s in message.scheduled if s.num_drafts}
         deltas = []
         for req in live:
             token = out.sampled.get(req.request_id)
             if req.request_id in out.errors:
                 deltas.append(self._fail(req, out.errors[req.request_id]))
             elif token is not None:
-                accepted = out.num_accepted.get(req.request_id, 0) if req.request_id in drafts else 0
+                accepted = len(out.accepted_token_ids.get(req.request_id, [])) if req.request_id in drafts else 0
                 if req.request_id in drafts:
                     self.stats.speculation.add(drafts[req.request_id], accepted)
                 deltas.append(self._process_safely(req, token, out, 1 + accepted))

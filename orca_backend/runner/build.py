@@ -11,6 +11,7 @@ from ..checkpoint.config import ModelConfig
 from ..core.errors import ConfigError
 from ..grammar import GrammarCompiler, compiler_for
 from ..lora import LoRASlots
+from .drafter import DraftModel
 from .model_runner import ModelRunner
 from .null_runner import NullRunner
 from .models import load_model
@@ -49,6 +50,7 @@ def build_runner(spec: RunnerSpec, model=None, rank: int = 0) -> ModelRunner | N
     runner = ModelRunner(model, spec.num_blocks, spec.block_size, device, dtype, spec.seed,
                          spec.keep_logits, _attention(spec, device), grammars=grammar_compiler(spec),
                          loras=_lora_slots(spec, model, dtype, device))
+    runner.drafter = _drafter(spec, runner, backend)
     if spec.cuda_graphs and spec.attention == "triton" and not spec.layer_range:
         runner.enable_decode_graphs(spec.max_batch_size, -(-spec.max_model_len // spec.block_size),
                                     capture=device.type == "cuda")
@@ -65,6 +67,15 @@ def _lora_slots(spec: RunnerSpec, model, dtype: torch.dtype, device: torch.devic
     if not spec.enable_lora:
         return None
     return LoRASlots(model, spec.max_loras, spec.max_cpu_loras, spec.max_lora_rank, dtype, device)
+
+
+def _drafter(spec: RunnerSpec, runner: ModelRunner, backend) -> DraftModel | None:
+    """The draft model (whole, on the runner's device, its K/V beside the target's), if any."""
+    if not spec.draft_model_path:
+        return None
+    model = load_model(Path(spec.draft_model_path), runner.dtype, runner.device)
+    pack_linears(model, backend)
+    return DraftModel(model, spec.num_blocks, runner.device, runner.dtype, runner.attention)
 
 
 def _attention(spec: RunnerSpec, device: torch.device):
@@ -102,6 +113,7 @@ def _build_rank(spec: RunnerSpec, rank: int) -> ModelRunner:
                              grammars=grammar_compiler(spec) if rank == 0 else None,
                              loras=_lora_slots(spec, model, getattr(torch, spec.dtype), device))
         if group is not None:
+            runner.drafter = _drafter(spec, runner, backend)
             group.connect(collectives, START_TIMEOUT_SECONDS)
     except BaseException:
         if group is not None:

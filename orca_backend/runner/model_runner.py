@@ -57,6 +57,7 @@ class ModelRunner:
         self.requests: dict[str, RunnerRequest] = {}
         self.decode_graphs = None
         self.loras = loras
+        self.drafter = None  # speculative decoding's draft model (drafter.DraftModel), where it proposes
 
     @property
     def is_last_stage(self) -> bool:
@@ -83,6 +84,7 @@ class ModelRunner:
         of a tensor-parallel runner hands the message to the other ranks first; if anything
         fails then, the group is over (`RunnerDiedError`, naming the rank)."""
         self._fill_placeholders(message)  # before the other ranks see it: they did not sample
+        self._fill_proposals(message)  # likewise: only this rank has the draft model
         if self.group is None:
             return self._execute(message, hidden)
         self.group.send(message)
@@ -158,7 +160,7 @@ class ModelRunner:
                 out.errors[state.request_id] = f"internal error while checking this request's proposed tokens: {e}"
                 continue
             out.sampled[state.request_id] = SampledToken(token_id)
-            out.num_accepted[state.request_id] = accepted
+            out.accepted_token_ids[state.request_id] = drafts[:accepted]
 
     def enable_decode_graphs(self, max_batch_size: int, max_blocks: int, capture: bool) -> None:
         """Run decode-only iterations of up to max_batch_size requests from CUDA graphs (with
@@ -220,6 +222,26 @@ class ModelRunner:
             s.new_token_ids = [*s.new_token_ids, token]
             s.num_placeholders = 0
 
+    def _fill_proposals(self, message: SchedulerOutput) -> None:
+        """Speculative decoding with a draft model: the proposals of the rows the scheduler
+        reserved for them. If the draft model fails, the iteration fails (as the model would)."""
+        items, rows = [], []
+        for s in message.scheduled:
+            if not s.num_proposals:
+                continue
+            state = self.requests.get(s.request_id)
+            if self.drafter is None or state is None or s.num_placeholders:
+                raise RunnerError(f"request {s.request_id!r} has {s.num_proposals} proposal rows to fill, and "
+                                  "the runner fills them with its draft model, for a request it holds, "
+                                  "after its newest token")
+            own = s.num_computed_tokens + s.num_scheduled_tokens - s.num_proposals
+            items.append((s.request_id, (state.token_ids + s.new_token_ids)[:own],
+                          state.block_ids + s.new_block_ids, s.num_proposals))
+            rows.append(s)
+        if items:
+            for s, drafts in zip(rows, self.drafter.propose(items)):
+                s.draft_token_ids, s.num_proposals = drafts, 0
+
     def _apply(self, message: SchedulerOutput) -> tuple[BatchLayout, list[int], list, LoRABatch | None, list]:
         """Bring the per-request state up to date; returns the rows to run: the layout, the
         token ids, (last row, state) of each request that samples, the LoRA corrections, and
@@ -231,6 +253,9 @@ class ModelRunner:
         for request_id in message.preempted_request_ids:
             if request_id in self.requests:
                 self.requests[request_id].block_ids.clear()  # a new table comes on resume
+        if self.drafter is not None:
+            for request_id in (*message.finished_request_ids, *message.preempted_request_ids):
+                self.drafter.forget(request_id)
         for new in message.new_requests:
             # Only the stage that samples draws: the others need no generators.
             state = self.requests[new.request_id] = RunnerRequest.new(

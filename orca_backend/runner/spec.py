@@ -35,6 +35,7 @@ class RunnerSpec:
     max_loras: int = 1  # device slots: distinct adapters in one iteration
     max_cpu_loras: int = 1  # adapters kept in host memory beyond those in use
     max_lora_rank: int = 16
+    draft_model_path: str = ""  # speculative decoding's draft model, run by the rank that samples
 
     def __post_init__(self) -> None:
         if self.layer_range is not None:  # a list, after a trip through msgpack or JSON
@@ -58,5 +59,6 @@ class RunnerSpec:
                    null_step_seconds=config.null_step_seconds,
                    enable_lora=config.enable_lora, max_loras=config.max_loras,
                    max_cpu_loras=config.max_cpu_loras, max_lora_rank=config.max_lora_rank,
+                   draft_model_path=config.draft_model_path,
                    # under the engine's deadline, so a hung rank is named before the runner is
                    collective_timeout_seconds=max(1.0, config.iteration_timeout_seconds / 2))
