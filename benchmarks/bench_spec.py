@@ -1,7 +1,9 @@
-"""What speculative decoding (n-gram prompt lookup) buys on this machine: decode speed with and
-without it, on prompts whose answer repeats their input (editing, code) and on prompts whose
-answer does not, at batch 1 to 32; where the adaptive switch (`max_batch_size`) should sit; and
-llama.cpp's llama-server (no speculation, F32 GGUF of the same weights) on the same prompts.
+"""What speculative decoding buys on this machine: decode speed with and without n-gram prompt
+lookup, on prompts whose answer repeats their input (editing, code) and on prompts whose answer
+does not, at batch 1 to 32; where the adaptive switch (`max_batch_size`) should sit; a draft
+model at batch 1 (the default model drafting for itself: every proposal holds, at a draft as
+dear as the model; and its first layers alone, untrained: a cheap draft that guesses badly);
+and llama.cpp's llama-server (no speculation, F32 GGUF of the same weights) on the same prompts.
 
 One engine per configuration, all built first; rounds alternate between them. Figures are
 generated tokens per second of wall time (`LLM.generate`, greedy, `ignore_eos`, 64 tokens a
@@ -15,8 +17,10 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -24,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.report import log, machine_lines, table  # noqa: E402
+from orca_backend.checkpoint.store import prepare_default_model  # noqa: E402
 from orca_backend.core.sampling_params import SamplingParams  # noqa: E402
 from orca_backend.engine.llm import LLM  # noqa: E402
 from orca_backend.serving.launch import REPO_ROOT, free_ports  # noqa: E402
@@ -43,6 +48,26 @@ PROMPTS = {
                  "Explain to a child why the sky is blue."]}
 BATCHES = (1, 2, 4, 8, 16, 32)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 3, "prompt_lookup_max": 4}
+
+
+DRAFT_LAYERS = 8  # of the default model's 30, for the cheap draft
+
+
+def first_layers(model: Path, num_layers: int, folder: Path) -> Path:
+    """A checkpoint of `model`'s embeddings, first `num_layers` layers, final norm and head."""
+    from safetensors.torch import load_file, save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in model.iterdir():
+        if f.name not in ("model.safetensors", "config.json"):
+            shutil.copy(f, folder / f.name)
+    config = json.loads((model / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": num_layers}))
+    weights = load_file(model / "model.safetensors")
+    save_file({k: v for k, v in weights.items()
+               if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers},
+              folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
 
 
 def tokens_per_second(llm: LLM, prompts: list[str], batch: int) -> float:
@@ -92,28 +117,38 @@ def main() -> None:
     p.add_argument("--markdown", type=Path)
     args = p.parse_args()
     options = dict(kv_cache_tokens=16384, max_batch_size=32)
+    model = prepare_default_model()
     engines = {"off": LLM(**options),
                "ngram, always": LLM(speculative_config={**NGRAM, "max_batch_size": 64}, **options),
                "ngram, adaptive (max_batch_size 2, the default)": LLM(speculative_config=NGRAM, **options)}
+    with tempfile.TemporaryDirectory() as tmp:
+        cheap = first_layers(model, DRAFT_LAYERS, Path(tmp) / "draft")
+        drafts = {"the model itself, k 4": LLM(speculative_config={"method": "draft_model", "model": str(model)},
+                                               **options),
+                  f"its first {DRAFT_LAYERS} layers, k 2": LLM(speculative_config={
+                      "method": "draft_model", "model": str(cheap), "num_speculative_tokens": 2}, **options)}
     best: dict[tuple, float] = {}
     for r in range(args.rounds):
         for kind, prompts in PROMPTS.items():
             for batch in BATCHES:
-                for name, llm in engines.items():
+                runs = {**engines, **(drafts if batch == 1 else {})}
+                for name, llm in runs.items():
                     rate = tokens_per_second(llm, prompts, batch)
                     best[(kind, batch, name)] = max(best.get((kind, batch, name), 0.0), rate)
                 log(f"round {r + 1}, {kind}, batch {batch}: " + ", ".join(
-                    f"{name} {best[(kind, batch, name)]:.0f}" for name in engines))
-    accepted = {name: llm.engine.stats.speculation for name, llm in engines.items()}
-    for llm in engines.values():
+                    f"{name} {best[(kind, batch, name)]:.0f}" for name in runs))
+    accepted = {name: llm.engine.stats.speculation for name, llm in {**engines, **drafts}.items()}
+    for llm in (*engines.values(), *drafts.values()):
         llm.shutdown()
     llama = {kind: llama_single(prompts) for kind, prompts in PROMPTS.items()}
-    rows = []
-    for kind in PROMPTS:
-        for batch in BATCHES:
-            off = best[(kind, batch, "off")]
-            rows.append([kind, batch, f"{off:.0f}", *(f"{best[(kind, batch, n)]:.0f} ({best[(kind, batch, n)] / off:.2f}x)"
-                                                      for n in list(engines)[1:])])
+
+    def versus_off(kind: str, batch: int, name: str) -> str:
+        rate = best[(kind, batch, name)]
+        return f"{rate:.0f} ({rate / best[(kind, batch, 'off')]:.2f}x)"
+
+    rows = [[kind, batch, f"{best[(kind, batch, 'off')]:.0f}", *(versus_off(kind, batch, n) for n in list(engines)[1:])]
+            for kind in PROMPTS for batch in BATCHES]
+    draft_rows = [[kind, f"{best[(kind, 1, 'off')]:.0f}", *(versus_off(kind, 1, n) for n in drafts)] for kind in PROMPTS]
     spec = accepted["ngram, always"]
     lines = [f"# Speculative decoding on the CPU ({datetime.date.today()})", "",
              f"`python benchmarks/bench_spec.py --rounds {args.rounds}` (`make bench-spec`): the default model, "
@@ -124,7 +159,14 @@ def main() -> None:
              *table(["prompts", "batch", "off tok/s", *list(engines)[1:]], rows), "",
              f"Proposals accepted (always on, every run): {spec.num_accepted_tokens:,} of "
              f"{spec.num_draft_tokens:,} tokens ({spec.num_accepted_tokens / max(1, spec.num_draft_tokens):.0%}), "
-             f"by position {spec.accepted_per_position}.", ""]
+             f"by position {spec.accepted_per_position}.", "",
+             "A draft model at batch 1 (`method: draft_model`; the adaptive switch at its default): the default "
+             f"model drafting for itself, and a checkpoint of its first {DRAFT_LAYERS} of 30 layers with its "
+             "head (`first_layers` here, no training):", "",
+             *table(["prompts", "off tok/s", *drafts], draft_rows), "",
+             *(f"Proposals accepted, {name}: {s.num_accepted_tokens:,} of {s.num_draft_tokens:,} "
+               f"({s.num_accepted_tokens / max(1, s.num_draft_tokens):.0%})."
+               for name, s in ((n, accepted[n]) for n in drafts)), ""]
     for kind, rate in llama.items():
         if rate is not None:
             lines.append(f"llama-server (F32 GGUF, one slot, no speculation), prompts whose answer {kind}: "
