@@ -20,7 +20,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -121,12 +120,11 @@ def main() -> None:
     engines = {"off": LLM(**options),
                "ngram, always": LLM(speculative_config={**NGRAM, "max_batch_size": 64}, **options),
                "ngram, adaptive (max_batch_size 2, the default)": LLM(speculative_config=NGRAM, **options)}
-    with tempfile.TemporaryDirectory() as tmp:
-        cheap = first_layers(model, DRAFT_LAYERS, Path(tmp) / "draft")
-        drafts = {"the model itself, k 4": LLM(speculative_config={"method": "draft_model", "model": str(model)},
-                                               **options),
-                  f"its first {DRAFT_LAYERS} layers, k 2": LLM(speculative_config={
-                      "method": "draft_model", "model": str(cheap), "num_speculative_tokens": 2}, **options)}
+    cheap = first_layers(model, DRAFT_LAYERS, REPO_ROOT / "build" / f"draft-{DRAFT_LAYERS}-layers")
+    drafts = {"the model itself, k 4": LLM(speculative_config={"method": "draft_model", "model": str(model)},
+                                           **options),
+              f"its first {DRAFT_LAYERS} layers, k 2": LLM(speculative_config={
+                  "method": "draft_model", "model": str(cheap), "num_speculative_tokens": 2}, **options)}
     best: dict[tuple, float] = {}
     for r in range(args.rounds):
         for kind, prompts in PROMPTS.items():

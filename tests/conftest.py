@@ -13,6 +13,21 @@ TINY_VOCAB = 512  # token ids below this decode with the default model's tokeniz
 SERVER_FIXTURES = {"server", "hostile", "feature_server"}  # a test that takes one is in the slow group `server`
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _give_memory_back():
+    """After each module, the heap its engines freed goes back to the system: one process runs
+    every module, beside the servers, on a machine of 24 GB."""
+    yield
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:  # not glibc
+        pass
+
+
 def pytest_collection_modifyitems(items) -> None:
     for item in items:
         if SERVER_FIXTURES & set(item.fixturenames):

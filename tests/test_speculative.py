@@ -288,25 +288,53 @@ def test_a_draft_model_for_an_adapter_is_checked_row_by_row(default_model, refer
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
+def test_a_failing_draft_model_costs_its_proposals_only(drafting, reference):
+    """The draft model raises every other call: those rows are checked with stand-in
+    proposals, the iteration goes on, and the output is the output without speculation."""
+    drafter = drafting.engine.executor.runner.drafter
+    propose, calls = drafter.propose, []
+
+    def flaky(items):
+        calls.append(len(items))
+        if len(calls) % 2:
+            raise RuntimeError("the draft model failed (test)")
+        return propose(items)
+
+    drafter.propose = flaky
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    try:
+        got = drafting.generate(PROMPTS, params)
+    finally:
+        del drafter.propose
+    same(reference.generate(PROMPTS, params), got)
+    assert len(calls) >= 4 and drafting.engine.kv.num_used_blocks == 0
+
+
 def test_the_draft_model_reuses_exactly_the_kv_of_accepted_proposals(tiny_vocab_llama):
     """Called again after the target accepted 0..k of its proposals (and added its own token),
     the draft proposes what a fresh draft computing the whole history proposes: it kept the K/V
-    of the accepted proposals and wrote over the rest."""
+    of the accepted proposals and wrote over the rest. It catches up on a history longer than
+    its chunk (here 4 tokens) in chunks, with the same proposals."""
     from orca_backend.runner.drafter import DraftModel
     from orca_backend.runner.models import load_model
     from orca_backend.runner.models.attention import TorchPagedAttention
 
     model = load_model(tiny_vocab_llama, torch.float32, torch.device("cpu"))
 
-    def fresh() -> DraftModel:
-        return DraftModel(model, 64, torch.device("cpu"), torch.float32, TorchPagedAttention(4, torch.device("cpu")))
+    def fresh(max_chunk: int = 512) -> DraftModel:
+        return DraftModel(model, 64, torch.device("cpu"), torch.float32, TorchPagedAttention(4, torch.device("cpu")),
+                          max_chunk)
 
     blocks = list(range(40))
-    draft = fresh()
-    tokens = [5, 17, 300, 9, 42, 7]
-    for step, accept in enumerate([4, 0, 2, 3, 1, 4, 0]):
+    draft = fresh(max_chunk=4)
+    hidden, rows = draft._hidden, []
+    draft._hidden = lambda layout, ids: rows.append(max(layout.num_scheduled_tokens)) or hidden(layout, ids)
+    tokens = [5, 17, 300, 9, 42, 7, 11, 12, 13, 14, 15]
+    for step, accept in enumerate([4, 0, 2, 3, 1, 0, 4]):
         drafts, = draft.propose([("r", tokens, blocks, 4)])
         want, = fresh().propose([("r", tokens, blocks, 4)])
         assert drafts == want, f"step {step}"
         tokens = tokens + drafts[:accept] + [1000 + step]  # the target's own token after those accepted
-    assert draft._valid("r", tokens) == len(tokens) - 1  # the last proposal was rejected: none kept
+    # all 4 accepted last: the first 3 proposals' K/V kept (the 4th was never an input)
+    assert draft._valid("r", tokens) == len(tokens) - 2
+    assert rows[0] == 4 and max(rows) <= 4  # the 11-token history in chunks of 4

@@ -70,12 +70,19 @@ def _lora_slots(spec: RunnerSpec, model, dtype: torch.dtype, device: torch.devic
 
 
 def _drafter(spec: RunnerSpec, runner: ModelRunner, backend) -> DraftModel | None:
-    """The draft model (whole, on the runner's device, its K/V beside the target's), if any."""
+    """The draft model (whole, on the runner's device, its K/V beside the target's), if any.
+    The model's own checkpoint drafting for it (a test of the machinery: every proposal holds)
+    shares its weights when the runner has the whole model."""
     if not spec.draft_model_path:
         return None
-    model = load_model(Path(spec.draft_model_path), runner.dtype, runner.device)
-    pack_linears(model, backend)
-    return DraftModel(model, spec.num_blocks, runner.device, runner.dtype, runner.attention)
+    whole = spec.tensor_parallel_size == 1 and not spec.layer_range
+    if whole and Path(spec.draft_model_path).resolve() == Path(spec.model_path).resolve():
+        model = runner.model
+    else:
+        model = load_model(Path(spec.draft_model_path), runner.dtype, runner.device)
+        pack_linears(model, backend)
+    return DraftModel(model, spec.num_blocks, runner.device, runner.dtype, runner.attention,
+                      spec.max_num_batched_tokens)
 
 
 def _attention(spec: RunnerSpec, device: torch.device):

@@ -21,9 +21,12 @@ from .models.attention import AttentionBackend, BatchLayout
 
 class DraftModel:
     def __init__(self, model, num_blocks: int, device: torch.device, dtype: torch.dtype,
-                 attention: AttentionBackend) -> None:
+                 attention: AttentionBackend, max_chunk: int = 512) -> None:
+        """`max_chunk`: the most tokens of one request a catch-up forward runs (the model's
+        own token budget per iteration, so that its activations stay within what it has)."""
         cfg = model.config
         self.model = model
+        self.max_chunk = max_chunk
         self.attention = attention
         self.device = device
         caches = attention.allocate_kv_cache(cfg.num_layers, num_blocks, cfg.num_local_kv_heads(1),
@@ -36,11 +39,15 @@ class DraftModel:
     def propose(self, items: list[tuple[str, list[int], list[int], int]]) -> list[list[int]]:
         """For each (request id, its tokens ending with the newest (no K/V yet), its block
         table, k): k proposed tokens. Step 1 runs every request's tokens not yet in the draft's
-        K/V; steps 2..k one row each."""
+        K/V (a long history first in chunks of max_chunk, one request at a time); steps 2..k
+        one row each."""
         layout = BatchLayout([], [], [])
         input_ids: list[int] = []
         for request_id, tokens, blocks, _ in items:
             start = self._valid(request_id, tokens)
+            while len(tokens) - start > self.max_chunk:
+                self._hidden(BatchLayout([start], [self.max_chunk], [blocks]), tokens[start:start + self.max_chunk])
+                start += self.max_chunk
             layout.num_computed_tokens.append(start)
             layout.num_scheduled_tokens.append(len(tokens) - start)
             layout.block_tables.append(blocks)
@@ -79,7 +86,11 @@ class DraftModel:
         return count + matched
 
     def _forward(self, layout: BatchLayout, input_ids: list[int], last_rows: torch.Tensor) -> list[int]:
+        """The argmax after each of `last_rows`."""
+        return self.model.logits(self._hidden(layout, input_ids)[last_rows]).argmax(dim=-1).tolist()
+
+    def _hidden(self, layout: BatchLayout, input_ids: list[int]) -> torch.Tensor:
+        """Run the rows (their K/V written); their last hidden states."""
         meta = self.attention.plan(layout)
         hidden = self.model.embed_tokens(torch.tensor(input_ids, dtype=torch.long, device=self.device), meta)
-        hidden = self.model.run_layers(hidden, meta, self.kv_caches, self.model.layer_range)
-        return self.model.logits(hidden[last_rows]).argmax(dim=-1).tolist()
+        return self.model.run_layers(hidden, meta, self.kv_caches, self.model.layer_range)

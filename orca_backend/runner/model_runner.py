@@ -224,23 +224,33 @@ class ModelRunner:
 
     def _fill_proposals(self, message: SchedulerOutput) -> None:
         """Speculative decoding with a draft model: the proposals of the rows the scheduler
-        reserved for them. If the draft model fails, the iteration fails (as the model would)."""
+        reserved for them. If the draft model fails, the rows hold the newest token repeated
+        (checked like any proposal: the output stays exact) and the draft starts over for
+        those requests: the iteration, and the message's other news, go on."""
         items, rows = [], []
         for s in message.scheduled:
             if not s.num_proposals:
                 continue
             state = self.requests.get(s.request_id)
-            if self.drafter is None or state is None or s.num_placeholders:
+            if self.drafter is None or state is None:
                 raise RunnerError(f"request {s.request_id!r} has {s.num_proposals} proposal rows to fill, and "
-                                  "the runner fills them with its draft model, for a request it holds, "
-                                  "after its newest token")
+                                  "the runner fills them with its draft model, for a request it holds")
             own = s.num_computed_tokens + s.num_scheduled_tokens - s.num_proposals
             items.append((s.request_id, (state.token_ids + s.new_token_ids)[:own],
                           state.block_ids + s.new_block_ids, s.num_proposals))
             rows.append(s)
-        if items:
-            for s, drafts in zip(rows, self.drafter.propose(items)):
-                s.draft_token_ids, s.num_proposals = drafts, 0
+        if not items:
+            return
+        try:
+            proposals = self.drafter.propose(items)
+        except Exception:
+            log.exception("the draft model failed; its %d requests' rows are checked with stand-in proposals",
+                          len(items))
+            for request_id, *_ in items:
+                self.drafter.forget(request_id)
+            proposals = [[tokens[-1]] * k for _, tokens, _, k in items]
+        for s, drafts in zip(rows, proposals):
+            s.draft_token_ids, s.num_proposals = drafts, 0
 
     def _apply(self, message: SchedulerOutput) -> tuple[BatchLayout, list[int], list, LoRABatch | None, list]:
         """Bring the per-request state up to date; returns the rows to run: the layout, the
