@@ -153,22 +153,27 @@ class RunnerOutput:
     # Speculating requests: their proposed tokens that were accepted (the sampled token comes
     # after those); a speculating request that sampled is always here.
     accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Requests with prompt_logprobs whose prompt rows ran: [position of the first prompt token
+    # scored (from 1), one [token id, logprob, rank, [[token id, logprob, rank], ...top]] per
+    # position from there].
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)
 
     def to_wire(self) -> list:
         return [self.iteration_id,
                 {rid: [t.token_id, t.logprob,
                        None if t.top_logprobs is None else [[k, *v] for k, v in t.top_logprobs.items()]]
                  for rid, t in self.sampled.items()},
-                self.errors, self.forward_seconds, self.logits, self.mask_seconds, self.accepted_token_ids]
+                self.errors, self.forward_seconds, self.logits, self.mask_seconds, self.accepted_token_ids,
+                self.prompt_logprobs]
 
     @classmethod
     def from_wire(cls, data: list) -> RunnerOutput:
-        iteration_id, sampled, errors, forward_seconds, logits, mask_seconds, accepted = data
+        iteration_id, sampled, errors, forward_seconds, logits, mask_seconds, accepted, prompt = data
         return cls(iteration_id,
                    {rid: SampledToken(token_id, logprob,
                                       None if top is None else {k: (lp, rank) for k, lp, rank in top})
                     for rid, (token_id, logprob, top) in sampled.items()},
-                   errors, forward_seconds, logits, mask_seconds, accepted)
+                   errors, forward_seconds, logits, mask_seconds, accepted, prompt)
 
 
 def encode(message: SchedulerOutput | RunnerOutput) -> bytes:

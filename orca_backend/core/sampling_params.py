@@ -38,6 +38,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    # Log-probabilities of the prompt's tokens (each given the tokens before it) and of the
+    # `prompt_logprobs` most likely tokens at each position: what evaluation harnesses score.
+    prompt_logprobs: int | None = None
     # Requests share cached K/V blocks only with requests of the same salt (None: unsalted),
     # so that one tenant cannot tell from timing whether another sent a prompt.
     cache_salt: str | None = None
@@ -67,6 +70,8 @@ class SamplingParams:
                "must be in [-2, 2]")
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", self.logprobs,
                "must be in [0, 20]")
+        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
+               self.prompt_logprobs, "must be in [0, 20]")
         _check(all(s for s in self.stop), "stop", self.stop, "must not contain empty strings")
         _check(all(_is_text(s) for s in self.stop), "stop", self.stop,
                "must be valid Unicode text (no lone surrogates)")
@@ -111,12 +116,12 @@ class SamplingParams:
 
 
 _TYPES: dict[str, type] = {
-    "max_tokens": int, "min_tokens": int, "top_k": int, "seed": int, "logprobs": int,
+    "max_tokens": int, "min_tokens": int, "top_k": int, "seed": int, "logprobs": int, "prompt_logprobs": int,
     "temperature": float, "top_p": float, "min_p": float, "repetition_penalty": float,
     "presence_penalty": float, "frequency_penalty": float,
     "ignore_eos": bool, "include_stop_str_in_output": bool, "skip_special_tokens": bool,
 }
-_OPTIONAL = {"max_tokens", "seed", "logprobs", "cache_salt", "structured_outputs"}
+_OPTIONAL = {"max_tokens", "seed", "logprobs", "prompt_logprobs", "cache_salt", "structured_outputs"}
 
 
 def _show(value: Any, limit: int = 80) -> str:

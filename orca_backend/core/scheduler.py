@@ -255,7 +255,8 @@ class Scheduler:
         """Move waiting[position] to running if its blocks fit; its leading blocks found in
         the prefix cache count as computed."""
         need = req.max_num_tokens if self.config.policy == "reserve" else req.num_tokens
-        hits = self.kv.match_prefix(req)
+        # A request that scores its prompt runs every prompt row: cached K/V would skip them.
+        hits = self.kv.match_prefix(req) if req.params.prompt_logprobs is None else []
         if not self.kv.can_allocate(req.request_id, need, hits):
             return False
         self.kv.allocate(req.request_id, need, hits)

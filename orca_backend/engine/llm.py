@@ -22,6 +22,7 @@ class RequestOutput:
     logprobs: list[dict[int, tuple[float, int]]] | None = None
     error: str | None = None  # set when the request failed inside the engine
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = None  # with params.prompt_logprobs
 
     def add(self, delta: RequestDelta) -> None:
         self.token_ids += delta.token_ids
@@ -32,6 +33,8 @@ class RequestOutput:
         self.num_cached_tokens = delta.num_cached_tokens
         if delta.logprobs is not None:
             self.logprobs = (self.logprobs or []) + delta.logprobs
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
 
 
 class LLM:

@@ -36,6 +36,9 @@ class _Tracked:
     request: Request
     detokenizer: IncrementalDetokenizer
     cumulative_logprob: float | None = None
+    # With prompt_logprobs: the prompt's scores so far (None first), until sent with the first delta
+    prompt_logprobs: list | None = None
+    prompt_logprobs_sent: bool = False
 
 
 class LLMEngine:
@@ -169,7 +172,8 @@ class LLMEngine:
         if grammar is not None and ready:
             grammar_of(grammar)  # a refused grammar raises its InvalidRequestError here
         req = Request(request_id, token_ids, params, track_logprob=track_logprob, lora=lora)
-        self._tracked[request_id] = _Tracked(req, self.rules.detokenizer(token_ids, params))
+        self._tracked[request_id] = _Tracked(req, self.rules.detokenizer(token_ids, params),
+                                             prompt_logprobs=None if params.prompt_logprobs is None else [None])
         if grammar is not None:
             self.stats.num_structured_requests += 1
         if lora is not None:
@@ -362,6 +366,8 @@ class LLMEngine:
         drafts = {s.request_id: s.num_drafts for s in message.scheduled if s.num_drafts}
         deltas = []
         for req in live:
+            if req.request_id in out.prompt_logprobs:
+                self._take_prompt_logprobs(req.request_id, *out.prompt_logprobs[req.request_id])
             token = out.sampled.get(req.request_id)
             if req.request_id in out.errors:
                 deltas.append(self._fail(req, out.errors[req.request_id]))
@@ -410,6 +416,18 @@ class LLMEngine:
                 self.scheduler.add(tracked.request)
         return deltas
 
+    def _take_prompt_logprobs(self, request_id: str, position: int, entries: list) -> None:
+        """Scores of prompt tokens from `position` on; those already had (the prompt run again
+        after a preemption) are skipped."""
+        scores = self._tracked[request_id].prompt_logprobs
+        if scores is None:
+            return
+        for token_id, logprob, rank, top in entries[len(scores) - position:] if position <= len(scores) else []:
+            entry = {token_id: (logprob, rank)}
+            for other, value, other_rank in top:
+                entry.setdefault(other, (value, other_rank))
+            scores.append(entry)
+
     def _process_safely(self, req: Request, token: SampledToken, out: RunnerOutput, num_new: int) -> RequestDelta:
         try:
             logits = out.logits.get(req.request_id) if out.logits is not None else None
@@ -450,7 +468,15 @@ class LLMEngine:
             tracked.cumulative_logprob,
             [token.top_logprobs] if token.top_logprobs is not None else None,
             torch.frombuffer(bytearray(logits), dtype=torch.float32) if logits is not None else None,
-            num_cached_tokens=req.num_cached_tokens or 0)
+            num_cached_tokens=req.num_cached_tokens or 0, prompt_logprobs=self._prompt_logprobs_once(tracked))
+
+    @staticmethod
+    def _prompt_logprobs_once(tracked: _Tracked) -> list | None:
+        """The prompt's scores, in the request's first delta only."""
+        if tracked.prompt_logprobs is None or tracked.prompt_logprobs_sent:
+            return None
+        tracked.prompt_logprobs_sent = True
+        return tracked.prompt_logprobs
 
 
 

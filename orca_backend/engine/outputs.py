@@ -21,6 +21,9 @@ class RequestDelta:
     logits: torch.Tensor | None = None  # only with EngineConfig.keep_logits
     error: str | None = None  # the request failed inside the engine and has ended
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    # With prompt_logprobs, in the request's first delta: None for the first prompt token, then
+    # per prompt token {token_id: (logprob, rank)}, the prompt's token first, then the top N.
+    prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = None
 
     @property
     def finished(self) -> bool:

@@ -106,12 +106,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, message: SchedulerOutput, hidden: torch.Tensor | None):
-        layout, token_ids, sampling, lora, checks = self._apply(message)
+        layout, token_ids, sampling, lora, checks, scoring = self._apply(message)
         if not token_ids:  # a message that only says which requests have ended
             return RunnerOutput(message.iteration_id) if self.is_last_stage else self.no_rows()
         # The rows that sample, then every row of each speculating request (its own and its proposals')
+        # then the prompt rows of requests that score their prompt
         last_rows = [row for row, _ in sampling] + [row for first, _, drafts in checks
                                                     for row in range(first, first + len(drafts) + 1)]
+        num_checked = len(last_rows) - len(sampling)
+        last_rows += [row for first, count, _, _ in scoring for row in range(first, first + count)]
         states = [state for _, state in sampling]
         masks = self.masks.start(states) if self.samples else None  # while the forward runs
         start = time.perf_counter()
@@ -142,7 +145,27 @@ class ModelRunner:
                 out.mask_seconds = done.seconds
         if checks:
             self._verify(out, logits[len(states):], checks)
+        if scoring:
+            self._score_prompts(out, logits[len(states) + num_checked:], scoring)
         return out
+
+    @staticmethod
+    def _score_prompts(out: RunnerOutput, logits: torch.Tensor, scoring: list) -> None:
+        """Each scoring request's prompt rows' logits (in order): the log-probability and rank
+        of the prompt token that follows each row, and the top N, from the raw model logits."""
+        start = 0
+        for _, count, state, position in scoring:
+            rows = logits[start:start + count].float().log_softmax(dim=-1)
+            start += count
+            targets = torch.tensor(state.token_ids[position:position + count], device=rows.device)
+            chosen = rows.gather(1, targets[:, None])[:, 0]
+            ranks = ((rows > chosen[:, None]).sum(dim=-1) + 1).tolist()
+            n = state.params.prompt_logprobs
+            top_values, top_ids = rows.topk(n, dim=-1) if n else (rows[:, :0], rows[:, :0].long())
+            out.prompt_logprobs[state.request_id] = [position, [
+                [t, lp, rank, [[i, v, r + 1] for r, (v, i) in enumerate(zip(values, ids))]]
+                for t, lp, rank, values, ids in zip(targets.tolist(), chosen.tolist(), ranks,
+                                                    top_values.tolist(), top_ids.tolist())]]
 
     def _verify(self, out: RunnerOutput, logits: torch.Tensor, checks: list) -> None:
         """Each speculating request's proposals checked against its rows' logits (in order,
@@ -254,8 +277,9 @@ class ModelRunner:
 
     def _apply(self, message: SchedulerOutput) -> tuple[BatchLayout, list[int], list, LoRABatch | None, list]:
         """Bring the per-request state up to date; returns the rows to run: the layout, the
-        token ids, (last row, state) of each request that samples, the LoRA corrections, and
-        (first row, state, proposed tokens) of each speculating request."""
+        token ids, (last row, state) of each request that samples, the LoRA corrections,
+        (first row, state, proposed tokens) of each speculating request, and (first row, rows,
+        state, position of the first token they predict) of each request scoring its prompt."""
         for request_id in message.finished_request_ids:
             state = self.requests.pop(request_id, None)
             if state is not None and state.lora_id is not None:
@@ -276,11 +300,16 @@ class ModelRunner:
         token_ids: list[int] = []
         sampling = []  # (last row, state) of each request that samples
         checks = []  # (first row, state, proposed tokens) of each speculating request
+        scoring = []  # (first row, rows, state, first position predicted) of prompts being scored
         lora_rows = []  # (adapter id or None, rows) of each request
         for s in message.scheduled:
             state = self._update(s)
             lora_rows.append((state.lora_id, s.num_scheduled_tokens))
             own = s.num_scheduled_tokens - len(s.draft_token_ids)
+            # rows whose next token is a prompt token: the last prompt row samples instead
+            scored = min(s.num_computed_tokens + own, state.num_prompt_tokens - 1) - s.num_computed_tokens
+            if state.params.prompt_logprobs is not None and scored > 0:
+                scoring.append((len(token_ids), scored, state, s.num_computed_tokens + 1))
             if s.draft_token_ids:
                 checks.append((len(token_ids) + own - 1, state, s.draft_token_ids))
             token_ids += state.token_ids[s.num_computed_tokens:s.num_computed_tokens + own] + s.draft_token_ids
@@ -290,7 +319,7 @@ class ModelRunner:
             if s.sample and not s.draft_token_ids:
                 sampling.append((len(token_ids) - 1, state))
         return (layout, token_ids, sampling, self.loras.batch(lora_rows) if self.loras is not None else None,
-                checks)
+                checks, scoring)
 
     def _hold_lora(self, state: RunnerRequest, new: NewRequest) -> None:
         """Its adapter's weights, read now: if they cannot be, the request fails alone (its
