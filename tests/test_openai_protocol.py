@@ -48,7 +48,8 @@ def test_completion_sampling_defaults_to_16_tokens():
 
 @pytest.mark.parametrize("fields, param", [
     ({"response_format": {"type": "json_schema"}}, "response_format"),
-    ({"logit_bias": {"1": 1}}, "logit_bias"),
+    ({"logit_bias": {"1": 101}}, "logit_bias"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
     ({"store": True}, "store"),
     ({"whatever": 1}, "whatever"),
     ({"temperature": -0.5}, "temperature"),
@@ -91,9 +92,16 @@ def test_type_errors_name_the_field():
     with pytest.raises(APIError) as e:
         parse(ChatRequest, {"model": "m", "messages": USER, "n": "many"})
     assert (e.value.status, e.value.param) == (400, "n")
-    with pytest.raises(APIError) as e:
-        parse(CompletionRequest, {"model": "m", "prompt": "x", "echo": True, "logprobs": 1}).sampling()
-    assert e.value.param == "echo"
+
+
+
+def test_echo_with_logprobs_scores_the_prompt_and_max_tokens_0_needs_echo():
+    req = parse(CompletionRequest, {"model": "m", "prompt": "x", "echo": True, "logprobs": 1, "max_tokens": 0})
+    assert req.sampling() == {"max_tokens": 1, "logprobs": 1, "prompt_logprobs": 1} and req.prompt_only
+    for fields, param in (({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 0, "echo": True, "stream": True}, "stream")):
+        with pytest.raises(APIError) as e:
+            parse(CompletionRequest, {"model": "m", "prompt": "x", **fields}).sampling()
+        assert e.value.param == param
 
 
 # The model's entries: the sampled token first with its rank, then the top N.

@@ -177,7 +177,7 @@ REFUSALS = [  # (path, body, HTTP status, param)
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": 1}}],
                               "tool_choice": "required"}, 400, "tools[0].function.parameters"),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "xml"}}, 400, "response_format"),
-    ("/v1/chat/completions", {**CHAT, "logit_bias": {"42": 5}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"42": 500}}, 400, "logit_bias"),
     ("/v1/chat/completions", {**CHAT, "temperature": -1}, 400, "temperature"),
     ("/v1/chat/completions", {**CHAT, "temperature": "hot"}, 400, "temperature"),
     ("/v1/chat/completions", {**CHAT, "max_tokens": 0}, 400, "max_tokens"),

@@ -81,3 +81,47 @@ def test_a_cached_prompt_is_scored_in_full(default_model, expected):
 def test_bad_prompt_logprobs_are_refused_by_name(value):
     with pytest.raises(InvalidRequestError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=value)
+
+
+def test_served_prompt_logprobs_through_tritonclient(server, expected):
+    """`prompt_logprobs` in sampling_parameters and the `return_prompt_logprobs` flag: the first
+    response carries them (null first, then each prompt token's entry, decoded), the others null."""
+    import json
+
+    from client.triton_client import StreamingClient
+
+    ids, rows = expected[PROMPTS[0]]
+    with StreamingClient(server.grpc_url, "orca") as c:
+        result = c.generate(PROMPTS[0], sampling={"max_tokens": 3, "temperature": 0, "ignore_eos": True,
+                                                  "prompt_logprobs": 2},
+                            stream=True, flags={"return_prompt_logprobs": True})
+    assert result.error is None
+    scores = json.loads(result.responses[0]["prompt_logprobs"])
+    assert all(json.loads(r["prompt_logprobs"]) is None for r in result.responses[1:])
+    assert scores[0] is None and len(scores) == len(ids)
+    for i, entry in enumerate(scores[1:], start=1):
+        own = entry[str(ids[i])]
+        assert abs(own["logprob"] - rows[i - 1][ids[i]].item()) < 1e-4 and own["decoded_token"]
+        assert len(entry) >= 2  # its own and the top 2, which may include it
+
+
+def test_openai_echo_with_logprobs_scores_the_prompt(api, expected):
+    """lm-evaluation-harness's loglikelihood request (echo, logprobs 1, max_tokens 1): one entry
+    per prompt token (null first) then the generated one; with max_tokens 0 the prompt alone."""
+    import openai
+
+    ids, rows = expected[PROMPTS[0]]
+    want = [None] + [rows[i - 1][ids[i]].item() for i in range(1, len(ids))]
+    one = api.completions.create(model="orca", prompt=PROMPTS[0], echo=True, logprobs=1, max_tokens=1,
+                                 temperature=0).choices[0]
+    got = one.logprobs.token_logprobs
+    assert len(got) == len(ids) + 1 and got[0] is None and one.logprobs.top_logprobs[0] is None
+    assert all(abs(a - b) < 1e-4 for a, b in zip(got[1:len(ids)], want[1:]))
+    assert all(len(top) >= 1 for top in one.logprobs.top_logprobs[1:])
+    assert "".join(one.logprobs.tokens[:len(ids)]) == PROMPTS[0] and one.text.startswith(PROMPTS[0])
+    assert one.logprobs.text_offset[:2] == [0, len(one.logprobs.tokens[0])]
+    none = api.completions.create(model="orca", prompt=PROMPTS[0], echo=True, logprobs=1, max_tokens=0)
+    assert none.choices[0].text == PROMPTS[0] and none.usage.completion_tokens == 0
+    assert none.choices[0].logprobs.token_logprobs == got[:len(ids)]
+    with pytest.raises(openai.BadRequestError, match="max_tokens 0 needs echo"):
+        api.completions.create(model="orca", prompt=PROMPTS[0], max_tokens=0)

@@ -47,6 +47,14 @@ class SamplingParams:
     # The output must match a schema, regex, choice or grammar (a mapping or JSON text given
     # here is read as StructuredOutputsParams); vLLM's older name `guided_decoding` is taken too.
     structured_outputs: StructuredOutputsParams | None = None
+    # Logits rules, applied per row before sampling: a bias in [-100, 100] added to a token's
+    # logit (OpenAI's logit_bias, by token id), only these tokens allowed, and words never
+    # completed (vLLM's bad_words: a word's last token is banned where the output ends with the
+    # rest of it). bad_words_token_ids is what the engine makes of bad_words (not set by users).
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -83,6 +91,17 @@ class SamplingParams:
                "must be non-negative token ids")
         _check(self.structured_outputs is None or self.min_tokens == 0, "min_tokens", self.min_tokens,
                "must be 0 with structured_outputs (the grammar decides where the output ends)")
+        _check(self.logit_bias is None or all(t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias.items()),
+               "logit_bias", self.logit_bias, "must map non-negative token ids to biases in [-100, 100]")
+        _check(self.allowed_token_ids is None or (self.allowed_token_ids and min(self.allowed_token_ids) >= 0),
+               "allowed_token_ids", self.allowed_token_ids, "must be a non-empty list of non-negative token ids")
+        _check(all(w for w in self.bad_words) and all(_is_text(w) for w in self.bad_words), "bad_words",
+               self.bad_words, "must be non-empty strings of valid Unicode text")
+
+    @property
+    def needs_logit_rules(self) -> bool:
+        """Whether its logits change before sampling by its own rules (bias, allowed, banned)."""
+        return bool(self.logit_bias or self.allowed_token_ids is not None or self.bad_words_token_ids)
 
     @property
     def greedy(self) -> bool:
@@ -99,7 +118,7 @@ class SamplingParams:
         if not isinstance(values, dict):
             raise InvalidRequestError(
                 f"sampling_parameters must be a JSON object, got {type(values).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for f in dataclasses.fields(cls)} - {"bad_words_token_ids"}  # the engine's
         if "guided_decoding" in values:
             if "structured_outputs" in values:
                 raise InvalidRequestError("give 'structured_outputs' or 'guided_decoding', not both")
@@ -121,7 +140,8 @@ _TYPES: dict[str, type] = {
     "presence_penalty": float, "frequency_penalty": float,
     "ignore_eos": bool, "include_stop_str_in_output": bool, "skip_special_tokens": bool,
 }
-_OPTIONAL = {"max_tokens", "seed", "logprobs", "prompt_logprobs", "cache_salt", "structured_outputs"}
+_OPTIONAL = {"max_tokens", "seed", "logprobs", "prompt_logprobs", "cache_salt", "structured_outputs",
+             "logit_bias", "allowed_token_ids"}
 
 
 def _show(value: Any, limit: int = 80) -> str:
@@ -148,8 +168,14 @@ def _coerce(name: str, value: Any) -> Any:
     """Turn a JSON value (possibly a string) into the field's type, or raise naming the field."""
     if name == "stop":
         return _coerce_list(name, value, str)
-    if name == "stop_token_ids":
+    if name in ("stop_token_ids", "allowed_token_ids") and not (value is None and name in _OPTIONAL):
         return [_scalar(name, v, int) for v in _coerce_list(name, value, (int, str))]
+    if name == "bad_words":
+        return _coerce_list(name, value, str)
+    if name == "bad_words_token_ids":
+        return [[_scalar(name, t, int) for t in _coerce_list(name, word, int)] for word in _coerce_list(name, value, list)]
+    if name == "logit_bias" and value is not None:
+        return _logit_bias(value)
     if value is None and name in _OPTIONAL:
         return None
     if name == "structured_outputs":
@@ -161,10 +187,20 @@ def _coerce(name: str, value: Any) -> Any:
     return _scalar(name, value, _TYPES[name])
 
 
+def _logit_bias(value: Any) -> dict[int, float]:
+    """OpenAI's {token id: bias}, keys as JSON gives them (strings) or ints."""
+    if isinstance(value, str):
+        value = parse_json(value, "logit_bias")
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"sampling parameter 'logit_bias' must be an object of token id to bias, "
+                                  f"got {_show(value)}")
+    return {_scalar("logit_bias", k, int): _scalar("logit_bias", v, float) for k, v in value.items()}
+
+
 def _coerce_list(name: str, value: Any, item_type) -> list:
     if value is None:
         return []
-    if isinstance(value, str) and name == "stop_token_ids":
+    if isinstance(value, str) and name in ("stop_token_ids", "allowed_token_ids"):
         try:
             value = json.loads(value)
         except (json.JSONDecodeError, RecursionError):

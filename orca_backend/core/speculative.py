@@ -81,7 +81,8 @@ def may_speculate(params, num_output_tokens: int, wants_logprob: bool) -> bool:
     grammar, min_tokens not yet reached), reports per token (log-probabilities), or a seed
     (checking draws from its generator otherwise than sampling does, and whether it speculates
     depends on the load: its output must not)."""
-    return not (params.needs_penalties or params.structured_outputs is not None or wants_logprob
+    return not (params.needs_penalties or params.needs_logit_rules or params.structured_outputs is not None
+                or wants_logprob
                 or num_output_tokens < params.min_tokens or (params.seed is not None and not params.greedy))
 
 

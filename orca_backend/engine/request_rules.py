@@ -36,9 +36,10 @@ class RequestRules:
         token_ids = self.encode(prompt)
         self._check_lengths(len(token_ids), params)
         vocab = self.model_config.vocab_size
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise InvalidRequestError(f"sampling parameter 'stop_token_ids' must be token ids "
-                                      f"below the vocabulary size {vocab}")
+        for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
+            if any(t >= vocab for t in getattr(params, name) or []):
+                raise InvalidRequestError(f"sampling parameter {name!r} must name token ids "
+                                          f"below the vocabulary size {vocab}")
         return token_ids
 
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -71,11 +72,18 @@ class RequestRules:
 
     def resolved(self, params: SamplingParams, num_prompt_tokens: int, room: float = math.inf) -> SamplingParams:
         """`params` itself, or for max_tokens None ("up to the context") a copy with the
-        tokens left in the context, and at most `room`; the caller's object is never changed."""
-        if params.max_tokens is not None:
-            return params
-        left = min(self.max_model_len - num_prompt_tokens, room)
-        return dataclasses.replace(params, max_tokens=max(1, int(left)))
+        tokens left in the context, and at most `room`; and with bad_words, their token ids
+        (each word alone and after a space, as vLLM bans them). The caller's object is never
+        changed."""
+        changes = {}
+        if params.max_tokens is None:
+            left = min(self.max_model_len - num_prompt_tokens, room)
+            changes["max_tokens"] = max(1, int(left))
+        if params.bad_words and not params.bad_words_token_ids:
+            words = {tuple(self.tokenizer.encode(w, add_special_tokens=False).ids)
+                     for word in params.bad_words for w in (word, " " + word.lstrip())}
+            changes["bad_words_token_ids"] = [list(w) for w in sorted(words) if w]
+        return dataclasses.replace(params, **changes) if changes else params
 
     def detokenizer(self, prompt_token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)

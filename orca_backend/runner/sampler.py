@@ -54,15 +54,24 @@ class Sampler:
         return SamplerOutput(token_list, sampled, top)
 
     def _adjust(self, logits: torch.Tensor, requests: list[RunnerRequest]) -> torch.Tensor:
-        """Penalties and min_tokens, row by row, only for the rows that ask for them."""
+        """Allowed tokens, logit bias, penalties, bad words and min_tokens, row by row, only
+        for the rows that ask for them."""
         changed = False
         for i, req in enumerate(requests):
             p = req.params
             banned = self._banned_tokens(req)
-            if not (p.needs_penalties or banned):
+            if not (p.needs_penalties or banned or p.logit_bias or p.allowed_token_ids is not None):
                 continue
             if not changed:
                 logits, changed = logits.clone(), True
+            if p.allowed_token_ids is not None:
+                allowed = torch.tensor(p.allowed_token_ids, device=logits.device)
+                kept = logits[i, allowed]
+                logits[i] = float("-inf")
+                logits[i, allowed] = kept
+            if p.logit_bias:
+                ids = torch.tensor(list(p.logit_bias), device=logits.device)
+                logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
             if p.needs_penalties:
                 _apply_penalties(logits[i], req, self.device)
             if banned:
@@ -70,10 +79,19 @@ class Sampler:
         return logits
 
     def _banned_tokens(self, req: RunnerRequest) -> list[int]:
+        """min_tokens' stops before it is reached, and each bad word's last token where the
+        output ends with the rest of the word."""
         p = req.params
+        banned = []
+        if p.bad_words_token_ids:
+            output = req.output_token_ids
+            for word in p.bad_words_token_ids:
+                rest = len(word) - 1
+                if not rest or (len(output) >= rest and output[-rest:] == word[:-1]):
+                    banned.append(word[-1])
         if req.num_output_tokens >= p.min_tokens:
-            return []
-        return p.stop_token_ids + ([] if p.ignore_eos else self.eos_token_ids)
+            return banned
+        return banned + p.stop_token_ids + ([] if p.ignore_eos else self.eos_token_ids)
 
     def verify(self, logits: torch.Tensor, req: RunnerRequest, drafts: list[int]) -> tuple[int, int]:
         """Speculative decoding: logits [k + 1, vocab] of a request's row and its k proposed

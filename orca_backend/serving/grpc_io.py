@@ -10,6 +10,8 @@ import tritonclient.grpc as grpcclient
 
 OUTPUTS = ("text_output", "finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens",
            "num_output_tokens", "num_cached_tokens")
+# Outputs only our models have (requested only when asked for: a model without them refuses them).
+OWN_OUTPUTS = ("prompt_logprobs",)
 # Inputs and outputs that make a Triton model one of ours (or one with Triton's vLLM backend I/O).
 LLM_INPUTS = ("text_input", "stream", "sampling_parameters")
 LLM_OUTPUTS = ("text_output",)
@@ -59,7 +61,7 @@ def decode_outputs(result) -> dict:
         return _decode_with_numpy(result)
     out = {}
     for tensor, raw in zip(response.outputs, response.raw_output_contents):
-        if tensor.name not in OUTPUTS:
+        if tensor.name not in OUTPUTS and tensor.name not in OWN_OUTPUTS:
             continue
         if tensor.datatype == "BYTES":  # each element: a 4-byte little-endian length, then the bytes
             out[tensor.name] = raw[4:4 + int.from_bytes(raw[:4], "little")].decode("utf-8") if raw else None
@@ -70,7 +72,7 @@ def decode_outputs(result) -> dict:
 
 def _decode_with_numpy(result) -> dict:
     out = {}
-    for name in OUTPUTS:
+    for name in (*OUTPUTS, *OWN_OUTPUTS):
         value = result.as_numpy(name)
         if value is None:
             continue

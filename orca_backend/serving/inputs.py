@@ -15,7 +15,8 @@ from ..core.sampling_params import SamplingParams, parse_json
 # of generating (the OpenAI frontend's /v1/models and /v1/load_lora_adapter use it).
 LORA_COMMANDS = ("list", "load", "unload")
 RETURN_FLAGS = ("return_finish_reason", "return_cumulative_logprob", "return_logprobs",
-                "return_num_input_tokens", "return_num_output_tokens", "return_num_cached_tokens")
+                "return_num_input_tokens", "return_num_output_tokens", "return_num_cached_tokens",
+                "return_prompt_logprobs")
 FLAG_INPUTS = ("stream", "exclude_input_in_output", *RETURN_FLAGS)
 
 
@@ -33,6 +34,7 @@ class GenerateRequest:
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
     return_num_cached_tokens: bool = False
+    return_prompt_logprobs: bool = False
     lora_name: str | None = None  # its adapter (vLLM backend's `lora_name` sampling parameter)
 
     @classmethod

@@ -56,6 +56,9 @@ class Response:
     logprobs: list[dict] | None  # one {token_id: {...}} per token of this response
     final: bool
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    # With sampling parameter prompt_logprobs, in the first response only: null for the first
+    # prompt token, then one {token_id: {...}} per prompt token (its own first, then the top N)
+    prompt_logprobs: list[dict | None] | None = None
 
 
 class ResponseSink(Protocol):
@@ -87,6 +90,7 @@ class Stream:
     # special token, half a character) rides along with the next response that has text.
     num_unsent_tokens: int = 0
     unsent_logprobs: list[dict] = field(default_factory=list)
+    unsent_prompt_logprobs: list[dict | None] | None = None
     newest: RequestDelta | None = None  # the last delta taken, not yet answered
     oldest_made: float = 0.0  # when the engine made the oldest delta not yet answered
     num_responses: int = 0
@@ -290,7 +294,9 @@ class Sender:
             stream.last_token_time = made
         stream.num_output_tokens += len(delta.token_ids)
         stream.num_unsent_tokens += len(delta.token_ids)
-        stream.unsent_logprobs += self._logprob_entries(delta)
+        stream.unsent_logprobs += self._logprob_entries(delta.logprobs)
+        if delta.prompt_logprobs is not None:
+            stream.unsent_prompt_logprobs = [None, *self._logprob_entries(delta.prompt_logprobs[1:])]
         stream.text.append(delta.text)
         if stream.newest is None:
             stream.oldest_made = made
@@ -342,8 +348,9 @@ class Sender:
     def _send(self, stream: Stream, delta: RequestDelta, text: str) -> None:
         logprobs = stream.unsent_logprobs if stream.request.params.logprobs is not None else None
         response = Response(text, delta.finish_reason, delta.num_prompt_tokens, stream.num_unsent_tokens,
-                            delta.cumulative_logprob, logprobs, delta.finished, delta.num_cached_tokens)
-        stream.num_unsent_tokens, stream.unsent_logprobs = 0, []
+                            delta.cumulative_logprob, logprobs, delta.finished, delta.num_cached_tokens,
+                            stream.unsent_prompt_logprobs)
+        stream.num_unsent_tokens, stream.unsent_logprobs, stream.unsent_prompt_logprobs = 0, [], None
         stream.num_responses += 1
         self._observed.num_sends += 1
         _safe(lambda: stream.sink.send(response))
@@ -400,10 +407,10 @@ class Sender:
             self.metrics.put(self._stats)
             self._stats = None
 
-    def _logprob_entries(self, delta: RequestDelta) -> list[dict]:
+    def _logprob_entries(self, entries: list[dict] | None) -> list[dict]:
         return [{str(token_id): {"logprob": logprob, "rank": rank, "decoded_token": self._decode([token_id])}
                  for token_id, (logprob, rank) in entry.items()}
-                for entry in delta.logprobs or []]
+                for entry in entries or []]
 
 
 def _safe(call, default=None):

@@ -46,6 +46,7 @@ _OPTIONAL = (
     ("num_input_tokens", "return_num_input_tokens", lambda r: np.array([r.num_input_tokens], dtype=np.uint32)),
     ("num_output_tokens", "return_num_output_tokens", lambda r: np.array([r.num_output_tokens], dtype=np.uint32)),
     ("num_cached_tokens", "return_num_cached_tokens", lambda r: np.array([r.num_cached_tokens], dtype=np.uint32)),
+    ("prompt_logprobs", "return_prompt_logprobs", lambda r: _bytes(json.dumps(r.prompt_logprobs))),
 )
 
 

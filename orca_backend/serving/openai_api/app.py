@@ -179,8 +179,12 @@ async def _completions(request: Request):
                              lambda c, p, first: [completion_delta(c, p, first, req.echo, req.logprobs)],
                              head, req.include_usage)
     choices = await _unless_disconnected(request, generation.collect())
+    if req.prompt_only:
+        for c in choices:
+            c.num_output_tokens = 0
     return {**envelope("text_completion", new_id("cmpl"), req.model),
-            "choices": [completion_choice(c, req.echo, req.logprobs) for c in choices], "usage": usage(choices, req.n)}
+            "choices": [completion_choice(c, req.echo, req.logprobs, req.prompt_only) for c in choices],
+            "usage": usage(choices, req.n)}
 
 
 async def _chat(request: Request):

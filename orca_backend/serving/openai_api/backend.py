@@ -31,6 +31,7 @@ STATUS_CODE_HEADERS = {"triton_grpc_error": "true"}
 _OUTPUTS = requested_outputs(("text_output", "finish_reason", "num_input_tokens", "num_output_tokens",
                               "num_cached_tokens"))
 _WITH_LOGPROBS = _OUTPUTS + requested_outputs(("logprobs",))
+_WITH_PROMPT_LOGPROBS = _WITH_LOGPROBS + requested_outputs(("prompt_logprobs",))
 _INDEX_SECONDS = 2.0  # how long the list of ready models is trusted
 
 
@@ -55,6 +56,7 @@ class Piece:
     num_output_tokens: int  # in this response
     num_cached_tokens: int
     logprobs: list[dict] | None  # per token {token_id: {logprob, rank, decoded_token}}, sampled first
+    prompt_logprobs: list[dict | None] | None = None  # the prompt's, null first (first response only)
 
     def followed_by(self, later: Piece) -> Piece:
         """This piece and a later one of the same request, as one."""
@@ -62,7 +64,8 @@ class Piece:
             (self.logprobs or []) + (later.logprobs or [])
         return Piece(self.text + later.text, later.finish_reason, later.num_input_tokens or self.num_input_tokens,
                      self.num_output_tokens + later.num_output_tokens,
-                     later.num_cached_tokens or self.num_cached_tokens, logprobs)
+                     later.num_cached_tokens or self.num_cached_tokens, logprobs,
+                     self.prompt_logprobs or later.prompt_logprobs)
 
 
 class Backend:
@@ -209,11 +212,14 @@ class Backend:
         """The model's responses to one request; raises APIError. Closing the iterator early
         (the HTTP client went away) cancels the gRPC stream, and the model drops the request."""
         stream = stream and model.decoupled
-        flags = {**_FLAGS, "return_logprobs": True} if sampling.get("logprobs") is not None else _FLAGS
+        flags, outputs = _FLAGS, _OUTPUTS
+        if sampling.get("logprobs") is not None:
+            flags, outputs = {**flags, "return_logprobs": True}, _WITH_LOGPROBS
+        if sampling.get("prompt_logprobs") is not None:
+            flags, outputs = {**flags, "return_prompt_logprobs": True}, _WITH_PROMPT_LOGPROBS
         inputs = build_inputs(prompt, sampling, stream=stream, exclude_input=True, flags=flags,
                               batched=model.batched)
-        request = {"model_name": model.name, "inputs": inputs,
-                   "outputs": _WITH_LOGPROBS if "return_logprobs" in flags else _OUTPUTS,
+        request = {"model_name": model.name, "inputs": inputs, "outputs": outputs,
                    "request_id": uuid.uuid4().hex}
 
         async def requests():
@@ -239,11 +245,12 @@ class Backend:
 
 def _piece(out: dict) -> Piece:
     reason = out.get("finish_reason")
-    logprobs = out.get("logprobs")
+    logprobs, prompt = out.get("logprobs"), out.get("prompt_logprobs")
     return Piece(out.get("text_output", ""), None if reason in (None, "None") else reason,
                  int(out.get("num_input_tokens", 0)), int(out.get("num_output_tokens", 0)),
                  int(out.get("num_cached_tokens", 0)),
-                 None if logprobs in (None, "null") else json.loads(logprobs))
+                 None if logprobs in (None, "null") else json.loads(logprobs),
+                 None if prompt in (None, "null") else json.loads(prompt))
 
 
 def _tokenizer_folder(config: dict) -> Path | None:

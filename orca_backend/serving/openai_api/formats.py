@@ -16,6 +16,7 @@ class Choice:
     prompt: str
     texts: list[str] = field(default_factory=list)
     entries: list[dict] = field(default_factory=list)  # logprob entries, one per token
+    prompt_entries: list[dict | None] | None = None  # the prompt's (null first), when asked for
     finish_reason: str | None = None
     num_input_tokens: int = 0
     num_output_tokens: int = 0
@@ -24,6 +25,7 @@ class Choice:
     def add(self, piece: Piece) -> None:
         self.texts.append(piece.text)
         self.entries += piece.logprobs or []
+        self.prompt_entries = piece.prompt_logprobs or self.prompt_entries
         self.finish_reason = piece.finish_reason or self.finish_reason
         self.num_input_tokens = piece.num_input_tokens or self.num_input_tokens
         self.num_cached_tokens = piece.num_cached_tokens or self.num_cached_tokens
@@ -87,18 +89,43 @@ def completion_logprobs(entries: list[dict], top_n: int, offset: int) -> dict:
     return out
 
 
-def completion_choice(c: Choice, echo: bool, top_n: int | None) -> dict:
-    return {"index": c.index, "text": (c.prompt if echo else "") + c.text,
-            "logprobs": None if top_n is None else completion_logprobs(c.entries, top_n, 0),
-            "finish_reason": c.finish_reason}
+def prompt_logprobs(c: Choice, top_n: int) -> dict:
+    """Legacy completions' columns for the echoed prompt: its first token has no logprob (null),
+    its text what the prompt holds before the other tokens' texts."""
+    entries = c.prompt_entries or [None]
+    out = completion_logprobs([e for e in entries if e is not None], top_n, 0)
+    rest = "".join(out["tokens"])
+    first = c.prompt[:len(c.prompt) - len(rest)] if c.prompt.endswith(rest) else ""
+    out["text_offset"] = [o + len(first) for o in out["text_offset"]]
+    return {"tokens": [first, *out["tokens"]], "token_logprobs": [None, *out["token_logprobs"]],
+            "top_logprobs": [None, *out["top_logprobs"]], "text_offset": [0, *out["text_offset"]]}
+
+
+def _joined(a: dict, b: dict) -> dict:
+    return {key: a[key] + b[key] for key in a}
+
+
+def completion_choice(c: Choice, echo: bool, top_n: int | None, prompt_only: bool = False) -> dict:
+    """`prompt_only` (max_tokens 0 with echo): the one token run is not part of the answer."""
+    logprobs = None
+    if top_n is not None:
+        logprobs = completion_logprobs([] if prompt_only else c.entries, top_n, len(c.prompt) if echo else 0)
+        if echo:
+            logprobs = _joined(prompt_logprobs(c, top_n), logprobs)
+    return {"index": c.index, "text": (c.prompt if echo else "") + ("" if prompt_only else c.text),
+            "logprobs": logprobs, "finish_reason": c.finish_reason}
 
 
 def completion_delta(c: Choice, piece: Piece, first: bool, echo: bool, top_n: int | None) -> dict:
     """One streamed response of a choice (already added to it); with echo the prompt comes first."""
-    offset = len(c.text) - len(piece.text)  # where the piece starts (echo refuses logprobs)
+    offset = len(c.text) - len(piece.text) + (len(c.prompt) if echo else 0)  # where the piece starts
+    logprobs = None
+    if top_n is not None:
+        logprobs = completion_logprobs(piece.logprobs or [], top_n, offset)
+        if echo and first:
+            logprobs = _joined(prompt_logprobs(c, top_n), logprobs)
     return {"index": c.index, "text": (c.prompt if echo and first else "") + piece.text,
-            "logprobs": None if top_n is None else completion_logprobs(piece.logprobs or [], top_n, offset),
-            "finish_reason": piece.finish_reason}
+            "logprobs": logprobs, "finish_reason": piece.finish_reason}
 
 
 def chat_choice(c: Choice, top_n: int | None) -> dict:

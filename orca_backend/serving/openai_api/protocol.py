@@ -20,10 +20,10 @@ from .tools import ToolChoice, check_tool_choice, check_tools
 # Sampling fields passed to the model as they are (OpenAI's, then vLLM's extensions).
 _PASSED = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
            "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-           "include_stop_str_in_output", "skip_special_tokens", "cache_salt")
+           "include_stop_str_in_output", "skip_special_tokens", "cache_salt", "logit_bias", "allowed_token_ids",
+           "bad_words")
 # Fields we cannot honour, accepted only with a value that asks for nothing.
 _NO_OP = {
-    "logit_bias": lambda v: not v,
     "tools": lambda v: not v,
     "tool_choice": lambda v: v in (None, "none"),
     "parallel_tool_calls": lambda v: True,  # meaningless without tools
@@ -80,6 +80,9 @@ class _Request(BaseModel):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     cache_salt: str | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a string) to a bias in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # vLLM's extra fields
+    bad_words: list[str] | None = None
     response_format: dict | None = None  # OpenAI's: text, json_object or json_schema
     structured_outputs: dict | str | None = None  # vLLM's extra field
 
@@ -169,13 +172,22 @@ class CompletionRequest(_Request):
             raise invalid(f"{len(prompts)} prompts times n = {self.n} is more than {MAX_CHOICES} choices", "n")
         return prompts
 
+    @property
+    def prompt_only(self) -> bool:
+        """max_tokens 0 with echo: the prompt (and its logprobs) only, as vLLM answers it."""
+        return self.echo and self.max_tokens == 0
+
     def sampling(self) -> dict:
         self._check_common()
-        if self.echo and self.logprobs is not None:
-            raise invalid("echo with logprobs needs the prompt's logprobs, which this server does not "
-                          "compute", "echo")
-        # OpenAI's default for completions is 16 tokens.
-        sampling = self._sampling(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
+        if self.max_tokens == 0 and not self.echo:
+            raise invalid("max_tokens 0 needs echo: true (the answer is the prompt and its logprobs)", "max_tokens")
+        if self.prompt_only and self.stream:
+            raise invalid("max_tokens 0 (the prompt only) is answered whole: use stream: false", "stream")
+        # OpenAI's default for completions is 16 tokens; the prompt only runs one (not returned).
+        max_tokens = 16 if self.max_tokens is None else max(1, self.max_tokens)
+        sampling = self._sampling(max_tokens, self.logprobs)
+        if self.echo and self.logprobs is not None:  # the prompt's tokens scored too
+            sampling["prompt_logprobs"] = self.logprobs
         return check_sampling(sampling, {})
 
 
