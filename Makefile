@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install model serve test test-fast bench bench-full bench-prefix bench-engine bench-cpu bench-executors bench-pipeline bench-tp bench-startup bench-host bench-structured bench-tools bench-lora bench-spec perf simulate clean
+.PHONY: install model serve test test-fast bench bench-full bench-prefix bench-engine bench-cpu bench-executors bench-pipeline bench-tp bench-startup bench-host bench-structured bench-tools bench-lora bench-spec eval-harness perf simulate clean
 
 install: $(STAMP)
 
@@ -101,6 +101,10 @@ bench-lora: model
 # Speculative decoding (n-gram) against none and llama-server, batch 1 to 32; writes docs/benchmarks/speculative.md
 bench-spec: model
 	$(PY) benchmarks/bench_spec.py --markdown docs/benchmarks/speculative.md
+
+# lm-evaluation-harness (its own environment, offline) scoring a small local task through the OpenAI API.
+eval-harness: model
+	$(PY) benchmarks/eval_harness.py --markdown docs/benchmarks/eval_harness.md
 
 # What reading tool calls costs the OpenAI API per streamed chunk, beside re-parsing the output.
 bench-tools: install

@@ -35,6 +35,9 @@ class RequestRules:
         Safe to call from any thread (it reads the tokenizer and limits only)."""
         token_ids = self.encode(prompt)
         self._check_lengths(len(token_ids), params)
+        if params.prompt_logprobs is not None and self.config.engine == "tensorrt":
+            raise InvalidRequestError("sampling parameter 'prompt_logprobs' needs engine 'torch' (a TensorRT "
+                                      "engine's profile has one logit row per request)")
         vocab = self.model_config.vocab_size
         for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
             if any(t >= vocab for t in getattr(params, name) or []):
