@@ -210,7 +210,8 @@ def feature_server(tmp_path_factory, default_model, lora_adapters):
     loading on; `lora_json`: LoRA on through model.json (as Triton's vLLM backend reads it, a
     vLLM option it does not have included), adapter c from a folder relative to the version;
     `spec`: speculative decoding (n-gram, 4 tokens) from config.pbtxt; `draft`: the default
-    model drafting for itself."""
+    model drafting for itself; `prio`: no model (engine null, 20 ms a step), one request at a
+    time, for priorities."""
     import json
 
     from helpers import serving
@@ -230,5 +231,7 @@ def feature_server(tmp_path_factory, default_model, lora_adapters):
     write_model(repo, "spec", {"speculative_config": spec, "kv_cache_tokens": "4096"})
     draft = json.dumps({"method": "draft_model", "model": str(default_model), "num_speculative_tokens": 3})
     write_model(repo, "draft", {"speculative_config": draft.replace('"', '\\"'), "kv_cache_tokens": "4096"})
+    write_model(repo, "prio", {"engine": "null", "null_step_seconds": "0.02", "max_batch_size": "1",
+                               "kv_cache_tokens": "4096"})
     with serving(Server(tmp_path_factory.mktemp("feature_triton"), repo, ["--exit-timeout-secs=20"])) as server:
         yield server

@@ -131,11 +131,12 @@ class FakeEngine:
         self.batches: list[Fed] = []
 
     def add(self, request_id: str, num_prompt_tokens: int | list[int], max_tokens: int,
-            cache_salt: str | None = None) -> Request:
+            cache_salt: str | None = None, priority: int = 0) -> Request:
         """`num_prompt_tokens`: a length (the prompt 1, 2, ...), or the prompt's token ids."""
         prompt = (list(range(1, num_prompt_tokens + 1)) if isinstance(num_prompt_tokens, int)
                   else list(num_prompt_tokens))
-        req = Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, cache_salt=cache_salt))
+        req = Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, cache_salt=cache_salt,
+                                                         priority=priority))
         self.scheduler.add(req)
         return req
 

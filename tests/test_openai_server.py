@@ -194,7 +194,8 @@ REFUSALS = [  # (path, body, HTTP status, param)
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages"),
     ("/v1/chat/completions", {**CHAT, "max_tokens": 10 ** 6}, 400, None),  # the model's INVALID_ARG
-    ("/v1/completions", {"model": "orca", "prompt": "Hi", "echo": True, "logprobs": 1}, 400, "echo"),
+    ("/v1/completions", {"model": "orca", "prompt": "Hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "orca", "prompt": "Hi", "echo": True, "max_tokens": 0, "stream": True}, 400, "stream"),
     ("/v1/completions", {"model": "orca", "prompt": [1, 2, 3]}, 400, "prompt.str"),
     ("/v1/completions", {"model": "orca", "prompt": "Hi", "suffix": "x"}, 400, "suffix"),
     ("/v1/completions", {"model": "orca", "prompt": "Hi", "best_of": 3}, 400, "best_of"),

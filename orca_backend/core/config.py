@@ -88,6 +88,10 @@ class EngineConfig:
     #  "max_batch_size": 8} or {"method": "draft_model", "model": "/path/to/draft", ...}; read into a
     # SpeculativeConfig.
     speculative_config: str | dict | SpeculativeConfig | None = None
+    # Priorities (a request's sampling parameter `priority`, lower first): a request ranks by
+    # priority x this + the iteration it arrived in, so one arriving this many iterations later
+    # than another of the next better priority ranks behind it (starvation's bound).
+    priority_aging_iterations: int = 256
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
@@ -116,7 +120,7 @@ class EngineConfig:
             self.max_inflight = self.pipeline_stages if pipelined else (2 if self.async_scheduling else 1)
         for name in ("max_batch_size", "max_num_batched_tokens", "block_size", "max_prompt_bytes",
                      "max_inflight", "iteration_timeout_seconds", "pipeline_stages", "tensor_parallel_size",
-                     "max_lora_rank", "max_loras"):
+                     "max_lora_rank", "max_loras", "priority_aging_iterations"):
             value = getattr(self, name)
             _need(isinstance(value, int) and value >= 1, name, value, "an integer >= 1")
         _need(isinstance(self.enable_lora, bool), "enable_lora", self.enable_lora, "true or false")

@@ -94,6 +94,14 @@ class BlockManager:
         """Blocks no request holds that keep their contents for a later hit."""
         return len(self._evictable)
 
+    def num_blocks_freed_by(self, request_ids: list[str]) -> int:
+        """Blocks that freeing these requests would make free: those no other request holds."""
+        held: dict[int, int] = {}
+        for request_id in request_ids:
+            for block_id in self.block_tables.get(request_id, ()):
+                held[block_id] = held.get(block_id, 0) + 1
+        return sum(1 for block_id, n in held.items() if n == self._ref_counts[block_id])
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

@@ -64,6 +64,9 @@ class Request:
     next_proposal_at: int = 0  # speculative decoding: output count at which to look for proposals again
     num_accepted_drafts: int = 0  # its proposed tokens accepted so far
     finish_on_return: RequestStatus | None = None  # finished while in flight: applied on return
+    # Its place among requests of mixed priorities, set on arrival: rank (priority x the aging
+    # step + the iteration it arrived in; lower runs first), then arrival order.
+    rank: tuple[int, int] = (0, 0)
     num_prompt_tokens: int = field(init=False, default=0)
 
     @property

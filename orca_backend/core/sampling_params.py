@@ -15,6 +15,7 @@ from .structured_outputs import StructuredOutputsParams, parse_json
 GREEDY_TEMPERATURE = 1e-5
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
 MAX_CACHE_SALT_CHARS = 1024
+PRIORITY_RANGE = (-(1 << 31), (1 << 31) - 1)
 
 
 @dataclass(slots=True)
@@ -55,6 +56,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] = field(default_factory=list)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # Scheduling order among waiting requests and who is preempted first (vLLM's convention:
+    # lower runs first, ties by arrival); see core/scheduler.py for the starvation bound.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -95,6 +99,8 @@ class SamplingParams:
                "logit_bias", self.logit_bias, "must map non-negative token ids to biases in [-100, 100]")
         _check(self.allowed_token_ids is None or (self.allowed_token_ids and min(self.allowed_token_ids) >= 0),
                "allowed_token_ids", self.allowed_token_ids, "must be a non-empty list of non-negative token ids")
+        _check(PRIORITY_RANGE[0] <= self.priority <= PRIORITY_RANGE[1], "priority", self.priority,
+               f"must be an integer in [{PRIORITY_RANGE[0]}, {PRIORITY_RANGE[1]}]")
         _check(all(w for w in self.bad_words) and all(_is_text(w) for w in self.bad_words), "bad_words",
                self.bad_words, "must be non-empty strings of valid Unicode text")
 
@@ -136,6 +142,7 @@ class SamplingParams:
 
 _TYPES: dict[str, type] = {
     "max_tokens": int, "min_tokens": int, "top_k": int, "seed": int, "logprobs": int, "prompt_logprobs": int,
+    "priority": int,
     "temperature": float, "top_p": float, "min_p": float, "repetition_penalty": float,
     "presence_penalty": float, "frequency_penalty": float,
     "ignore_eos": bool, "include_stop_str_in_output": bool, "skip_special_tokens": bool,

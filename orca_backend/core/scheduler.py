@@ -3,11 +3,20 @@
 Each call to `schedule()` hands out tokens, not phases: a request gets
 `min(remaining tokens, budget)` tokens, so a whole prompt, a prompt chunk and a decode step
 are the same code path and share an iteration.
+
+Priorities (vLLM's: lower first): while requests of different priorities are unfinished, both
+queues are kept in order of rank, `priority x priority_aging_iterations + the iteration the
+request arrived in`, then arrival: the best ranked waiting request is admitted first, and the
+worst ranked running one is preempted first. A waiting request that cannot get in (no slot in
+the batch, or no K/V room) preempts running requests of a worse priority for its place. A
+request is never passed by one of a better priority that arrived `(its priority - theirs) x
+priority_aging_iterations` iterations or more after it: starvation's bound.
 """
 from __future__ import annotations
 
 import itertools
-from collections import deque
+import operator
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from .config import BATCHING_MODES, POLICIES
@@ -34,9 +43,10 @@ class SchedulerConfig:
     async_scheduling: bool = False
     max_loras: int | None = None  # distinct LoRA adapters among running requests; None: no adapters
     speculative: SpeculativeConfig | None = None  # propose tokens for decoding requests to check
+    priority_aging_iterations: int = 256  # a priority step is worth this many iterations of arrival
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_num_batched_tokens", "max_inflight"):
+        for name in ("max_batch_size", "max_num_batched_tokens", "max_inflight", "priority_aging_iterations"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.policy not in POLICIES:
@@ -76,10 +86,15 @@ class Scheduler:
         # For the runner, since the last message: requests to forget, tables to drop.
         self._finished_ids: list[str] = []
         self._preempted_ids: list[str] = []
+        self._arrivals = itertools.count()
+        self._priorities: Counter[int] = Counter()  # of unfinished requests
 
     # -- requests in and out ------------------------------------------------------------
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
+        priority = req.params.priority
+        req.rank = (priority * self.config.priority_aging_iterations + self.num_iterations, next(self._arrivals))
+        self._priorities[priority] += 1
         self.waiting.append(req)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
@@ -94,6 +109,9 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = status
         self.kv.free(req.request_id)
+        self._priorities[req.params.priority] -= 1
+        if not self._priorities[req.params.priority]:
+            del self._priorities[req.params.priority]
         if req.num_sent_tokens:
             self._finished_ids.append(req.request_id)
         if self.proposer is not None:
@@ -126,6 +144,9 @@ class Scheduler:
         spec = self.config.speculative
         # Speculate only at low load: a big batch is no longer bound by reading the weights.
         self._speculate = spec is not None and len(self.running) <= spec.max_batch_size
+        if len(self._priorities) > 1:
+            self._rank_queues()
+            num_preemptions = self.num_preemptions  # those that make room for a better request
         budget = self._schedule_running(scheduled, self.config.max_num_batched_tokens)
         if self.num_preemptions == num_preemptions:  # no room was short: admit newcomers
             self._schedule_waiting(scheduled, budget)
@@ -137,6 +158,41 @@ class Scheduler:
             return None
         self.num_iterations += 1
         return self._describe(scheduled)
+
+    def _rank_queues(self) -> None:
+        """Mixed priorities: both queues in order of rank (the worst running request last, to
+        be preempted first); the best waiting one takes the place of worse running ones."""
+        self.waiting = deque(sorted(self.waiting, key=_rank))
+        self.running.sort(key=_rank)
+        if not self.waiting or self.config.batching == "request":
+            return
+        head = self.waiting[0]
+        victims = [r for r in reversed(self.running) if not r.in_flight and r.params.priority > head.params.priority]
+        loras = self.running_loras() if self.config.max_loras is not None else None
+        if victims and not self._fits(head) and self._adapter_fits(head, loras) and self._room_after(head, victims):
+            for victim in victims:
+                self._preempt(victim)
+                if self._fits(head):
+                    break
+            self.waiting = deque(sorted(self.waiting, key=_rank))  # the preempted go behind it
+
+    def _fits(self, req: Request) -> bool:
+        """Whether a waiting request could be admitted now: a place in the batch and its blocks."""
+        if len(self.running) >= self._max_running:
+            return False
+        return self.kv.can_allocate(req.request_id, self._need(req), self._hits(req))
+
+    def _room_after(self, req: Request, victims: list[Request]) -> bool:
+        """Whether preempting all these would make room for a waiting request (its cache hits
+        not counted: a conservative answer)."""
+        blocks = self.kv.num_free_blocks + self.kv.num_blocks_freed_by([v.request_id for v in victims])
+        return self.kv.num_new_blocks(req.request_id, self._need(req)) <= blocks
+
+    @property
+    def _max_running(self) -> int:
+        """Requests running at once: one batch (rescheduled ahead), or max_inflight disjoint ones."""
+        c = self.config
+        return c.max_batch_size * (1 if c.async_scheduling else c.max_inflight)
 
     def _schedule_running(self, scheduled: list, budget: int) -> int:
         i = 0
@@ -226,16 +282,14 @@ class Scheduler:
         request_mode = c.batching == "request"
         if request_mode and self.running:
             return  # request-level batching: nobody joins a batch that is running
-        # In flight at once: one batch of requests (rescheduled ahead), or max_inflight disjoint ones.
-        max_running = c.max_batch_size * (1 if c.async_scheduling else c.max_inflight)
+        max_running = self._max_running
         loras = self.running_loras() if c.max_loras is not None else None
         i = 0
         while i < len(self.waiting) and len(scheduled) < c.max_batch_size and len(self.running) < max_running:
             if budget <= 0 and not request_mode:
                 break
             req = self.waiting[i]
-            if loras is not None and req.lora is not None and req.lora.lora_id not in loras \
-                    and len(loras) >= c.max_loras:
+            if not self._adapter_fits(req, loras):
                 i += 1  # its adapter waits for a slot; requests behind it whose adapter has one may go
                 continue
             if not self._admit(req, i):
@@ -247,6 +301,11 @@ class Scheduler:
                 scheduled.append((req, n))
                 budget -= n
 
+    def _adapter_fits(self, req: Request, loras: dict[int, LoRARef] | None) -> bool:
+        """Whether the request's adapter (if any) is running or has a free slot."""
+        return (loras is None or req.lora is None or req.lora.lora_id in loras
+                or len(loras) < self.config.max_loras)
+
     def running_loras(self) -> dict[int, LoRARef]:
         """The adapters of the running requests, by id."""
         return {r.lora.lora_id: r.lora for r in self.running if r.lora is not None}
@@ -254,9 +313,7 @@ class Scheduler:
     def _admit(self, req: Request, position: int = 0) -> bool:
         """Move waiting[position] to running if its blocks fit; its leading blocks found in
         the prefix cache count as computed."""
-        need = req.max_num_tokens if self.config.policy == "reserve" else req.num_tokens
-        # A request that scores its prompt runs every prompt row: cached K/V would skip them.
-        hits = self.kv.match_prefix(req) if req.params.prompt_logprobs is None else []
+        need, hits = self._need(req), self._hits(req)
         if not self.kv.can_allocate(req.request_id, need, hits):
             return False
         self.kv.allocate(req.request_id, need, hits)
@@ -273,6 +330,15 @@ class Scheduler:
         self.running.append(req)
         req.status = RequestStatus.RUNNING
         return True
+
+    def _need(self, req: Request) -> int:
+        """Tokens whose blocks a waiting request needs to be admitted."""
+        return req.max_num_tokens if self.config.policy == "reserve" else req.num_tokens
+
+    def _hits(self, req: Request) -> list[int]:
+        """Its leading blocks found in the prefix cache. A request that scores its prompt runs
+        every prompt row: cached K/V would skip them."""
+        return self.kv.match_prefix(req) if req.params.prompt_logprobs is None else []
 
     def _describe(self, scheduled: list[tuple[Request, int]]) -> SchedulerOutput:
         out = SchedulerOutput(next(self._iteration_ids), finished_request_ids=self._finished_ids,
@@ -340,3 +406,5 @@ class Scheduler:
             elif not req.in_flight:  # its last iteration is back: the end applies now
                 self.finish(req, req.finish_on_return)
         return live
+
+_rank = operator.attrgetter("rank")

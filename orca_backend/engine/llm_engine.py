@@ -126,6 +126,7 @@ class LLMEngine:
             max_batch_size=c.max_batch_size, max_num_batched_tokens=c.max_num_batched_tokens,
             policy=c.policy, batching=c.batching, max_inflight=c.max_inflight,
             async_scheduling=c.async_scheduling, max_loras=c.max_loras if c.enable_lora else None,
+            priority_aging_iterations=c.priority_aging_iterations,
             speculative=c.speculative_config), self.kv)
         if old is not None:  # counters run on across a reset
             self.scheduler.num_preemptions = old.num_preemptions

@@ -21,7 +21,7 @@ from .tools import ToolChoice, check_tool_choice, check_tools
 _PASSED = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
            "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
            "include_stop_str_in_output", "skip_special_tokens", "cache_salt", "logit_bias", "allowed_token_ids",
-           "bad_words")
+           "bad_words", "priority")
 # Fields we cannot honour, accepted only with a value that asks for nothing.
 _NO_OP = {
     "tools": lambda v: not v,
@@ -83,6 +83,7 @@ class _Request(BaseModel):
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a string) to a bias in [-100, 100]
     allowed_token_ids: list[int] | None = None  # vLLM's extra fields
     bad_words: list[str] | None = None
+    priority: int | None = None  # vLLM's: lower runs first
     response_format: dict | None = None  # OpenAI's: text, json_object or json_schema
     structured_outputs: dict | str | None = None  # vLLM's extra field
 
