@@ -69,7 +69,7 @@ def main() -> None:
         server = Server(tmp / "triton")
         try:
             server.wait_ready()
-            frontend = Frontend(tmp / "openai", server.grpc_url, args=["--model", "orca"])
+            frontend = Frontend(tmp, server.grpc_url, args=["--model", "orca"])
             try:
                 frontend.wait_ready()
                 model_args = (f"model=orca,base_url={frontend.url}/v1/completions,tokenizer_backend=huggingface,"
