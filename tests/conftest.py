@@ -211,7 +211,7 @@ def feature_server(tmp_path_factory, default_model, lora_adapters):
     vLLM option it does not have included), adapter c from a folder relative to the version;
     `spec`: speculative decoding (n-gram, 4 tokens) from config.pbtxt; `draft`: the default
     model drafting for itself; `prio`: no model (engine null, 20 ms a step), one request at a
-    time, for priorities."""
+    time, for priorities; `embed`: mean pooling for embeddings, prompts in chunks of 8 tokens."""
     import json
 
     from helpers import serving
@@ -233,5 +233,6 @@ def feature_server(tmp_path_factory, default_model, lora_adapters):
     write_model(repo, "draft", {"speculative_config": draft.replace('"', '\\"'), "kv_cache_tokens": "4096"})
     write_model(repo, "prio", {"engine": "null", "null_step_seconds": "0.02", "max_batch_size": "1",
                                "kv_cache_tokens": "4096"})
+    write_model(repo, "embed", {"pooling_type": "mean", "kv_cache_tokens": "2048", "max_num_batched_tokens": "8"})
     with serving(Server(tmp_path_factory.mktemp("feature_triton"), repo, ["--exit-timeout-secs=20"])) as server:
         yield server

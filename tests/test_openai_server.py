@@ -333,6 +333,7 @@ def test_vllm_metrics_count_a_known_workload(api, server):
         return delta("vllm:e2e_request_latency_seconds_count") == 3 and delta("vllm:num_requests_running") == 0
 
     wait_until(counted, 10, "the three requests counted")
+    after.update(settled_metrics(server))  # the rest of that flush (series are set one after the other)
 
     prompt_tokens = sum(u.prompt_tokens for u in usages)
     assert delta("vllm:generation_tokens_total") == sum(lengths)

@@ -180,3 +180,35 @@ def test_stage_counters_go_on_across_a_restart_of_the_stages(tiny_models):
     engine.add_request("b", PROMPTS[1], SamplingParams(temperature=0, max_tokens=3))
     _drain(engine)
     assert stage_stats()[1].iterations > before[1].iterations
+
+
+class _EndsWhileRead(dict):
+    """The open stage calls, as a stage thread changes them: a call ends (its entry goes) while
+    another thread is reading the entries."""
+
+    def items(self):
+        for key, value in super().items():
+            self.pop(key)  # the reader's next step finds the dictionary changed
+            yield key, value
+
+
+def test_the_stages_executor_reads_its_open_calls_while_stage_threads_change_them(monkeypatch):
+    """describe_wait (the engine's "runner died" message) and the deadline watch read the open
+    calls under the executor's lock, from a copy: a call ending meanwhile cannot turn the
+    error into a crash (it did: 'dictionary changed size during iteration')."""
+    import sys
+    import threading
+    import types
+
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", types.ModuleType("triton_python_backend_utils"))
+    for name in [m for m in sys.modules if m.startswith("orca_backend.serving.stages.") or m == "orca_backend.serving.triton_io"]:
+        monkeypatch.delitem(sys.modules, name)
+    from orca_backend.serving.stages.executor import TritonStagesExecutor
+
+    executor = TritonStagesExecutor.__new__(TritonStagesExecutor)
+    executor._lock, executor.layer_ranges = threading.Lock(), None
+    executor.models = ["orca_stage_0", "orca_stage_1"]
+    executor._calls = _EndsWhileRead({0: (5.0, 7), 1: (3.0, 8)})
+    assert executor.describe_wait().startswith("; pipeline stage 1 (model orca_stage_1) has had iteration 8 for")
+    for name in [m for m in sys.modules if m.startswith("orca_backend.serving.stages.") or m == "orca_backend.serving.triton_io"]:
+        monkeypatch.delitem(sys.modules, name)

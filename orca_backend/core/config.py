@@ -27,6 +27,9 @@ ENGINES = ("torch", "tensorrt", "null")
 # elsewhere (runner/models/linear.py). Quantization "int8": int8 weights on the CPU (fbgemm).
 LINEARS = ("auto", "onednn", "torch")
 QUANTIZATIONS = ("none", "int8")
+# Embeddings: a model with a pooling type also answers embedding requests, pooling its prompt's
+# final hidden states (after the last norm): the last token's, or the mean over the prompt.
+POOLING_TYPES = ("none", "last", "mean")
 TENSORRT_RUNTIMES = ("tensorrt", "torch")
 # Fields of EngineConfig that a served model's config.pbtxt does not set.
 _NOT_A_PARAMETER = {"parameter": False}
@@ -92,6 +95,10 @@ class EngineConfig:
     # priority x this + the iteration it arrived in, so one arriving this many iterations later
     # than another of the next better priority ranks behind it (starvation's bound).
     priority_aging_iterations: int = 256
+    # Embeddings (vLLM's pooler config): how an embedding request's prompt is pooled ("none": the
+    # model refuses them), and whether the vector is scaled to length 1.
+    pooling_type: str = "none"
+    pooling_normalize: bool = True
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
@@ -146,7 +153,11 @@ class EngineConfig:
               f"one of {', '.join(BATCHING_MODES)}")
         _need(self.attention in ATTENTION_BACKENDS, "attention", self.attention,
               f"one of {', '.join(ATTENTION_BACKENDS)}")
-        for name in ("cuda_graphs", "enable_prefix_caching"):
+        _need(self.pooling_type in POOLING_TYPES, "pooling_type", self.pooling_type,
+              f"one of {', '.join(POOLING_TYPES)}")
+        _need(self.pooling_type == "none" or self.engine == "torch", "pooling_type", self.pooling_type,
+              "'none' with engine 'tensorrt' or 'null' (embeddings need the model's hidden states)")
+        for name in ("cuda_graphs", "enable_prefix_caching", "pooling_normalize"):
             _need(isinstance(getattr(self, name), bool), name, getattr(self, name), "true or false")
         _need(self.executor in EXECUTORS, "executor", self.executor, f"one of {', '.join(EXECUTORS)}")
         _need(self.engine in ENGINES, "engine", self.engine, f"one of {', '.join(ENGINES)}")

@@ -157,6 +157,9 @@ class RunnerOutput:
     # scored (from 1), one [token id, logprob, rank, [[token id, logprob, rank], ...top]] per
     # position from there].
     prompt_logprobs: dict[str, list] = field(default_factory=dict)
+    # Embedding requests whose prompt ended this iteration: the pooled hidden state (float32
+    # bytes, before any cut or normalization); they sample nothing.
+    embeddings: dict[str, bytes] = field(default_factory=dict)
 
     def to_wire(self) -> list:
         return [self.iteration_id,
@@ -164,16 +167,16 @@ class RunnerOutput:
                        None if t.top_logprobs is None else [[k, *v] for k, v in t.top_logprobs.items()]]
                  for rid, t in self.sampled.items()},
                 self.errors, self.forward_seconds, self.logits, self.mask_seconds, self.accepted_token_ids,
-                self.prompt_logprobs]
+                self.prompt_logprobs, self.embeddings]
 
     @classmethod
     def from_wire(cls, data: list) -> RunnerOutput:
-        iteration_id, sampled, errors, forward_seconds, logits, mask_seconds, accepted, prompt = data
+        iteration_id, sampled, errors, forward_seconds, logits, mask_seconds, accepted, prompt, embeddings = data
         return cls(iteration_id,
                    {rid: SampledToken(token_id, logprob,
                                       None if top is None else {k: (lp, rank) for k, lp, rank in top})
                     for rid, (token_id, logprob, top) in sampled.items()},
-                   errors, forward_seconds, logits, mask_seconds, accepted, prompt)
+                   errors, forward_seconds, logits, mask_seconds, accepted, prompt, embeddings)
 
 
 def encode(message: SchedulerOutput | RunnerOutput) -> bytes:

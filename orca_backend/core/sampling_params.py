@@ -59,6 +59,11 @@ class SamplingParams:
     # Scheduling order among waiting requests and who is preempted first (vLLM's convention:
     # lower runs first, ties by arrival); see core/scheduler.py for the starvation bound.
     priority: int = 0
+    # An embedding request (set by the embedding_request input and /v1/embeddings, not a sampling
+    # parameter): its prompt runs and the pooled hidden state comes back instead of tokens, cut to
+    # its first `dimensions` values (before normalizing) when that is set.
+    embed: bool = False
+    dimensions: int | None = None
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -99,10 +104,17 @@ class SamplingParams:
                "logit_bias", self.logit_bias, "must map non-negative token ids to biases in [-100, 100]")
         _check(self.allowed_token_ids is None or (self.allowed_token_ids and min(self.allowed_token_ids) >= 0),
                "allowed_token_ids", self.allowed_token_ids, "must be a non-empty list of non-negative token ids")
+        _check(self.dimensions is None or self.dimensions >= 1, "dimensions", self.dimensions, "must be >= 1")
         _check(PRIORITY_RANGE[0] <= self.priority <= PRIORITY_RANGE[1], "priority", self.priority,
                f"must be an integer in [{PRIORITY_RANGE[0]}, {PRIORITY_RANGE[1]}]")
         _check(all(w for w in self.bad_words) and all(_is_text(w) for w in self.bad_words), "bad_words",
                self.bad_words, "must be non-empty strings of valid Unicode text")
+
+    @property
+    def runs_every_prompt_row(self) -> bool:
+        """Whether it needs each prompt row computed here (scored, or pooled), so that it takes
+        no K/V from the prefix cache."""
+        return self.prompt_logprobs is not None or self.embed
 
     @property
     def needs_logit_rules(self) -> bool:
@@ -124,7 +136,7 @@ class SamplingParams:
         if not isinstance(values, dict):
             raise InvalidRequestError(
                 f"sampling_parameters must be a JSON object, got {type(values).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)} - {"bad_words_token_ids"}  # the engine's
+        known = {f.name for f in dataclasses.fields(cls)} - _NOT_SAMPLING
         if "guided_decoding" in values:
             if "structured_outputs" in values:
                 raise InvalidRequestError("give 'structured_outputs' or 'guided_decoding', not both")
@@ -142,13 +154,16 @@ class SamplingParams:
 
 _TYPES: dict[str, type] = {
     "max_tokens": int, "min_tokens": int, "top_k": int, "seed": int, "logprobs": int, "prompt_logprobs": int,
-    "priority": int,
+    "priority": int, "dimensions": int, "embed": bool,
     "temperature": float, "top_p": float, "min_p": float, "repetition_penalty": float,
     "presence_penalty": float, "frequency_penalty": float,
     "ignore_eos": bool, "include_stop_str_in_output": bool, "skip_special_tokens": bool,
 }
 _OPTIONAL = {"max_tokens", "seed", "logprobs", "prompt_logprobs", "cache_salt", "structured_outputs",
-             "logit_bias", "allowed_token_ids"}
+             "logit_bias", "allowed_token_ids", "dimensions"}
+# Fields a client does not set through sampling_parameters: the engine's own, and an embedding
+# request's (their own input).
+_NOT_SAMPLING = {"bad_words_token_ids", "embed", "dimensions"}
 
 
 def _show(value: Any, limit: int = 80) -> str:

@@ -336,9 +336,9 @@ class Scheduler:
         return req.max_num_tokens if self.config.policy == "reserve" else req.num_tokens
 
     def _hits(self, req: Request) -> list[int]:
-        """Its leading blocks found in the prefix cache. A request that scores its prompt runs
-        every prompt row: cached K/V would skip them."""
-        return self.kv.match_prefix(req) if req.params.prompt_logprobs is None else []
+        """Its leading blocks found in the prefix cache. A request that scores or pools its
+        prompt runs every prompt row: cached K/V would skip them."""
+        return [] if req.params.runs_every_prompt_row else self.kv.match_prefix(req)
 
     def _describe(self, scheduled: list[tuple[Request, int]]) -> SchedulerOutput:
         out = SchedulerOutput(next(self._iteration_ids), finished_request_ids=self._finished_ids,

@@ -23,6 +23,7 @@ class RequestOutput:
     error: str | None = None  # set when the request failed inside the engine
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = None  # with params.prompt_logprobs
+    embedding: list[float] | None = None  # an embedding request's vector (`LLM.embed`)
 
     def add(self, delta: RequestDelta) -> None:
         self.token_ids += delta.token_ids
@@ -35,6 +36,8 @@ class RequestOutput:
             self.logprobs = (self.logprobs or []) + delta.logprobs
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
+        if delta.embedding is not None:
+            self.embedding = delta.embedding
 
 
 class LLM:
@@ -55,6 +58,12 @@ class LLM:
     def model_path(self) -> Path:
         """The Hugging Face-format folder the engine loaded."""
         return self.engine.rules.model_path
+
+    def embed(self, prompts: str | list[str] | list[list[int]], dimensions: int | None = None) -> list[RequestOutput]:
+        """Each prompt's embedding (`RequestOutput.embedding`), pooled as the engine's
+        `pooling_type` says; batched with any other requests."""
+        count = 1 if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)) else len(prompts)
+        return self.generate(prompts, [SamplingParams(max_tokens=1, embed=True, dimensions=dimensions)] * count)
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,

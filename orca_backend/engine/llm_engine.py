@@ -372,6 +372,8 @@ class LLMEngine:
             token = out.sampled.get(req.request_id)
             if req.request_id in out.errors:
                 deltas.append(self._fail(req, out.errors[req.request_id]))
+            elif req.request_id in out.embeddings:
+                deltas.append(self._embedded(req, out.embeddings[req.request_id]))
             elif token is not None:
                 accepted = len(out.accepted_token_ids.get(req.request_id, [])) if req.request_id in drafts else 0
                 if req.request_id in drafts:
@@ -428,6 +430,16 @@ class LLMEngine:
             for other, value, other_rank in top:
                 entry.setdefault(other, (value, other_rank))
             scores.append(entry)
+
+    def _embedded(self, req: Request, pooled: bytes) -> RequestDelta:
+        """An embedding request's end: its vector cut to `dimensions`, then normalized."""
+        vector = torch.frombuffer(bytearray(pooled), dtype=torch.float32)[:req.params.dimensions]
+        if self.config.pooling_normalize:
+            vector = torch.nn.functional.normalize(vector, dim=0)
+        self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+        del self._tracked[req.request_id]
+        return RequestDelta(req.request_id, [], "", "stop", req.num_prompt_tokens, 0, None,
+                            num_cached_tokens=req.num_cached_tokens or 0, embedding=vector.tolist())
 
     def _process_safely(self, req: Request, token: SampledToken, out: RunnerOutput, num_new: int) -> RequestDelta:
         try:

@@ -24,6 +24,7 @@ class RequestDelta:
     # With prompt_logprobs, in the request's first delta: None for the first prompt token, then
     # per prompt token {token_id: (logprob, rank)}, the prompt's token first, then the top N.
     prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = None
+    embedding: list[float] | None = None  # an embedding request's vector, in its only delta
 
     @property
     def finished(self) -> bool:

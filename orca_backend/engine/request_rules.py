@@ -38,6 +38,8 @@ class RequestRules:
         if params.prompt_logprobs is not None and self.config.engine == "tensorrt":
             raise InvalidRequestError("sampling parameter 'prompt_logprobs' needs engine 'torch' (a TensorRT "
                                       "engine's profile has one logit row per request)")
+        if params.embed:
+            self._check_embedding(params)
         vocab = self.model_config.vocab_size
         for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
             if any(t >= vocab for t in getattr(params, name) or []):
@@ -63,6 +65,14 @@ class RequestRules:
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
         return token_ids
 
+    def _check_embedding(self, params: SamplingParams) -> None:
+        if self.config.pooling_type == "none":
+            raise InvalidRequestError("this model does not serve embeddings: its pooling_type is 'none' "
+                                      "(a model with pooling_type 'last' or 'mean' does)")
+        hidden = self.model_config.hidden_size
+        if params.dimensions is not None and params.dimensions > hidden:
+            raise InvalidRequestError(f"dimensions {params.dimensions} is more than the model's {hidden}")
+
     def _check_lengths(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         limit = self.max_model_len
         if num_prompt_tokens >= limit:
@@ -79,7 +89,9 @@ class RequestRules:
         (each word alone and after a space, as vLLM bans them). The caller's object is never
         changed."""
         changes = {}
-        if params.max_tokens is None:
+        if params.embed and params.max_tokens != 1:
+            changes["max_tokens"] = 1  # its prompt, and one row that pools instead of sampling
+        elif params.max_tokens is None:
             left = min(self.max_model_len - num_prompt_tokens, room)
             changes["max_tokens"] = max(1, int(left))
         if params.bad_words and not params.bad_words_token_ids:

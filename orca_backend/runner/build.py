@@ -51,6 +51,7 @@ def build_runner(spec: RunnerSpec, model=None, rank: int = 0) -> ModelRunner | N
                          spec.keep_logits, _attention(spec, device), grammars=grammar_compiler(spec),
                          loras=_lora_slots(spec, model, dtype, device))
     runner.drafter = _drafter(spec, runner, backend)
+    runner.pooling_type = spec.pooling_type
     if spec.cuda_graphs and spec.attention == "triton" and not spec.layer_range:
         runner.enable_decode_graphs(spec.max_batch_size, -(-spec.max_model_len // spec.block_size),
                                     capture=device.type == "cuda")
@@ -119,6 +120,7 @@ def _build_rank(spec: RunnerSpec, rank: int) -> ModelRunner:
                              spec.seed, spec.keep_logits, _attention(spec, device), group,
                              grammars=grammar_compiler(spec) if rank == 0 else None,
                              loras=_lora_slots(spec, model, getattr(torch, spec.dtype), device))
+        runner.pooling_type = spec.pooling_type
         if group is not None:
             runner.drafter = _drafter(spec, runner, backend)
             group.connect(collectives, START_TIMEOUT_SECONDS)

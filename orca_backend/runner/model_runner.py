@@ -58,6 +58,7 @@ class ModelRunner:
         self.decode_graphs = None
         self.loras = loras
         self.drafter = None  # speculative decoding's draft model (drafter.DraftModel), where it proposes
+        self.pooling_type = "none"  # how embedding requests pool their prompt: "last" or "mean"
 
     @property
     def is_last_stage(self) -> bool:
@@ -106,7 +107,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, message: SchedulerOutput, hidden: torch.Tensor | None):
-        layout, token_ids, sampling, lora, checks, scoring = self._apply(message)
+        layout, token_ids, sampling, lora, checks, scoring, pooling = self._apply(message)
         if not token_ids:  # a message that only says which requests have ended
             return RunnerOutput(message.iteration_id) if self.is_last_stage else self.no_rows()
         # The rows that sample, then every row of each speculating request (its own and its proposals')
@@ -123,7 +124,8 @@ class ModelRunner:
                 len(token_ids), self.model.config.hidden_size, dtype=self.dtype, device=self.device)
             hidden = self.collectives.broadcast(rows.contiguous())
         try:
-            result = self._compute(layout, token_ids, hidden, last_rows, lora)
+            result, pooled_rows = self._compute(layout, token_ids, hidden, last_rows, lora,
+                                                [row for first, count, _, _ in pooling for row in range(first, first + count)])
         except BaseException:
             if masks is not None:  # the library may still hold the matchers: let it finish first
                 wait([masks])
@@ -147,7 +149,26 @@ class ModelRunner:
             self._verify(out, logits[len(states):], checks)
         if scoring:
             self._score_prompts(out, logits[len(states) + num_checked:], scoring)
+        if pooling:
+            self._pool(out, pooled_rows, pooling)
         return out
+
+    def _pool(self, out: RunnerOutput, rows: torch.Tensor, pooling: list) -> None:
+        """Embedding requests' final hidden rows (in order): the last prompt row's, or their
+        sum kept across the prompt's chunks for the mean; out when the prompt has ended."""
+        start = 0
+        for _, count, state, ended in pooling:
+            chunk = rows[start:start + count].float()
+            start += count
+            if self.pooling_type == "mean":
+                total = chunk.sum(dim=0)
+                state.pooled = total if state.pooled is None else state.pooled + total
+                vector = state.pooled / state.num_prompt_tokens if ended else None
+            else:
+                vector = chunk[-1]
+            if ended:
+                state.pooled = None
+                out.embeddings[state.request_id] = vector.cpu().numpy().tobytes()
 
     @staticmethod
     def _score_prompts(out: RunnerOutput, logits: torch.Tensor, scoring: list) -> None:
@@ -208,11 +229,16 @@ class ModelRunner:
         self._apply(message)
 
     def _compute(self, layout: BatchLayout, token_ids: list[int], hidden: torch.Tensor | None,
-                 last_rows: list[int], lora: LoRABatch | None = None) -> torch.Tensor:
+                 last_rows: list[int], lora: LoRABatch | None = None,
+                 pooled_rows: list[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A stage before the last: its hidden states [num_tokens, hidden]. Otherwise the
-        logits [len(last_rows), vocab] of the rows that sample (the LM head on those only)."""
+        logits [len(last_rows), vocab] of the rows that sample (the LM head on those only),
+        and the final hidden states of `pooled_rows` (embedding requests), if any."""
         h = self._forward(layout, token_ids, hidden, lora)
-        return self.model.logits(h[last_rows]) if self.is_last_stage else h
+        if not self.is_last_stage:
+            return h, None
+        pooled = self.model.final_hidden(h[pooled_rows]) if pooled_rows else None
+        return self.model.logits(h[last_rows]), pooled
 
     def _forward(self, layout: BatchLayout, token_ids: list[int], hidden: torch.Tensor | None,
                  lora: LoRABatch | None) -> torch.Tensor:
@@ -278,8 +304,9 @@ class ModelRunner:
     def _apply(self, message: SchedulerOutput) -> tuple[BatchLayout, list[int], list, LoRABatch | None, list]:
         """Bring the per-request state up to date; returns the rows to run: the layout, the
         token ids, (last row, state) of each request that samples, the LoRA corrections,
-        (first row, state, proposed tokens) of each speculating request, and (first row, rows,
-        state, position of the first token they predict) of each request scoring its prompt."""
+        (first row, state, proposed tokens) of each speculating request, (first row, rows,
+        state, position of the first token they predict) of each request scoring its prompt,
+        and (first row, rows, state, whether its prompt ends) of each embedding request."""
         for request_id in message.finished_request_ids:
             state = self.requests.pop(request_id, None)
             if state is not None and state.lora_id is not None:
@@ -301,6 +328,7 @@ class ModelRunner:
         sampling = []  # (last row, state) of each request that samples
         checks = []  # (first row, state, proposed tokens) of each speculating request
         scoring = []  # (first row, rows, state, first position predicted) of prompts being scored
+        pooling = []  # (first row, rows, state, whether its prompt ends) of embedding requests
         lora_rows = []  # (adapter id or None, rows) of each request
         for s in message.scheduled:
             state = self._update(s)
@@ -316,10 +344,22 @@ class ModelRunner:
             layout.num_computed_tokens.append(s.num_computed_tokens)
             layout.num_scheduled_tokens.append(s.num_scheduled_tokens)
             layout.block_tables.append(state.block_ids)
-            if s.sample and not s.draft_token_ids:
+            if state.params.embed:
+                self._pool_rows(pooling, s, state, len(token_ids) - own, own)
+            elif s.sample and not s.draft_token_ids:
                 sampling.append((len(token_ids) - 1, state))
         return (layout, token_ids, sampling, self.loras.batch(lora_rows) if self.loras is not None else None,
-                checks, scoring)
+                checks, scoring, pooling)
+
+    def _pool_rows(self, pooling: list, s: ScheduledRequest, state: RunnerRequest, first: int, count: int) -> None:
+        """An embedding request's rows to pool: every prompt row for the mean, the last one
+        when its prompt ends otherwise (a prompt run again after a preemption starts over)."""
+        if s.num_computed_tokens == 0:
+            state.pooled = None
+        if self.pooling_type == "mean":
+            pooling.append((first, count, state, s.sample))
+        elif s.sample:
+            pooling.append((first + count - 1, 1, state, True))
 
     def _hold_lora(self, state: RunnerRequest, new: NewRequest) -> None:
         """Its adapter's weights, read now: if they cannot be, the request fails alone (its

@@ -36,6 +36,7 @@ class RunnerSpec:
     max_cpu_loras: int = 1  # adapters kept in host memory beyond those in use
     max_lora_rank: int = 16
     draft_model_path: str = ""  # speculative decoding's draft model, run by the rank that samples
+    pooling_type: str = "none"  # embedding requests: "last" or "mean" over the final hidden states
 
     def __post_init__(self) -> None:
         if self.layer_range is not None:  # a list, after a trip through msgpack or JSON
@@ -59,6 +60,6 @@ class RunnerSpec:
                    null_step_seconds=config.null_step_seconds,
                    enable_lora=config.enable_lora, max_loras=config.max_loras,
                    max_cpu_loras=config.max_cpu_loras, max_lora_rank=config.max_lora_rank,
-                   draft_model_path=config.draft_model_path,
+                   draft_model_path=config.draft_model_path, pooling_type=config.pooling_type,
                    # under the engine's deadline, so a hung rank is named before the runner is
                    collective_timeout_seconds=max(1.0, config.iteration_timeout_seconds / 2))

@@ -23,6 +23,7 @@ class RunnerRequest:
     last_sampled: int | None = None  # its token this runner sampled last, until a placeholder takes it
     matcher: Matcher | None = None  # where its output stands in its structured_outputs grammar
     lora_id: int | None = None  # its adapter, held in the runner's tiers; None: the base model
+    pooled: torch.Tensor | None = None  # an embedding request with mean pooling: its rows' sum so far
 
     @classmethod
     def new(cls, new: NewRequest, sampling_device: torch.device | None,

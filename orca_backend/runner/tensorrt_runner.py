@@ -92,7 +92,10 @@ class TensorRTRunner(ModelRunner):
         # The plugin's address table [1 + L, 2]: the guard row, then each layer's caches.
         self.kv_cache_ptrs = kv_cache_table([self.kv_caches[i] for i in range(config.num_layers)], device)
 
-    def _compute(self, layout: BatchLayout, token_ids: list[int], hidden, last_rows: list[int], lora=None):
+    def _compute(self, layout: BatchLayout, token_ids: list[int], hidden, last_rows: list[int], lora=None,
+                 pooled_rows=()):
+        if pooled_rows:  # EngineConfig refuses pooling_type with this engine
+            raise RuntimeError("engine 'tensorrt' returns no hidden states")
         if lora is not None:  # EngineConfig refuses enable_lora with this engine
             raise RuntimeError("engine 'tensorrt' has no LoRA path")
         if hidden is not None:
@@ -107,7 +110,7 @@ class TensorRTRunner(ModelRunner):
                      seq_lens=dev(seq_lens), block_tables=dev(block_tables),
                      kv_cache_ptrs=self.kv_cache_ptrs, logit_rows=dev(rows))
         logits = self.engine.run(feeds, len(rows), self.model.config.vocab_size)
-        return logits[:len(last_rows)]
+        return logits[:len(last_rows)], None
 
 
 def build_tensorrt_runner(spec) -> TensorRTRunner:

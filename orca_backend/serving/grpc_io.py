@@ -19,9 +19,10 @@ LLM_OUTPUTS = ("text_output",)
 
 def build_inputs(prompt: str | bytes, sampling: dict | str | bytes | None = None, stream: bool = True,
                  exclude_input: bool | None = None, flags: dict[str, bool] | None = None,
-                 batched: bool = False) -> list[grpcclient.InferInput]:
+                 batched: bool = False, embedding: dict | None = None) -> list[grpcclient.InferInput]:
     """Input tensors; `sampling` None sends no sampling_parameters tensor at all. `batched`:
-    for a model with max_batch_size > 0, every tensor gets a batch axis of 1 in front."""
+    for a model with max_batch_size > 0, every tensor gets a batch axis of 1 in front.
+    `embedding`: an embedding request's JSON (`{"input", "dimensions"}`), instead of a prompt."""
     raw = prompt if isinstance(prompt, bytes) else prompt.encode("utf-8")
     tensors = [_tensor("text_input", np.array([raw], dtype=np.object_), "BYTES"),
                _tensor("stream", np.array([stream]), "BOOL")]
@@ -29,6 +30,9 @@ def build_inputs(prompt: str | bytes, sampling: dict | str | bytes | None = None
         body = sampling if isinstance(sampling, (str, bytes)) else json.dumps(sampling)
         body = body if isinstance(body, bytes) else body.encode("utf-8")
         tensors.append(_tensor("sampling_parameters", np.array([body], dtype=np.object_), "BYTES"))
+    if embedding is not None:
+        tensors.append(_tensor("embedding_request", np.array([json.dumps(embedding).encode("utf-8")],
+                                                            dtype=np.object_), "BYTES"))
     if exclude_input is not None:
         tensors.append(_tensor("exclude_input_in_output", np.array([exclude_input]), "BOOL"))
     for name, value in (flags or {}).items():

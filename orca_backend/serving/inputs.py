@@ -18,13 +18,16 @@ RETURN_FLAGS = ("return_finish_reason", "return_cumulative_logprob", "return_log
                 "return_num_input_tokens", "return_num_output_tokens", "return_num_cached_tokens",
                 "return_prompt_logprobs")
 FLAG_INPUTS = ("stream", "exclude_input_in_output", *RETURN_FLAGS)
+# What an embedding_request's JSON may hold (Triton's vLLM backend's input: the OpenAI request's
+# fields, `dimensions` also inside `pooling_params` as a list of one).
+_EMBEDDING_FIELDS = {"input", "dimensions", "pooling_params", "model", "encoding_format", "user"}
 
 
 @dataclass(slots=True)
 class GenerateRequest:
     """One parsed request, ready for the engine."""
 
-    prompt: str
+    prompt: str | list[int]  # text, or token ids (an embedding request's input may be either)
     params: SamplingParams
     stream: bool = False
     exclude_input_in_output: bool = False
@@ -75,6 +78,35 @@ class GenerateRequest:
                 "streamed responses carry only the new text")
         return cls(prompt, params, stream, exclude if exclude is not None else stream,
                    **{name: bool(flags.get(name)) for name in RETURN_FLAGS}, lora_name=lora_name)
+
+
+    @classmethod
+    def embedding(cls, embedding_json: bytes, flags: dict[str, bool | None]) -> GenerateRequest:
+        """An embedding request (the `embedding_request` input; its `text_input`, sampling
+        parameters and stream flag are not used): one response whose text_output is the vector
+        as a JSON list. Raises InvalidRequestError naming what is wrong."""
+        values = parse_json(_utf8(embedding_json, "embedding_request"), "embedding_request")
+        if not isinstance(values, dict):
+            raise InvalidRequestError("embedding_request must be a JSON object")
+        unknown = sorted(set(values) - _EMBEDDING_FIELDS)
+        if unknown:
+            raise InvalidRequestError(f"embedding_request: unknown field {unknown[0]!r}; "
+                                      f"supported: {', '.join(sorted(_EMBEDDING_FIELDS))}")
+        prompt = values.get("input")
+        if not (isinstance(prompt, str) and prompt) and not (
+                isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+            raise InvalidRequestError("embedding_request 'input' must be a non-empty string or a list of token ids "
+                                      "(one input per request)")
+        pooling = values.get("pooling_params") or {}
+        if not isinstance(pooling, dict) or set(pooling) - {"dimensions"}:
+            raise InvalidRequestError("embedding_request 'pooling_params' may only hold 'dimensions'")
+        dimensions = values.get("dimensions", pooling.get("dimensions"))
+        if isinstance(dimensions, list) and len(dimensions) == 1:
+            dimensions = dimensions[0]
+        if dimensions is not None and (not isinstance(dimensions, int) or isinstance(dimensions, bool)):
+            raise InvalidRequestError(f"embedding_request 'dimensions' must be an integer, got {dimensions!r}")
+        params = SamplingParams(max_tokens=1, embed=True, dimensions=dimensions)
+        return cls(prompt, params, False, True, **{name: bool(flags.get(name)) for name in RETURN_FLAGS})
 
 
 @dataclass(slots=True)

@@ -13,6 +13,7 @@ a bounded number of cancellation checks per tick. Sending never blocks the engin
 from __future__ import annotations
 
 import enum
+import json
 import logging
 import math
 import queue
@@ -329,6 +330,9 @@ class Sender:
     def _respond(self, stream: Stream) -> None:
         """Send what the stream's waiting deltas say, merged."""
         delta, stream.newest = stream.newest, None
+        if delta.embedding is not None:  # an embedding request's only response
+            self._send(stream, delta, json.dumps(delta.embedding))
+            return
         if stream.request.stream:
             text = "".join(stream.text)
             stream.text.clear()

@@ -25,7 +25,9 @@ def parse_request(request) -> GenerateRequest | LoRACommand:
         return None if tensor is None else tensor.as_numpy().reshape(-1)[0]
 
     flags = {name: (None if (v := scalar(name)) is None else bool(v)) for name in FLAG_INPUTS}
-    text, sampling = scalar("text_input"), scalar("sampling_parameters")
+    text, sampling, embedding = scalar("text_input"), scalar("sampling_parameters"), scalar("embedding_request")
+    if embedding is not None:
+        return GenerateRequest.embedding(_as_bytes(embedding), flags)
     return GenerateRequest.parse(_as_bytes(text), flags, _as_bytes(sampling), request.parameters())
 
 

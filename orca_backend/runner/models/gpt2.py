@@ -51,8 +51,11 @@ class GPT2Model:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor | None:
         """[rows, vocab] on rank 0 (None on the other ranks)."""
-        h = F.layer_norm(h, h.shape[-1:], *self.ln_f, eps=self.config.norm_eps)
-        return self.collectives.gather_vocab(self.lm_head(h).float())
+        return self.collectives.gather_vocab(self.lm_head(self.final_hidden(h)).float())
+
+    def final_hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """The last layer's output after the final norm (transformers' last_hidden_state)."""
+        return F.layer_norm(h, h.shape[-1:], *self.ln_f, eps=self.config.norm_eps)
 
 
 class _GPT2Layer:

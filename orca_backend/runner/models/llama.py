@@ -66,8 +66,11 @@ class LlamaModel:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor | None:
         """[rows, vocab] on rank 0 (None on the other ranks)."""
-        local = self.lm_head(_rms_norm(h, self.norm, self.config.norm_eps)).float()
-        return self.collectives.gather_vocab(local)
+        return self.collectives.gather_vocab(self.lm_head(self.final_hidden(h)).float())
+
+    def final_hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """The last layer's output after the final norm (transformers' last_hidden_state)."""
+        return _rms_norm(h, self.norm, self.config.norm_eps)
 
 
 class _LlamaLayer:

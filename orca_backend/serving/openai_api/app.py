@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException
 from .backend import Backend
 from .errors import APIError, invalid, unauthorized
 from .chat_output import ChatOutput
+from .embeddings import EmbeddingRequest
 from .formats import Choice, completion_choice, completion_delta, envelope, new_id, usage
 from .generation import Generation
 from .parsing import SPECIAL_TOKEN_PARSERS
@@ -50,6 +51,7 @@ def create_app(backend: Backend, api_key: str | None = None, chat_template: str 
     v1.add_api_route("/models/{name:path}", _model, methods=["GET"])
     v1.add_api_route("/completions", _completions, methods=["POST"])
     v1.add_api_route("/chat/completions", _chat, methods=["POST"])
+    v1.add_api_route("/embeddings", _embeddings, methods=["POST"])
     v1.add_api_route("/load_lora_adapter", _load_lora, methods=["POST"])
     v1.add_api_route("/unload_lora_adapter", _unload_lora, methods=["POST"])
     app.include_router(v1)
@@ -215,6 +217,15 @@ async def _chat(request: Request):
     choices = await _unless_disconnected(request, _collect(generation, output))
     return {**envelope("chat.completion", new_id("chatcmpl"), req.model),
             "choices": [output.choice(c) for c in choices], "usage": usage(choices, req.n)}
+
+
+async def _embeddings(request: Request) -> dict:
+    req = parse(EmbeddingRequest, await _body(request))
+    backend: Backend = request.app.state.backend
+    served, lora = await backend.resolve(req.model)
+    if lora is not None:
+        raise invalid(f"the LoRA adapter '{lora}' does not serve embeddings; name the model", "model")
+    return req.response(await _unless_disconnected(request, backend.embed(served, req.inputs(), req.dimensions)))
 
 
 async def _collect(generation: Generation, output: ChatOutput) -> list[Choice]:

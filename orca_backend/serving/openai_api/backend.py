@@ -33,6 +33,7 @@ _OUTPUTS = requested_outputs(("text_output", "finish_reason", "num_input_tokens"
 _WITH_LOGPROBS = _OUTPUTS + requested_outputs(("logprobs",))
 _WITH_PROMPT_LOGPROBS = _WITH_LOGPROBS + requested_outputs(("prompt_logprobs",))
 _INDEX_SECONDS = 2.0  # how long the list of ready models is trusted
+_EMBEDDING_OUTPUTS = requested_outputs(("text_output", "num_input_tokens"))
 
 
 @dataclass(slots=True)
@@ -241,6 +242,36 @@ class Backend:
         finally:
             if not ended:  # the client went away: the model drops the request
                 responses.cancel()
+
+
+    async def embed(self, model: ServedModel, inputs: list[str | list[int]],
+                    dimensions: int | None) -> list[tuple[list[float], int]]:
+        """Each input's embedding and its prompt tokens, in order: one embedding request per
+        input, all on one stream; raises APIError with the model's message (the first error
+        ends them all, as OpenAI answers a request with one bad input)."""
+        ids = [uuid.uuid4().hex for _ in inputs]
+        extra = {} if dimensions is None else {"dimensions": dimensions}
+
+        async def requests():
+            for request_id, item in zip(ids, inputs):
+                yield {"model_name": model.name, "request_id": request_id, "outputs": _EMBEDDING_OUTPUTS,
+                       "inputs": build_inputs("", None, stream=False, flags={"return_num_input_tokens": True},
+                                              batched=model.batched, embedding={"input": item, **extra})}
+
+        results: dict[str, tuple[list[float], int]] = {}
+        responses = self.client.stream_infer(requests(), headers=self._stream_headers)
+        try:
+            async for result, error in responses:
+                if error is not None:
+                    raise from_model_message(error.message())
+                out = decode_outputs(result)
+                results[result.get_response().id] = (json.loads(out["text_output"]), int(out["num_input_tokens"]))
+        except grpc.aio.AioRpcError as e:
+            raise from_grpc(e.code(), e.details() or "") from None
+        finally:
+            if len(results) < len(ids):  # an error, or the client went away: the rest are dropped
+                responses.cancel()
+        return [results[request_id] for request_id in ids]
 
 
 def _piece(out: dict) -> Piece:

@@ -69,7 +69,8 @@ _UNAVAILABLE = ("the queue is full", "the server is shutting down", "the engine 
 _INVALID = ("prompt ", "max_tokens ", "sampling parameter ", "unknown sampling parameter", "input '",
             "exclude_input_in_output", "parameter '", "request parameters", "sampling_parameters ",
             "request id ", "structured_outputs ", "unknown structured_outputs ", "LoRA ", "lora_command ",
-            "cannot add LoRA adapter", "loading and unloading LoRA")
+            "cannot add LoRA adapter", "loading and unloading LoRA", "embedding_request", "dimensions ",
+            "this model does not serve embeddings")
 
 
 def from_model_message(text: str) -> APIError:

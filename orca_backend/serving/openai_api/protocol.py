@@ -50,14 +50,18 @@ _GUIDED_IGNORED = ("guided_decoding_backend",)  # it chooses among vLLM's backen
 MAX_CHOICES = 128  # prompts times n, per request: each is a request to the model
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class Body(BaseModel):
+    """A request body of the API."""
 
     @model_validator(mode="before")
     @classmethod
     def _null_is_absent(cls, data: Any) -> Any:
         """An explicit null asks for the default, as OpenAI's clients send it."""
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class _Request(Body):
+    model_config = ConfigDict(extra="allow")
 
     model: str
     stream: bool = False
@@ -259,7 +263,7 @@ def from_validation(error: ValidationError, prefix: str = "") -> APIError:
     return invalid(f"{param}: {first['msg']}" if param else first["msg"], param)
 
 
-def parse(model: type[_Request], body: Any) -> _Request:
+def parse(model: type[Body], body: Any) -> Body:
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
     try:

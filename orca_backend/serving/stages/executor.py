@@ -140,9 +140,10 @@ class TritonStagesExecutor(Executor):
             hop.close()
 
     def describe_wait(self) -> str:
-        if not self._calls:
+        calls = self._open_calls()  # the stage threads change it meanwhile
+        if not calls:
             return ""
-        stage, (start, iteration) = min(self._calls.items(), key=lambda item: item[1][0])
+        stage, (start, iteration) = min(calls.items(), key=lambda item: item[1][0])
         return f"; {self.stage_name(stage)} has had iteration {iteration} for {time.monotonic() - start:.1f} s"
 
     # -- configuring the stages -------------------------------------------------------------
@@ -226,13 +227,15 @@ class TritonStagesExecutor(Executor):
 
     def _exec(self, i: int, work: _Work, call) -> HopReply | None:
         """The call, watched by the deadline; None when the pipeline is down."""
-        self._calls[i] = (time.monotonic(), work.iteration_id)
+        with self._lock:
+            self._calls[i] = (time.monotonic(), work.iteration_id)
         try:
             reply = call()
         except Exception as e:  # HopError: the stage failed the call, or could not be reached
             reply = e
         finally:
-            self._calls.pop(i, None)
+            with self._lock:
+                self._calls.pop(i, None)
         if self._dead or self._stopped.is_set():
             return None  # a late answer to a pipeline given up on: its iteration has been failed
         if isinstance(reply, Exception):
@@ -280,10 +283,15 @@ class TritonStagesExecutor(Executor):
     def _watch(self) -> None:
         while not self._stopped.wait(WATCH_SECONDS):
             now = time.monotonic()
-            for i, (start, iteration) in list(self._calls.items()):
+            for i, (start, iteration) in self._open_calls().items():
                 if now - start > self.timeout:
                     self._die(f"{self._where(i)} did not answer iteration {iteration} within {self.timeout:.0f} s")
                     return
+
+    def _open_calls(self) -> dict[int, tuple[float, int]]:
+        """A copy of the open stage calls: stage -> (start, iteration)."""
+        with self._lock:
+            return dict(self._calls)
 
     def _die(self, reason: str) -> None:
         """Fail every iteration in the pipeline; the engine then ends their requests and
