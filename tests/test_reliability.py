@@ -47,7 +47,7 @@ BAD_SAMPLING = [
     ("seed 2^64", {"seed": 2 ** 64, "temperature": 1}, "'seed' must be an integer in"),
     ("seed not a number", {"seed": "abc"}, "'seed' must be an integer"),
     ("stop token beyond the vocabulary", {"stop_token_ids": "[49152]", "min_tokens": 2},
-     "'stop_token_ids' must be token ids below the vocabulary size 49152"),
+     "'stop_token_ids' must name token ids below the vocabulary size 49152"),
     ("stop_token_ids not a list", {"stop_token_ids": "x"}, "'stop_token_ids' must be a list of ints"),
     ("stop of numbers", {"stop": [1, 2]}, "'stop' has the wrong type"),
     ("empty stop string", {"stop": [""]}, "'stop' must not contain empty strings"),
