@@ -112,14 +112,13 @@ def test_the_budget_stops_a_section_and_skips_the_rest(cli, tmp_path, monkeypatc
     def slow(ctx, rec):
         rec["summary"]["partial"] = 1
         time.sleep(30)
+        rec["summary"]["finished"] = 1  # only if the budget did not stop it
     monkeypatch.setattr(cli, "MIN_SECONDS", {"kernel_numerics": 0.5, "engine_parity": 0.5})
     monkeypatch.setattr(cli, "SECTION_FUNCTIONS", {"kernel_numerics": slow, "engine_parity": slow})
     ctx = _context(cli, tmp_path, 2.0)
-    start = time.monotonic()
     cli.run_sections(ctx, ["kernel_numerics", "engine_parity"])
-    assert time.monotonic() - start < 10
     saved = json.loads((tmp_path / "gpu_check.json").read_text())["sections"]
-    assert saved["kernel_numerics"]["status"] == "timeout"
+    assert saved["kernel_numerics"]["status"] == "timeout" and "finished" not in saved["kernel_numerics"]["summary"]
     assert saved["kernel_numerics"]["summary"] == {"partial": 1}  # what it had is kept
     assert saved["engine_parity"]["status"] == "skipped"
 

@@ -8,7 +8,6 @@ import io
 import json
 import re
 import threading
-import time
 import urllib.request
 
 import httpx2 as httpx  # the HTTP client the openai package is built on
@@ -236,12 +235,13 @@ def test_a_client_that_goes_away_mid_stream_frees_its_kv(frontend, server):
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
         wait_until(lambda: server.metric("orca_kv_blocks_used") > 0, 10, "the request to hold blocks")
-    gone = time.monotonic()
-    wait_until(lambda: server.metric("orca_kv_blocks_used") == 0, 5, "its blocks freed")
-    assert time.monotonic() - gone < 1.0
+    wait_until(lambda: server.metric("orca_kv_blocks_used") == 0, 60, "its blocks freed")
     assert server.metric("orca_requests_running") == 0
     abort = 'vllm:request_success_total{finished_reason="abort",model="orca",version="1"}'
-    wait_until(lambda: metric_lines(server)[abort] == before[abort] + 1, 5, "the abort counted")
+    wait_until(lambda: metric_lines(server)[abort] == before[abort] + 1, 60, "the abort counted")
+    # freed because it was cancelled, not because it ran its 400 tokens
+    generated = 'vllm:generation_tokens_total{model="orca",version="1"}'
+    assert metric_lines(server)[generated] - before[generated] < 400
 
 
 def test_an_unreachable_server_is_a_503_to_retry(tmp_path):
