@@ -32,9 +32,9 @@ serve: model
 test: model
 	$(PY) -m pytest -q
 
-# Everything but the slow groups (pytest markers server, numerics, subprocess): under 2 minutes.
+# Everything but the slow groups (pytest markers server, numerics, subprocess, engine): under 90 s.
 test-fast: model
-	$(PY) -m pytest -q -m "not server and not numerics and not subprocess"
+	$(PY) -m pytest -q -m "not server and not numerics and not subprocess and not engine"
 
 # orca vs hf_dynamic_batching (Triton's dynamic batcher + transformers generate) vs
 # orca_request_level under Poisson load, lengths scaled by 0.25; writes docs/benchmarks/serving.*

@@ -75,8 +75,7 @@ class Config:
                                lora_name=self.adapters[i % len(self.adapters)])
         while engine.has_unfinished_requests():
             before = engine.stats.forward_seconds
-            engine.step()
-            its = engine.stats.last_step_iterations
+            its = engine.step().iterations
             if its and all(it.num_decode_requests == BATCH and it.num_prefill_requests == 0 for it in its):
                 self.forward_ms.append((engine.stats.forward_seconds - before) / len(its) * 1e3)
         assert engine.kv.num_used_blocks == 0

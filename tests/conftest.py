@@ -11,6 +11,8 @@ from orca_backend.checkpoint.store import prepare_default_model
 
 TINY_VOCAB = 512  # token ids below this decode with the default model's tokenizer
 SERVER_FIXTURES = {"server", "hostile", "feature_server"}  # a test that takes one is in the slow group `server`
+# A test that takes one of these (a checkpoint to run) is in the slow group `engine`, unless in `server`.
+ENGINE_FIXTURES = {"default_model", "tiny_models", "tiny_vocab_llama", "lora_adapters"}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -32,6 +34,8 @@ def pytest_collection_modifyitems(items) -> None:
     for item in items:
         if SERVER_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.server)
+        elif ENGINE_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.engine)
 
 
 @pytest.fixture(scope="session")

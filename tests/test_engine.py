@@ -225,6 +225,26 @@ def test_max_tokens_none_shared_by_prompts_of_other_lengths(default_model):
     assert len(long.prompt_token_ids) + len(long.token_ids) == 48
 
 
+def test_a_request_is_checked_once_and_runs_as_prepared(llm, monkeypatch):
+    """What a server's tokenizer thread prepares (tokens, max_tokens None resolved, bad words as
+    token ids) is what the engine runs: add_request checks nothing again, and a step reports the
+    iterations it collected beside its deltas."""
+    engine = llm.engine
+    calls = []
+    monkeypatch.setattr(engine.rules, "prepare", lambda *a, _real=engine.rules.prepare: calls.append(a) or _real(*a))
+    prepared = engine.prepare("Hello there, my friend", SamplingParams(max_tokens=None, bad_words=["cat"], ignore_eos=True))
+    assert prepared.params.max_tokens >= 1 and prepared.params.bad_words_token_ids
+    req = engine.add_request("once", prepared)
+    assert len(calls) == 1 and req.params is prepared.params and req.prompt_token_ids == prepared.token_ids
+    step = engine.step()
+    assert [d.request_id for d in step] == ["once"] and len(step.iterations) == 1
+    assert step.iterations[0].num_prefill_requests == 1 and step.iterations[0].num_sampled == 1
+    engine.abort_request("once")
+    while engine.has_unfinished_requests():
+        engine.step()
+    _no_leak(llm)
+
+
 def test_duplicate_request_id_is_refused(llm):
     engine = llm.engine
     engine.add_request("dup", "Hi", SamplingParams(max_tokens=1))

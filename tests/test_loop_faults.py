@@ -37,10 +37,10 @@ def _finished(sinks, timeout=60.0) -> None:
 def test_an_unexpected_failure_adding_one_request_fails_it_alone(loop, monkeypatch):
     real = loop.engine.add_request
 
-    def broken(request_id, prompt, params, **kwargs):
-        if params.max_tokens == 7:
+    def broken(request_id, prepared, **kwargs):
+        if prepared.params.max_tokens == 7:
             raise RuntimeError("injected add fault")
-        return real(request_id, prompt, params, **kwargs)
+        return real(request_id, prepared, **kwargs)
 
     monkeypatch.setattr(loop.engine, "add_request", broken)
     good, bad = _submit(loop, max_tokens=5), _submit(loop, max_tokens=7)

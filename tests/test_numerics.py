@@ -46,8 +46,7 @@ def _run_staggered(engine: LLMEngine, prompts, shapes=SHAPES, cached: dict | Non
                 engine.add_request(str(i), prompts[i], SamplingParams(
                     temperature=0, max_tokens=shapes[i][1], ignore_eos=True))
         deltas = engine.step()
-        shape = engine.stats.last_iteration
-        mixed_iterations += shape.num_prefill_requests > 0 and shape.num_decode_requests > 0
+        mixed_iterations += any(it.num_prefill_requests > 0 and it.num_decode_requests > 0 for it in deltas.iterations)
         for d in deltas:
             tokens[int(d.request_id)] += d.token_ids
             logits[int(d.request_id)].append(d.logits)

@@ -86,6 +86,15 @@ def test_a_stage_refuses_a_spec_that_is_not_its_own(tiny_models):
         StageWorker(1, (1, 3), str(folder), "float32", "cpu")
 
 
+def test_the_start_commands_of_two_hosts_run_the_launcher_stage_servers_first(tiny_models, tmp_path):
+    write_repository(PipelineLayout(2, model=str(tiny_models["llama"]), hosts=["10.0.0.1:8001", "10.0.0.2:9001"]),
+                     tmp_path)
+    text = (tmp_path / "START.md").read_text()
+    second = f"GRPC_PORT=9001 python -m orca_backend.serving.launch --model-repository {tmp_path / 'host1'} --no-openai"
+    first = f"GRPC_PORT=8001 python -m orca_backend.serving.launch --model-repository {tmp_path / 'host0'}\n"
+    assert second in text and first in text and text.index(second) < text.index(first)
+
+
 def test_the_generator_writes_a_repository_of_chained_stages(tiny_models, tmp_path):
     folder = tiny_models["llama"]
     write_repository(PipelineLayout(2, "big", model=str(folder), threads_per_stage=1,

@@ -38,7 +38,7 @@ class CachedBlock:
 
 @dataclass(slots=True)
 class PrefixCacheStats:
-    """Counters that run on across engine resets (the engine hands them to the new pool)."""
+    """Counters that run on across engine resets (the engine owns them and hands them to each pool)."""
 
     num_queried_tokens: int = 0  # prompt tokens of admitted requests, looked up once each
     num_hit_tokens: int = 0  # of those, tokens whose K/V came from the cache
@@ -59,7 +59,8 @@ def root_hash(namespace: str, cache_salt: str | None, lora_id: int | None = None
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 namespace: str = "") -> None:
+                 namespace: str = "", stats: PrefixCacheStats | None = None) -> None:
+        """`stats`: the counters to add to (an engine's, which outlive its pools)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -69,7 +70,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.namespace = namespace
         self.block_tables: dict[str, list[int]] = {}
-        self.stats = PrefixCacheStats()
+        self.stats = stats if stats is not None else PrefixCacheStats()
         self._free_block_ids: deque[int] = deque(range(num_blocks))  # no contents worth keeping
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
         # Sparse, so that a check over a pool of a million blocks costs what its used part does.

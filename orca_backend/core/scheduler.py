@@ -55,6 +55,14 @@ class SchedulerConfig:
             raise ValueError(f"batching must be one of {BATCHING_MODES}, got {self.batching!r}")
 
 
+@dataclass(slots=True)
+class SchedulerCounters:
+    """Counts that run on across engine resets: the engine owns them and hands them to each
+    new scheduler."""
+
+    num_preemptions: int = 0
+
+
 class Scheduler:
     """Bookkeeping only: which requests run, how many tokens each, which K/V blocks they own.
 
@@ -68,12 +76,12 @@ class Scheduler:
     does, and k+1's extra token is dropped.
     """
 
-    def __init__(self, config: SchedulerConfig, kv: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: BlockManager, counters: SchedulerCounters | None = None) -> None:
         self.config = config
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
-        self.num_preemptions = 0
+        self.counters = counters if counters is not None else SchedulerCounters()
         self.num_iterations = 0
         self._iteration_ids = itertools.count()
         # rows: (request, tokens, samples, proposal rows)
@@ -96,6 +104,17 @@ class Scheduler:
         req.rank = (priority * self.config.priority_aging_iterations + self.num_iterations, next(self._arrivals))
         self._priorities[priority] += 1
         self.waiting.append(req)
+
+    def readmit(self, req: Request) -> None:
+        """A request another scheduler held that no runner has seen (its runner died before
+        it ran): queued as new, its prefix looked up again in this scheduler's pool."""
+        req.num_cached_tokens = None
+        req.num_computed_tokens = 0
+        self.add(req)
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.counters.num_preemptions
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Retire a request (stopped, length, aborted, error) and free its blocks; a request
@@ -272,7 +291,7 @@ class Scheduler:
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
-        self.num_preemptions += 1
+        self.counters.num_preemptions += 1
         if req.num_sent_blocks:
             self._preempted_ids.append(req.request_id)
             req.num_sent_blocks = 0

@@ -24,7 +24,8 @@ from ..grammar import compiler_for, grammar_of
 from ..lora import LoRARegistry
 from ..runner.spec import RunnerSpec
 from .detokenizer import IncrementalDetokenizer
-from .outputs import EngineSnapshot, EngineStats, IterationRecord, LoRASnapshot, RequestDelta
+from .outputs import (EngineSnapshot, EngineStats, IterationRecord, LoRASnapshot, PreparedRequest, RequestDelta,
+                      StepOutput)
 from .request_rules import RequestRules
 
 log = logging.getLogger(__name__)
@@ -118,19 +119,15 @@ class LLMEngine:
 
     def _fresh_scheduler(self) -> None:
         c = self.config
-        old = getattr(self, "scheduler", None)
         # A new pool starts with an empty prefix cache: a new runner has no K/V to share.
         self.kv = BlockManager(self.runner_spec.num_blocks, c.block_size, c.enable_prefix_caching,
-                               namespace=str(self.rules.model_path))
+                               namespace=str(self.rules.model_path), stats=self.stats.prefix_cache)
         self.scheduler = Scheduler(SchedulerConfig(
             max_batch_size=c.max_batch_size, max_num_batched_tokens=c.max_num_batched_tokens,
             policy=c.policy, batching=c.batching, max_inflight=c.max_inflight,
             async_scheduling=c.async_scheduling, max_loras=c.max_loras if c.enable_lora else None,
             priority_aging_iterations=c.priority_aging_iterations,
-            speculative=c.speculative_config), self.kv)
-        if old is not None:  # counters run on across a reset
-            self.scheduler.num_preemptions = old.num_preemptions
-            self.kv.stats = old.kv.stats
+            speculative=c.speculative_config), self.kv, self.stats.scheduler)
         self._tracked: dict[str, _Tracked] = {}
         # Requests whose structured_outputs grammar is compiling: tracked, not yet scheduled.
         self._compiling: dict[str, Future] = {}
@@ -150,24 +147,23 @@ class LLMEngine:
         self.executor.shutdown()
 
     # -- requests ---------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int],
+    def add_request(self, request_id: str, prompt: str | list[int] | PreparedRequest,
                     params: SamplingParams | None = None, track_logprob: bool = False,
-                    prepared: bool = False, grammar: Future | None = None,
-                    lora_name: str | None = None) -> Request:
+                    grammar: Future | None = None, lora_name: str | None = None) -> Request:
         """Validate and queue a request; raises InvalidRequestError naming what is wrong.
 
+        `prompt`: text or token ids, checked here with `params`; or what `prepare` returned
+        (a server's tokenizer thread checked it), not checked again (`params` unused).
         `lora_name`: the adapter it runs with (one `add_lora` registered); None: the base model.
         `track_logprob` keeps a cumulative log-probability even when `params.logprobs` is unset;
-        `prepared`: `prompt` is the token ids `prepare` returned (a server's tokenizer thread
-        checked them), not checked again here; `grammar`: the future `compile_grammar` gave
-        for these params (else the compile starts here).
+        `grammar`: the future `compile_grammar` gave for these params (else the compile starts here).
         """
-        params = params or SamplingParams()
         if request_id in self._tracked:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         lora = None if lora_name is None else self.loras.get(lora_name)
-        token_ids = prompt if prepared else self.prepare(prompt, params)
-        params = self._resolved(params, len(token_ids))
+        if not isinstance(prompt, PreparedRequest):
+            prompt = self.prepare(prompt, params or SamplingParams())
+        token_ids, params = prompt.token_ids, prompt.params
         grammar = grammar or self.compile_grammar(params)
         ready = grammar is None or grammar.done()  # read once: it may end at any moment
         if grammar is not None and ready:
@@ -214,21 +210,18 @@ class LLMEngine:
             return None
         return self.grammars.submit(params.structured_outputs, self.config.grammar_compile_timeout_seconds)
 
-    def prepare(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
-        """Tokenize and check a request against the model and the K/V pool; raises
+    def prepare(self, prompt: str | list[int], params: SamplingParams) -> PreparedRequest:
+        """Tokenize and check a request against the model and the K/V pool, and resolve its
+        parameters (max_tokens None: up to the context and what the pool holds); raises
         InvalidRequestError. Safe to call from any thread (it reads the tokenizer and limits
         only), so a server can tokenize long prompts without holding up iterations."""
         token_ids = self.rules.prepare(prompt, params)
-        need = self.kv.blocks_for(len(token_ids) + self._resolved(params, len(token_ids)).max_tokens - 1)
-        if need > self.kv.num_blocks:
-            raise InvalidRequestError(
-                f"prompt plus max_tokens needs {need} K/V blocks, the pool has {self.kv.num_blocks}")
-        return token_ids
-
-    def _resolved(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
-        """max_tokens None: up to the context and to what the K/V pool can hold."""
-        return self.rules.resolved(params, num_prompt_tokens,
-                                   room=self.kv.num_blocks * self.kv.block_size - num_prompt_tokens + 1)
+        num_blocks, block_size = self.runner_spec.num_blocks, self.config.block_size
+        params = self.rules.resolved(params, len(token_ids), room=num_blocks * block_size - len(token_ids) + 1)
+        need = -(-(len(token_ids) + params.max_tokens - 1) // block_size)
+        if need > num_blocks:
+            raise InvalidRequestError(f"prompt plus max_tokens needs {need} K/V blocks, the pool has {num_blocks}")
+        return PreparedRequest(token_ids, params)
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a request and free its K/V blocks (when its iteration returns, if one is in
@@ -277,16 +270,15 @@ class LLMEngine:
         return LoRASnapshot(tuple(running), tuple(waiting), self.config.max_loras, dict(self.stats.num_lora_requests))
 
     # -- iterations -------------------------------------------------------------------------
-    def step(self) -> list[RequestDelta]:
+    def step(self) -> StepOutput:
         """Submit iterations until `max_inflight` are out, wait for one to return, and
-        return a delta per request that got a token or failed.
+        return a delta per request that got a token or failed, with the iterations collected.
 
         A failure that belongs to one request (its sampling, its detokenization) ends that
         request alone, with a delta whose `error` says why. A failed iteration ends its own
         requests. A dead runner ends the requests it held, and is restarted."""
         start = time.perf_counter()
-        self.stats.last_step_iterations = []
-        deltas: list[RequestDelta] = []
+        deltas = StepOutput()
         try:
             if self._runner_died:  # its requests' errors went out with the previous step
                 self._restart_runner()
@@ -297,7 +289,7 @@ class LLMEngine:
                 self._await_compiles()
                 return deltas
             for message, future in self._returned():
-                deltas += self._complete(message, future)
+                deltas += self._complete(message, future, deltas.iterations)
         except RunnerDiedError as e:
             deltas += self._recover(e)  # keeping what iterations returned before it died
         self.stats.step_seconds += time.perf_counter() - start
@@ -348,7 +340,9 @@ class LLMEngine:
                                   f"{self.executor.describe_wait()})")
         return [self._in_flight.pop(i) for i in done]
 
-    def _complete(self, message: SchedulerOutput, future: Future[RunnerOutput]) -> list[RequestDelta]:
+    def _complete(self, message: SchedulerOutput, future: Future[RunnerOutput],
+                  iterations: list[IterationRecord]) -> list[RequestDelta]:
+        """The deltas of a returned iteration; its record joins `iterations`."""
         submitted = self._submitted.pop(message.iteration_id, None)
         seconds = time.perf_counter() - submitted if submitted is not None else 0.0
         try:
@@ -385,12 +379,11 @@ class LLMEngine:
             return deltas  # it only told the runner which requests have ended
         self.stats.num_iterations += 1
         self.stats.forward_seconds += out.forward_seconds
-        self.stats.last_iteration = IterationRecord(
+        iterations.append(IterationRecord(
             message.num_requests, message.num_tokens, message.num_prefill_requests,
             message.num_decode_requests, self.kv.num_used_blocks, len(self.scheduler.waiting),
             sum(s.num_computed_tokens for s in message.scheduled), len(sampling),
-            seconds, out.mask_seconds)
-        self.stats.last_step_iterations.append(self.stats.last_iteration)
+            seconds, out.mask_seconds))
         return deltas
 
     def _recover(self, error: RunnerDiedError) -> list[RequestDelta]:
@@ -411,12 +404,10 @@ class LLMEngine:
         for tracked in unseen:
             request_id = tracked.request.request_id
             self._tracked[request_id] = tracked
-            tracked.request.num_cached_tokens = None  # looked up again, in the new (empty) cache
-            tracked.request.num_computed_tokens = 0
             if request_id in compiling:
                 self._compiling[request_id] = compiling[request_id]
             else:
-                self.scheduler.add(tracked.request)
+                self.scheduler.readmit(tracked.request)
         return deltas
 
     def _take_prompt_logprobs(self, request_id: str, position: int, entries: list) -> None:

@@ -5,6 +5,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..core.kv_manager import PrefixCacheStats
+from ..core.sampling_params import SamplingParams
+from ..core.scheduler import SchedulerCounters
+
 
 @dataclass(slots=True)
 class RequestDelta:
@@ -49,6 +53,26 @@ class IterationRecord:
     mask_seconds: float = 0.0  # computing its rows' grammar masks (0: no row had a grammar)
 
 
+class StepOutput(list):
+    """What one `LLMEngine.step()` did: the deltas (the list itself, in order) and the
+    iterations it collected (`iterations`: several when several were in flight; none when
+    nothing ran)."""
+
+    def __init__(self, deltas=(), iterations: list[IterationRecord] | None = None) -> None:
+        super().__init__(deltas)
+        self.iterations: list[IterationRecord] = iterations if iterations is not None else []
+
+
+@dataclass(slots=True, frozen=True)
+class PreparedRequest:
+    """A request checked against the model and the K/V pool, once (`LLMEngine.prepare`): its
+    prompt's token ids, and its parameters as the engine runs them (max_tokens resolved, bad
+    words as token ids)."""
+
+    token_ids: list[int]
+    params: SamplingParams
+
+
 @dataclass(slots=True)
 class SpeculationStats:
     """vLLM's speculative-decoding counters: requests that proposed, tokens proposed, tokens
@@ -82,9 +106,9 @@ class EngineStats:
     num_structured_requests: int = 0  # requests added with a structured_outputs grammar
     num_lora_requests: dict[str, int] = field(default_factory=dict)  # requests added, by adapter name
     speculation: SpeculationStats = field(default_factory=SpeculationStats)
-    last_iteration: IterationRecord | None = None
-    # Every iteration the last step() collected (several when several were in flight).
-    last_step_iterations: list[IterationRecord] = field(default_factory=list)
+    # Handed to each scheduler and K/V pool, so that they run on across resets.
+    scheduler: SchedulerCounters = field(default_factory=SchedulerCounters)
+    prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
 
 
 @dataclass(slots=True, frozen=True)

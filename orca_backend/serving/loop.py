@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from ..core.threads import NamedThread
 from ..core.errors import InvalidRequestError, OrcaError
 from ..engine.llm_engine import LLMEngine
-from ..engine.outputs import IterationRecord
+from ..engine.outputs import IterationRecord, PreparedRequest
 from ..executors.stages import StageStats
 from .inputs import GenerateRequest, LoRACommand
 from .sender import (Deltas, ErrorKind, Fail, FailAll, Metrics, Open, Rejected, Reply, ResponseSink, Sender,
@@ -37,7 +37,7 @@ JOIN_TIMEOUT_SECONDS = 60
 class _Add:
     request_id: str
     request: GenerateRequest
-    token_ids: list[int] | None = None  # set by the tokenizer thread
+    prepared: PreparedRequest | None = None  # set by the tokenizer thread
     grammar: Future | None = None  # its structured_outputs grammar, compiled (or failed)
 
 
@@ -142,8 +142,8 @@ class EngineLoop:
         ends after the Stop is answered by the sender, which ends every open stream at its stop."""
         while not isinstance(add := self._to_tokenize.get(), Stop):
             try:
-                add.token_ids = self.engine.prepare(add.request.prompt, add.request.params)
-                add.grammar = self.engine.compile_grammar(add.request.params)
+                add.prepared = self.engine.prepare(add.request.prompt, add.request.params)
+                add.grammar = self.engine.compile_grammar(add.prepared.params)
             except Exception as e:
                 self._settle(add.request_id)
                 self.sender.put(_refusal(add.request_id, e, "checking the prompt"))
@@ -169,13 +169,13 @@ class EngineLoop:
         self.sender.put(Stop())
 
     def _step(self) -> None:
-        deltas = self.engine.step()
-        if deltas:
-            self.sender.put(Deltas(deltas))
-        for iteration in self.engine.stats.last_step_iterations:
+        step = self.engine.step()
+        if step:
+            self.sender.put(Deltas(list(step)))
+        for iteration in step.iterations:
             self._trace.write(iteration)
             self._report(self._stats(iteration))
-        if not self.engine.stats.last_step_iterations and not self.engine.has_unfinished_requests():
+        if not step.iterations and not self.engine.has_unfinished_requests():
             self._report(self._stats())  # e.g. the runner has dropped ended requests
 
     def _take_commands(self) -> bool:
@@ -210,8 +210,7 @@ class EngineLoop:
             self.sender.put(Fail(add.request_id, broken, ErrorKind.UNAVAILABLE))
             return
         try:
-            self.engine.add_request(add.request_id, add.token_ids, add.request.params,
-                                    track_logprob=add.request.return_cumulative_logprob, prepared=True,
+            self.engine.add_request(add.request_id, add.prepared, track_logprob=add.request.return_cumulative_logprob,
                                     grammar=add.grammar, lora_name=add.request.lora_name)
         except Exception as e:
             self.engine.abort_request(add.request_id)  # in case it got halfway in

@@ -25,13 +25,14 @@ def run_staggered(engine, prompts: list[list[int]], max_tokens: list[int],
             engine.add_request(str(i), prompts[i], SamplingParams(temperature=0, max_tokens=max_tokens[i],
                                                                   ignore_eos=True))
             pending.remove(i)
-        for delta in engine.step():
+        step = engine.step()
+        for delta in step:
             if delta.error:
                 raise RuntimeError(f"request {delta.request_id} failed: {delta.error}")
             tokens[int(delta.request_id)] += delta.token_ids
             if logits is not None and delta.logits is not None:
                 logits.setdefault(int(delta.request_id), []).append(delta.logits)
-        shape = engine.stats.last_iteration
+        shape = step.iterations[-1] if step.iterations else None
         num_mixed += bool(shape and shape.num_prefill_requests and shape.num_decode_requests)
     if engine.kv.num_used_blocks:
         raise RuntimeError(f"{engine.kv.num_used_blocks} K/V blocks still in use after all requests ended")

@@ -38,10 +38,10 @@ def time_decode(engine, batch_size: int, sizes: Sizes, vocab: int, tag: str) -> 
     times, num_decode_only, replays = [], 0, _graph_replays(engine)
     while engine.has_unfinished_requests():
         start = time.perf_counter()
-        engine.step()
+        step = engine.step()
         elapsed = time.perf_counter() - start  # step() waits for the sampled tokens
-        shape = engine.stats.last_iteration
-        if shape.num_prefill_requests == 0 and shape.num_decode_requests == batch_size:
+        shape = step.iterations[-1] if step.iterations else None
+        if shape is not None and shape.num_prefill_requests == 0 and shape.num_decode_requests == batch_size:
             num_decode_only += 1
             if num_decode_only > sizes.warmup_steps:
                 times.append(elapsed)

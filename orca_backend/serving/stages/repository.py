@@ -132,13 +132,17 @@ def start_commands(layout: PipelineLayout, output: Path) -> str:
     """What to start where: a tritonserver per host, the stages' servers first."""
     lines = [f"# Start the servers of `{layout.name}` (written by orca_backend.serving.stages.repository)",
              "", "Each host needs this package, the model at the same path (or the default model),",
-             "and the folder for it. Start the stage servers first; then send requests to host0.", ""]
+             "and the folder for it. Start the stage servers first; then send requests to host0.",
+             "The launcher runs the tritonserver `make serve` installs (nvidia-pytriton's) unless one",
+             "is on PATH; `tritonserver --model-repository DIR --grpc-port PORT` works as well.", ""]
     for h in reversed(range(len(layout.hosts))):
         stages = [str(i) for i in range(layout.num_stages) if layout.host_of(i) == h]
         host, port = layout.hosts[h].rsplit(":", 1)
         role = f"`{layout.name}` and stage(s) {', '.join(stages)}" if h == 0 else f"stage(s) {', '.join(stages)}"
+        extra = "" if h == 0 else " --no-openai"
         lines += [f"- on {host} ({role}):", "",
-                  f"      tritonserver --model-repository {output / f'host{h}'} --grpc-port {port}", ""]
+                  f"      GRPC_PORT={port} python -m orca_backend.serving.launch --model-repository "
+                  f"{output / f'host{h}'}{extra}", ""]
     return "\n".join(lines)
 
 
