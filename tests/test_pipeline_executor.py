@@ -68,7 +68,7 @@ def test_a_failing_stage_fails_its_iteration_alone_and_the_pipeline_goes_on(tiny
     for runner in engine.executor.runners:  # every stage dropped the failed request
         assert set(runner.requests) <= {"later"}
     engine.shutdown()
-    assert not any(t.is_alive() for t in engine.executor._threads)
+    assert not any(t.is_alive() for t in engine.executor._lanes)
 
 
 def test_seeded_sampling_through_the_pipeline_equals_inline(tiny_models):

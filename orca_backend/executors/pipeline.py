@@ -15,33 +15,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import queue
-import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 from ..checkpoint.config import ModelConfig
 from ..core.messages import RunnerOutput, SchedulerOutput
 from ..runner.build import build_runner
 from ..runner.spec import RunnerSpec
 from .base import Executor, IterationFailedError, RunnerDiedError
-from .stages import StageCall, StagedFactory, StageTimes, split_layers, stage_name
+from .stages import StageCall, StagedFactory, StageLoop, StageTimes, StageWork, split_layers, stage_name
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class _Work:
-    """An iteration on its way through the stages."""
-
-    message: SchedulerOutput
-    future: Future
-    hidden: object = None  # the previous stage's [num_tokens, hidden]
-    error: str = ""  # why the first stage that failed it did; it fails once it has left the pipeline
-
-
-class PipelineExecutor(Executor):
+class PipelineExecutor(StageLoop, Executor):
     def __init__(self, spec: RunnerSpec, num_stages: int, times: StageTimes | None = None) -> None:
         num_layers = ModelConfig.from_folder(spec.model_path).num_layers
         self.layer_ranges = split_layers(num_layers, num_stages)
@@ -53,13 +40,9 @@ class PipelineExecutor(Executor):
             for runner in self.runners:
                 runner.shutdown()
             raise
-        self._inboxes: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in self.runners]
-        self._threads = [threading.Thread(target=self._serve, args=(i,), name=f"orca-stage-{i}",
-                                          daemon=True) for i in range(num_stages)]
         self.times = times or StageTimes(num_stages)
         self._dead: str | None = None  # a stage's tensor-parallel group failed
-        for t in self._threads:
-            t.start()
+        self._start_lanes(num_stages)
 
     @property
     def name(self) -> str:
@@ -72,7 +55,7 @@ class PipelineExecutor(Executor):
         future: Future[RunnerOutput] = Future()
         future.add_done_callback(lambda _: self.times.returned())
         self.times.submitted()
-        self._inboxes[0].put(_Work(message, future))
+        self._enter(StageWork(message.iteration_id, message, future))
         return future
 
     def check_health(self) -> None:
@@ -83,47 +66,43 @@ class PipelineExecutor(Executor):
                 runner.check_health()
             except RunnerDiedError as e:
                 raise RunnerDiedError(f"{self.stage_name(i)}: {e}") from None
-        for i, t in enumerate(self._threads):
+        for i, t in enumerate(self._lanes):
             if not t.is_alive():
                 raise RunnerDiedError(f"the thread of {self.stage_name(i)} has stopped")
 
     def shutdown(self) -> None:
-        for inbox in self._inboxes:
-            inbox.put(None)
-        for t in self._threads:
-            t.join(timeout=10)
+        self._stop_lanes(timeout=10)
         for runner in self.runners:
             runner.shutdown()
 
-    def _serve(self, i: int) -> None:
-        runner, inbox = self.runners[i], self._inboxes[i]
-        last = i == len(self.runners) - 1
-        while (work := inbox.get()) is not None:
-            start = time.monotonic()
-            try:
-                if self._dead:
-                    raise RunnerDiedError(self._dead)
-                if work.error:
-                    runner.apply_only(work.message)
-                else:
-                    work.hidden = runner.execute(work.message, work.hidden)
-            except RunnerDiedError as e:
-                self._dead = self._dead or f"{self.stage_name(i)}: {e}"
-                work.error, work.hidden = self._dead, None
-            except Exception as e:
-                log.exception("%s failed iteration %d", self.stage_name(i), work.message.iteration_id)
-                if not work.error:
-                    work.error = f"{self.stage_name(i)} failed: {type(e).__name__}: {e}"
-                work.hidden = None
-            busy = time.monotonic() - start
-            self.times.passed(i, StageCall(busy, runner.num_held_blocks, busy))
-            if not last:
-                self._inboxes[i + 1].put(work)
-            elif work.error:
-                error = RunnerDiedError if work.error == self._dead else IterationFailedError
-                work.future.set_exception(error(work.error))
+    def _run_stage(self, i: int, work: StageWork) -> bool:
+        """The hop: stage i's runner, in this process."""
+        runner, start = self.runners[i], time.monotonic()
+        try:
+            if self._dead:
+                raise RunnerDiedError(self._dead)
+            if work.error:
+                runner.apply_only(work.message)
             else:
-                work.future.set_result(work.hidden)
+                work.hidden = runner.execute(work.message, work.hidden)
+        except RunnerDiedError as e:
+            self._dead = self._dead or f"{self.stage_name(i)}: {e}"
+            work.error, work.hidden = self._dead, None
+        except Exception as e:
+            log.exception("%s failed iteration %d", self.stage_name(i), work.iteration_id)
+            if not work.error:
+                work.error = f"{self.stage_name(i)} failed: {type(e).__name__}: {e}"
+            work.hidden = None
+        busy = time.monotonic() - start
+        self.times.passed(i, StageCall(busy, runner.num_held_blocks, busy))
+        return True
+
+    def _finish(self, work: StageWork) -> None:
+        if work.error:
+            error = RunnerDiedError if work.error == self._dead else IterationFailedError
+            work.future.set_exception(error(work.error))
+        else:
+            work.future.set_result(work.hidden)
 
 
 class PipelineFactory(StagedFactory):

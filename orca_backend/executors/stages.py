@@ -1,12 +1,15 @@
 """What every pipeline shares, in one process or as Triton models: how layers are split and
-checked, the names of stages, the per-stage counters the metrics report, and the factory
-that makes a pipeline's executor again after a restart while its counters run on.
+checked, the names of stages, the loop that takes iterations through the stages (the hop to
+a stage is what differs), the per-stage counters the metrics report, and the factory that
+makes a pipeline's executor again after a restart while its counters run on.
 """
 from __future__ import annotations
 
 import abc
+import queue
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from ..core.errors import ConfigError
@@ -147,6 +150,59 @@ class StageTimes:
             return [StageStats(i, self._in_flight[i], self._iterations[i], self._forward[i], self._busy[i],
                                max(0.0, occupied - self._busy[i]), self._blocks[i])
                     for i in range(len(self._in_flight))]
+
+
+@dataclass(slots=True, eq=False)
+class StageWork:
+    """An iteration on its way through the stages."""
+
+    iteration_id: int
+    message: object  # what the stages take: the SchedulerOutput, or its msgpack bytes
+    future: Future
+    hidden: object = None  # the previous stage's hidden states; after the last, its output
+    error: str = ""  # why the first stage that failed it did; it fails once it has left the pipeline
+
+
+class StageLoop(abc.ABC):
+    """A thread per lane (a stage, or one for a pipeline run by a single call) takes the
+    iterations in submission order, runs its part (`_run_stage`: the hop, what differs) and
+    hands each on to the next lane; after the last lane `_finish` settles its future. So lane
+    1 runs iteration k while lane 0 runs iteration k + 1."""
+
+    def _start_lanes(self, num_lanes: int) -> None:
+        self._inboxes: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(num_lanes)]
+        self._lanes = [threading.Thread(target=self._serve, args=(i,), name=f"orca-stage-{i}", daemon=True)
+                       for i in range(num_lanes)]
+        for t in self._lanes:
+            t.start()
+
+    def _enter(self, work: StageWork) -> None:
+        self._inboxes[0].put(work)
+
+    def _stop_lanes(self, timeout: float) -> None:
+        for inbox in self._inboxes:
+            inbox.put(None)
+        for t in self._lanes:
+            t.join(timeout=timeout)  # a lane blocked on a stage that hangs is left behind (daemon)
+
+    def _serve(self, i: int) -> None:
+        last = i == len(self._inboxes) - 1
+        while (work := self._inboxes[i].get()) is not None:
+            if not self._run_stage(i, work):
+                continue  # the pipeline is down: its iterations have been failed
+            if last:
+                self._finish(work)
+            else:
+                self._inboxes[i + 1].put(work)
+
+    @abc.abstractmethod
+    def _run_stage(self, i: int, work: StageWork) -> bool:
+        """Lane i's part of the iteration: `work.hidden` (or `work.error`) for the next lane;
+        False when the pipeline is down and the iteration has been failed already."""
+
+    @abc.abstractmethod
+    def _finish(self, work: StageWork) -> None:
+        """The iteration has been through every lane: settle its future."""
 
 
 class StagedFactory(abc.ABC):

@@ -3,7 +3,8 @@ model `<name>`, one instance each, on its own GPU or CPU cores), driven from the
 model, which hands the engine its factory. Only usable inside tritonserver;
 `python -m orca_backend.serving.stages.repository` writes such a repository.
 
-Three transports, all Triton's own machinery:
+Three transports, all Triton's own machinery, each a hop of the stage loop the in-process
+pipeline runs too (`executors/stages.py`, `StageLoop`):
 - `bls` (the default): one thread per stage here calls its stage model with BLS, in
   submission order, and hands the stage's `hidden` output on as the next stage's input. So
   stage 1 runs iteration k while stage 0 runs iteration k + 1: up to `max_inflight`
@@ -28,11 +29,10 @@ from __future__ import annotations
 
 import json
 import logging
-import queue
 import threading
 import time
 from concurrent.futures import Future, InvalidStateError
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import msgpack
 import numpy as np
@@ -45,7 +45,9 @@ from ...executors.base import Executor, IterationFailedError, RunnerDiedError, R
 from ...executors.stages import (
     StageCall,
     StagedFactory,
+    StageLoop,
     StageTimes,
+    StageWork,
     check_layer_split,
     ensemble_model,
     stage_model,
@@ -59,16 +61,7 @@ log = logging.getLogger(__name__)
 WATCH_SECONDS = 0.25
 
 
-@dataclass(slots=True, eq=False)
-class _Work:
-    iteration_id: int
-    message: np.ndarray  # the SchedulerOutput, msgpack bytes as uint8
-    future: Future
-    hidden: object = None  # the previous stage's `hidden` output tensor
-    error: str = ""  # set once a stage has failed this iteration
-
-
-class TritonStagesExecutor(Executor):
+class TritonStagesExecutor(StageLoop, Executor):
     def __init__(self, spec: RunnerSpec, num_stages: int, transport: str = "bls",
                  timeout: float = 600.0, pipeline: str = "orca", times: StageTimes | None = None,
                  urls: list[str] | None = None) -> None:
@@ -81,18 +74,13 @@ class TritonStagesExecutor(Executor):
         self.layer_ranges: list[tuple[int, int]] | None = None  # known once configured
         self.times = times or StageTimes(num_stages)
         self._lock = threading.Lock()
-        self._pending: dict[int, _Work] = {}
+        self._pending: dict[int, StageWork] = {}  # the message: msgpack bytes as uint8
         self._calls: dict[int, tuple[float, int]] = {}  # stage -> (start, iteration) of its open call
         self._dead: str | None = None
         self._stopped = threading.Event()
-        lanes = 1 if transport == "ensemble" else num_stages
-        self._inboxes: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(lanes)]
-        target = self._serve_ensemble if transport == "ensemble" else self._serve_stage
-        self._threads = [threading.Thread(target=target, args=(i,), name=f"orca-stage-{i}", daemon=True)
-                         for i in range(lanes)]
-        self._threads.append(threading.Thread(target=self._watch, name="orca-stage-watch", daemon=True))
-        for t in self._threads:
-            t.start()
+        self._start_lanes(1 if transport == "ensemble" else num_stages)
+        self._watcher = threading.Thread(target=self._watch, name="orca-stage-watch", daemon=True)
+        self._watcher.start()
 
     @property
     def name(self) -> str:
@@ -115,7 +103,7 @@ class TritonStagesExecutor(Executor):
             future.set_exception(IterationFailedError(
                 f"iteration {message.iteration_id} could not be encoded for {self.name}: {e}"))
             return future
-        work = _Work(message.iteration_id, data, future)
+        work = StageWork(message.iteration_id, data, future)
         with self._lock:
             if self._dead:
                 future.set_exception(RunnerDiedError(self._dead))
@@ -123,7 +111,7 @@ class TritonStagesExecutor(Executor):
             self._pending[work.iteration_id] = work
         self.times.submitted()
         future.add_done_callback(lambda _: self._returned(work))
-        self._inboxes[0].put(work)
+        self._enter(work)
         return future
 
     def check_health(self) -> None:
@@ -132,10 +120,8 @@ class TritonStagesExecutor(Executor):
 
     def shutdown(self) -> None:
         self._stopped.set()
-        for inbox in self._inboxes:
-            inbox.put(None)
-        for t in self._threads:
-            t.join(timeout=1.0)  # a thread blocked on a stage that hangs is left behind (daemon)
+        self._stop_lanes(timeout=1.0)
+        self._watcher.join(timeout=1.0)
         for hop in self.hops:
             hop.close()
 
@@ -184,39 +170,31 @@ class TritonStagesExecutor(Executor):
             self._dead = reason
         raise RunnerUnavailableError(reason)
 
-    # -- the transports ---------------------------------------------------------------------
-    def _serve_stage(self, i: int) -> None:
-        """BLS or gRPC: this thread calls stage i, one iteration after the other."""
-        last, hop = i == len(self.models) - 1, self.hops[i]
-        while (work := self._inboxes[i].get()) is not None:
-            if self._dead:
-                continue  # its future has failed already
-            reply = self._exec(i, work, lambda: hop.run(work.message, work.hidden, work.error, last))
-            if reply is None:
-                continue
-            self._passed(i, reply.stats)
-            self._take_error(work, reply.error)
-            if last:
-                self._finish(work, reply.output)
-            else:
-                work.hidden = None if work.error else reply.hidden
-                self._inboxes[i + 1].put(work)
-
-    def _serve_ensemble(self, _: int) -> None:
-        """Ensemble: one call runs the whole pipeline inside Triton."""
-        n = len(self.models)
-        while (work := self._inboxes[0].get()) is not None:
-            if self._dead:
-                continue
-            response = self._exec(0, work, lambda: self._call_ensemble(work, n))
+    # -- the hops ---------------------------------------------------------------------------
+    def _run_stage(self, i: int, work: StageWork) -> bool:
+        """BLS or gRPC: a call to stage i; the ensemble: one call runs the whole pipeline
+        inside Triton (one lane)."""
+        if self._dead:
+            return False  # its future has failed already
+        if self.transport == "ensemble":
+            response = self._exec(0, work, lambda: self._call_ensemble(work, len(self.models)))
             if response is None:
-                continue
-            for i in range(n):
-                self._passed(i, _output(response, f"stats_{i}").as_numpy())
+                return False
+            for stage in range(len(self.models)):
+                self._passed(stage, _output(response, f"stats_{stage}").as_numpy())
             self._take_error(work, tensor_text(_output(response, "error")))
-            self._finish(work, _output(response, "output").as_numpy().tobytes())
+            work.hidden = _output(response, "output").as_numpy().tobytes()
+            return True
+        last, hop = i == len(self.models) - 1, self.hops[i]
+        reply = self._exec(i, work, lambda: hop.run(work.message, work.hidden, work.error, last))
+        if reply is None:
+            return False
+        self._passed(i, reply.stats)
+        self._take_error(work, reply.error)
+        work.hidden = reply.output if last else (None if work.error else reply.hidden)
+        return True
 
-    def _call_ensemble(self, work: _Work, num_stages: int):
+    def _call_ensemble(self, work: StageWork, num_stages: int):
         request = pb_utils.InferenceRequest(
             model_name=self.ensemble, inputs=[pb_utils.Tensor("message", work.message)],
             requested_output_names=["output", "error", *(f"stats_{i}" for i in range(num_stages))])
@@ -225,7 +203,7 @@ class TritonStagesExecutor(Executor):
             raise HopError(response.error().message())
         return response
 
-    def _exec(self, i: int, work: _Work, call) -> HopReply | None:
+    def _exec(self, i: int, work: StageWork, call) -> HopReply | None:
         """The call, watched by the deadline; None when the pipeline is down."""
         with self._lock:
             self._calls[i] = (time.monotonic(), work.iteration_id)
@@ -253,19 +231,20 @@ class TritonStagesExecutor(Executor):
         self.times.passed(i, StageCall.from_values(stats))
 
     @staticmethod
-    def _take_error(work: _Work, error: str) -> None:
+    def _take_error(work: StageWork, error: str) -> None:
         if error and not work.error:
             work.error = error  # the first stage that failed it; it fails once it has left the pipeline
 
-    def _finish(self, work: _Work, output: bytes | None) -> None:
-        """The iteration has been through every stage (so the stages' counters include it)."""
+    def _finish(self, work: StageWork) -> None:
+        """The iteration has been through every stage (so the stages' counters include it);
+        `work.hidden` is the last stage's output, msgpack."""
         if work.error:
             self._settle(work, error=IterationFailedError(work.error))
         else:
-            self._settle(work, result=RunnerOutput.from_wire(msgpack.unpackb(output, strict_map_key=False)))
+            self._settle(work, result=RunnerOutput.from_wire(msgpack.unpackb(work.hidden, strict_map_key=False)))
 
     @staticmethod
-    def _settle(work: _Work, result=None, error: Exception | None = None) -> None:
+    def _settle(work: StageWork, result=None, error: Exception | None = None) -> None:
         try:  # not under our lock: the future's callbacks take it
             if error is not None:
                 work.future.set_exception(error)
@@ -274,7 +253,7 @@ class TritonStagesExecutor(Executor):
         except InvalidStateError:
             pass  # the pipeline went down and failed it first
 
-    def _returned(self, work: _Work) -> None:
+    def _returned(self, work: StageWork) -> None:
         with self._lock:
             self._pending.pop(work.iteration_id, None)
         self.times.returned()
