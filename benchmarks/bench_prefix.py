@@ -36,8 +36,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_serving import (Point, describe, describe_ratio, done, exact_rate, fmt,  # noqa: E402
-                                      headline, verdict)
+from benchmarks.bench_serving import headline  # noqa: E402
+from benchmarks.common import Point, done, ms as fmt  # noqa: E402
+from client.trace import exact_rate  # noqa: E402
+from orca_backend.simulate.sweep import describe, describe_ratio, verdict  # noqa: E402
 from benchmarks.plots import plot_curves  # noqa: E402
 from benchmarks.report import log, machine_lines, table  # noqa: E402
 from client.bench import RequestRecord, Summary, run_trace, summarize  # noqa: E402

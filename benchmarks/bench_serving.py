@@ -24,32 +24,25 @@ default `--bound-factor` times `orca`'s unloaded medians, measured first with on
 time. The models take turns at each rate. A model's sweep stops after two rates in a row over
 the bound, or one over twice the bound.
 
-    python benchmarks/bench_serving.py --quick      # under 8 minutes on 2 CPU cores
-    python benchmarks/bench_serving.py              # the paper's lengths, about 30 minutes
+    python -m benchmarks.bench_serving --quick      # under 8 minutes on 2 CPU cores
+    python -m benchmarks.bench_serving              # the paper's lengths, about 30 minutes
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import dataclasses
-import datetime
 import json
 import math
-import sys
-import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-# `python benchmarks/bench_serving.py` puts benchmarks/ on the path, not the repo root.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.plots import load_iterations, plot_curves, plot_scheduler  # noqa: E402
-from benchmarks.report import log, machine_lines, table  # noqa: E402
-from client.bench import CSV_FIELDS, RequestRecord, Summary, run_trace, summarize  # noqa: E402
-from client.trace import LengthDist, TraceRequest, exact_rate, load_tokenizer, make_trace  # noqa: E402
-from orca_backend.serving.launch import REPO_ROOT, Server  # noqa: E402
-from orca_backend.simulate.sweep import (describe, describe_ratio, is_over, ratio,  # noqa: E402,F401
-                                          sustained_rate, verdict)
+from benchmarks.common import (REPORTS, Point, Report, add_sweep_options, apply_preset, log, ms, options,
+                               run_point, serving, sweep, work_dir)
+from benchmarks.common import rate_trace as common_rate_trace
+from benchmarks.plots import load_iterations, plot_curves, plot_scheduler
+from client.bench import CSV_FIELDS, Summary, run_trace, summarize
+from client.trace import LengthDist, TraceRequest, load_tokenizer, make_trace
+from orca_backend.simulate.sweep import describe, describe_ratio, ratio, sustained_rate, verdict
 
 MODELS = {"orca": "iteration-level", "hf_dynamic_batching": "Triton's dynamic batcher + generate",
           "orca_request_level": "request-level, same engine"}
@@ -63,25 +56,6 @@ CALIBRATION_REQUESTS = 8
 
 
 @dataclass(slots=True)
-class Point:
-    """One model at one offered rate."""
-
-    model: str
-    rate: float
-    summary: Summary
-    records: list[RequestRecord]
-    wall_start: float  # time.time() around the run, to cut its part out of the iteration trace
-    wall_end: float
-    bound: float = math.inf  # seconds per output token
-    queue_seconds: float = math.nan  # Triton's queue time per request (its model statistics)
-    costs: Costs | None = None
-
-    @property
-    def over(self) -> bool:
-        return is_over(self.summary, "normalized_latency_p50", self.bound)
-
-
-@dataclass(slots=True)
 class Costs:
     """What a model computed during one run, from its own trace."""
 
@@ -92,18 +66,10 @@ class Costs:
     queue_seconds: float  # mean time a request waited before it first ran
 
 
-def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
-    """The sweep's options, shared by the benchmarks that sweep request rates."""
-    p.add_argument("--rates", help="comma-separated request rates, ascending")
-    p.add_argument("--duration", type=float, help="seconds of arrivals per rate")
-    p.add_argument("--min-requests", type=int, help="requests per rate, at least")
-    p.add_argument("--scale", type=float, help="orca trace: multiplies the length ranges")
-
-
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args():
+    p = options(__doc__)
     p.add_argument("--quick", action="store_true", help="a sweep that fits 8 minutes on 2 cores")
-    add_sweep_arguments(p)
+    add_sweep_options(p)
     p.add_argument("--bound-ms", type=float,
                    help="median normalized latency bound, ms per output token (the headline); "
                         "default: --bound-factor x orca's unloaded median")
@@ -116,65 +82,35 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--name", help="output files' name (default serving, or serving_full)")
     p.add_argument("--replot", action="store_true",
                    help="only redraw the latency plots from <name>.csv, with --bound-ms and --ttft-bound-ms")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "benchmarks")
+    p.add_argument("--out", type=Path, default=REPORTS)
     args = p.parse_args()
-    for key, value in (QUICK if args.quick else FULL).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    args.rates = sorted(float(r) for r in args.rates.split(","))
+    apply_preset(args, QUICK if args.quick else FULL)
     args.models = [m for m in args.models.split(",") if m]
-    unknown = [m for m in args.models if m not in MODELS]
-    if unknown or args.models[:1] != ["orca"]:
+    if any(m not in MODELS for m in args.models) or args.models[:1] != ["orca"]:
         p.error(f"--models: orca first, then any of {', '.join(MODELS)}")
     args.name = args.name or ("serving" if args.quick else "serving_full")
     return args
 
 
-def send(server: Server, model: str, trace: list[TraceRequest], concurrency: int | None = None) -> list[RequestRecord]:
+def send(server, model: str, trace: list[TraceRequest], concurrency: int | None = None):
     """`trace` to `model`, streamed unless the model does not stream."""
     return run_trace(server.grpc_url, model, trace, concurrency, stream=model not in NOT_STREAMING)
 
 
-def sweep(server: Server, args, tokenizer) -> list[Point]:
-    """Every rate, ascending, for each model still under way. The models take turns at each
-    rate, so a drift in the machine's speed during the sweep hits all alike."""
-    points: dict[str, list[Point]] = {model: [] for model in args.models}
-    for rate in args.rates:
-        trace = rate_trace(args, rate, tokenizer)
-        n = len(trace)
-        for model, mine in points.items():
-            if mine and done(mine):
-                continue
-            queue_before = triton_queue(server, model)
-            wall_start = time.time()
-            records = send(server, model, trace)
-            mine.append(Point(model, rate, summarize(records), records, wall_start, time.time(),
-                              bound=args.bound_ms / 1e3))
-            (count, ns), (count0, ns0) = triton_queue(server, model), queue_before
-            mine[-1].queue_seconds = (ns - ns0) / 1e9 / (count - count0) if count > count0 else math.nan
-            s = mine[-1].summary
-            log(f"  {model} at {rate:g} req/s: {n} requests, {s.request_throughput:.2f} req/s "
-                f"done, normalized p50 {s.normalized_latency_p50 * 1e3:.0f} ms/token, "
-                f"TTFT p50 {s.ttft_p50 * 1e3:.0f} ms, errors {s.errors}")
-        if all(mine and done(mine) for mine in points.values()):
-            break
-    return [p for mine in points.values() for p in mine]
-
-
 def rate_trace(args, rate: float, tokenizer) -> list[TraceRequest]:
-    """The requests sent at `rate`: max(min_requests, rate x duration) of ORCA's lengths
-    (scaled), Poisson offsets stretched to the exact rate. The simulator draws the same."""
-    n = max(args.min_requests, round(rate * args.duration))
-    return exact_rate(make_trace(LengthDist(kind="orca", scale=args.scale), n, rate, args.seed, tokenizer), rate)
+    """ORCA's lengths (scaled) at `rate`; the simulator draws the same."""
+    dist = LengthDist(kind="orca", scale=args.scale)
+    return common_rate_trace(lambda n, r, seed: make_trace(dist, n, r, seed, tokenizer), args, rate)
 
 
-def done(points: list[Point]) -> bool:
-    """One run over the bound may be noise: a model is done after two in a row, one far
-    over, or one with failed requests."""
-    last = points[-1]
-    far_over = is_over(last.summary, "normalized_latency_p50", 2 * last.bound)
-    return far_over or (last.over and len(points) > 1 and points[-2].over)
+def run_at(server, args, tokenizer, model: str, rate: float) -> Point:
+    """One model at one rate, with Triton's queue time per request (its model statistics)."""
+    before = triton_queue(server, model)
+    point = run_point(server.grpc_url, model, rate, rate_trace(args, rate, tokenizer), args.bound_ms / 1e3,
+                      stream=model not in NOT_STREAMING)
+    (count, ns), (count0, ns0) = triton_queue(server, model), before
+    point.extra["queue_seconds"] = (ns - ns0) / 1e9 / (count - count0) if count > count0 else math.nan
+    return point
 
 
 def headline(points: list[Point], metric: str, bound: float) -> dict[str, tuple[float, str]]:
@@ -187,7 +123,7 @@ def headline(points: list[Point], metric: str, bound: float) -> dict[str, tuple[
     return rates
 
 
-def triton_queue(server: Server, model: str) -> tuple[int, int]:
+def triton_queue(server, model: str) -> tuple[int, int]:
     """Triton's queue statistics of `model`: (requests, nanoseconds in the queue)."""
     status, text = server.http(f"/v2/models/{model}/stats")
     if status != 200:
@@ -196,23 +132,16 @@ def triton_queue(server: Server, model: str) -> tuple[int, int]:
     return int(queue["count"]), int(queue["ns"])
 
 
-def warm_up(server: Server, tokenizer, args) -> None:
-    """First requests pay one-time costs (allocator, kernels); keep them out of the sweep."""
-    trace = make_trace(LengthDist(kind="orca", scale=args.scale), 8, None, args.seed + 1, tokenizer)
-    for model in args.models:
-        records = send(server, model, trace, concurrency=4)
-        if any(r.error for r in records):
-            raise SystemExit(f"warm-up requests to {model} failed; see {server.log_path}")
-
-
-def calibrate(server: Server, tokenizer, args) -> dict[str, Summary]:
-    """Every model unloaded: the same requests, one at a time. The default bounds are
-    multiples of orca's medians; the others show each model's cost per request alone."""
-    trace = make_trace(LengthDist(kind="orca", scale=args.scale), CALIBRATION_REQUESTS, None,
-                       args.seed + 2, tokenizer)
+def warm_up_and_calibrate(server, tokenizer, args) -> dict[str, Summary]:
+    """First requests pay one-time costs (allocator, kernels); then every model unloaded: the
+    same requests, one at a time. The default bounds are multiples of orca's medians."""
+    dist = LengthDist(kind="orca", scale=args.scale)
+    warm = make_trace(dist, 8, None, args.seed + 1, tokenizer)
+    alone = make_trace(dist, CALIBRATION_REQUESTS, None, args.seed + 2, tokenizer)
     out = {}
     for model in args.models:
-        out[model] = summarize(send(server, model, trace, concurrency=1))
+        send(server, model, warm, concurrency=4)
+        out[model] = summarize(send(server, model, alone, concurrency=1))
         if out[model].errors:
             raise SystemExit(f"calibration requests to {model} failed; see {server.log_path}")
     return out
@@ -246,28 +175,26 @@ def batch_costs(rows: list[dict], queue_seconds: float) -> Costs | None:
 def add_costs(points: list[Point], trace_dir: Path) -> None:
     for p in points:
         rows = load_iterations(trace_dir / f"iterations-{p.model}.jsonl", p.wall_start, p.wall_end)
-        p.costs = (engine_costs(rows, p.summary.num_requests) if p.model in ENGINE_MODELS
-                   else batch_costs(rows, p.queue_seconds))
+        p.extra["costs"] = (engine_costs(rows, p.summary.num_requests) if p.model in ENGINE_MODELS
+                            else batch_costs(rows, p.extra.get("queue_seconds", math.nan)))
 
 
 def write_csvs(out: Path, name: str, points: list[Point]) -> None:
     cost_fields = [f.name for f in dataclasses.fields(Costs)]
-    fields = (["model", "batching", "offered_rate"] + [f.name for f in dataclasses.fields(Summary)]
-              + cost_fields)
     with open(out / f"{name}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
+        writer = csv.DictWriter(f, fieldnames=["model", "batching", "offered_rate",
+                                               *(f.name for f in dataclasses.fields(Summary)), *cost_fields])
         writer.writeheader()
         for p in points:
-            costs = dataclasses.asdict(p.costs) if p.costs else dict.fromkeys(cost_fields)
+            costs = p.extra.get("costs")
             writer.writerow({"model": p.model, "batching": MODELS[p.model], "offered_rate": p.rate,
-                             **dataclasses.asdict(p.summary), **costs})
+                             **dataclasses.asdict(p.summary),
+                             **(dataclasses.asdict(costs) if costs else dict.fromkeys(cost_fields))})
     with open(out / f"{name}_requests.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["model", "offered_rate", *CSV_FIELDS],
-                                extrasaction="ignore")
+        writer = csv.DictWriter(f, fieldnames=["model", "offered_rate", *CSV_FIELDS], extrasaction="ignore")
         writer.writeheader()
         for p in points:
-            for r in p.records:
-                writer.writerow({"model": p.model, "offered_rate": p.rate, **r.as_row()})
+            writer.writerows({"model": p.model, "offered_rate": p.rate, **r.as_row()} for r in p.records)
 
 
 ITERATION_FIELDS = ("model", "offered_rate", "time", "seconds", "num_requests", "num_tokens",
@@ -288,10 +215,6 @@ def write_iterations(out: Path, name: str, points: list[Point], trace_dir: Path)
                                      "time": round(r["time"] - p.wall_start, 4), "seconds": round(r["seconds"], 5)})
 
 
-def fmt(seconds: float) -> str:
-    return f"{seconds * 1e3:.0f}" if math.isfinite(seconds) else "-"
-
-
 def headline_lines(rates: dict, metric: str, bound: str) -> list[str]:
     lines = [f"Highest throughput (completed requests/s) sustained with {metric} under {bound}:", ""]
     lines += [f"- `{m}` ({MODELS[m]}): {describe(*rates[m])} req/s" for m in MODELS if m in rates]
@@ -302,62 +225,49 @@ def headline_lines(rates: dict, metric: str, bound: str) -> list[str]:
 
 def cost_rows(points: list[Point]) -> list[list]:
     pct = lambda x: f"{x:.0%}" if math.isfinite(x) else "-"
-    return [[p.model, f"{p.rate:g}", f"{p.costs.mean_batch:.1f}", p.costs.computed_tokens,
-             pct(p.costs.padding_share), pct(p.costs.prefill_share), fmt(p.costs.queue_seconds),
-             fmt(p.summary.latency_p50)]
-            for p in points if p.costs is not None]
+    return [[p.model, f"{p.rate:g}", f"{c.mean_batch:.1f}", c.computed_tokens, pct(c.padding_share),
+             pct(c.prefill_share), ms(c.queue_seconds), ms(p.summary.latency_p50)]
+            for p in points if (c := p.extra.get("costs")) is not None]
 
 
 def goal_lines(args, headlines: dict) -> list[str]:
     if args.scale != 1.0 or "orca/hf_dynamic_batching" not in headlines["normalized"]:
         return []
     value, kind = headlines["normalized"]["orca/hf_dynamic_batching"]
-    met = verdict(value, kind, GOAL_VS_HF)
-    word = {True: "**met**", False: "**not met**", None: "**undecided** (the sweep did not cross the bound)"}[met]
+    word = {True: "**met**", False: "**not met**",
+            None: "**undecided** (the sweep did not cross the bound)"}[verdict(value, kind, GOAL_VS_HF)]
     return [f"Goal at the paper's lengths: `orca` sustains at least {GOAL_VS_HF:g}x the request "
             f"rate of `hf_dynamic_batching` under the normalized-latency bound: {word} "
             f"({describe_ratio(value, kind)}).", ""]
 
 
-def report(args, points: list[Point], headlines: dict, alone: dict[str, Summary],
-           trace_rate: float | None, started: datetime.datetime, elapsed: float) -> list[str]:
-    unloaded = alone["orca"]
+def report(args, points: list[Point], headlines: dict, alone: dict[str, Summary], trace_rate: float | None,
+           r: Report) -> Report:
     (lo_in, hi_in), (lo_out, hi_out) = LengthDist(kind="orca", scale=args.scale).orca_bounds()
-    rows = [[p.model, f"{p.rate:g}", p.summary.num_requests, p.summary.errors,
-             f"{p.summary.request_throughput:.2f}", f"{p.summary.token_throughput:.1f}",
-             fmt(p.summary.normalized_latency_p50), fmt(p.summary.normalized_latency_p99),
-             fmt(p.summary.ttft_p50), fmt(p.summary.ttft_p99), fmt(p.summary.itl_p50),
-             fmt(p.summary.itl_p99)] for p in points]
-    command = " ".join(["python benchmarks/bench_serving.py", *sys.argv[1:]])
-    bound_how = lambda given, median: (
-        "given on the command line" if given else
-        f"{args.bound_factor:g}x `orca`'s unloaded median, {fmt(median)} ms, measured before the sweep")
-    lines = [
-        "# Iteration-level vs request-level batching under Poisson load", "",
-        f"Generated by `{command}` ({'`make bench`' if args.quick else '`make bench-full`'}).", "",
-        "## Headline", "",
-        *headline_lines(headlines["normalized"], "median normalized latency",
-                        f"{args.bound_ms:.0f} ms per output token (ORCA's criterion; "
-                        f"{bound_how(args.bound_given, unloaded.normalized_latency_p50)})"),
-        *goal_lines(args, headlines),
-        *headline_lines(headlines["ttft"], "median time to first token",
-                        f"{args.ttft_bound_ms:.0f} ms ({bound_how(args.ttft_bound_given, unloaded.ttft_p50)})"),
-        "Between two swept rates the throughput is interpolated linearly in the metric; `>=` "
-        "and `<` mark a bound that the sweep did not cross. `hf_dynamic_batching` does not "
-        "stream: its first token reaches the client with its last.",
-        "", f"![median normalized latency vs throughput]({args.name}_latency.png)", "",
-        "## What each run computed", "",
-        "From each model's own trace over the run: requests per iteration (per batch for "
-        "`hf_dynamic_batching`), tokens through the model, the share of them that was "
-        "padding (left padding of prompts, and rows kept in the batch after they were done), "
-        "the share that was prompt, and the mean time a request waited before it first ran "
-        "(Triton's queue statistics for `hf_dynamic_batching`; the engine's queue length over "
-        "time, by Little's law, for the engine models). Times in ms.", "",
-        *table(["model", "offered req/s", "mean batch", "tokens computed", "padding", "prompt",
-                "queue", "latency p50"], cost_rows(points)),
-        "", "## Setup", "",
-        f"- date: {started.isoformat(timespec='seconds')}, whole run {elapsed / 60:.1f} min",
-        *machine_lines(),
+    bound_how = lambda given, median: "given on the command line" if given else (
+        f"{args.bound_factor:g}x `orca`'s unloaded median, {ms(median)} ms, measured before the sweep")
+    unloaded = alone["orca"]
+    r.section("Headline",
+              *headline_lines(headlines["normalized"], "median normalized latency",
+                              f"{args.bound_ms:.0f} ms per output token (ORCA's criterion; "
+                              f"{bound_how(args.bound_given, unloaded.normalized_latency_p50)})"),
+              *goal_lines(args, headlines),
+              *headline_lines(headlines["ttft"], "median time to first token",
+                              f"{args.ttft_bound_ms:.0f} ms ({bound_how(args.ttft_bound_given, unloaded.ttft_p50)})"),
+              "Between two swept rates the throughput is interpolated linearly in the metric; `>=` "
+              "and `<` mark a bound that the sweep did not cross. `hf_dynamic_batching` does not "
+              "stream: its first token reaches the client with its last.",
+              "", f"![median normalized latency vs throughput]({args.name}_latency.png)")
+    r.section("What each run computed",
+              "From each model's own trace over the run: requests per iteration (per batch for "
+              "`hf_dynamic_batching`), tokens through the model, the share of them that was "
+              "padding (left padding of prompts, and rows kept in the batch after they were done), "
+              "the share that was prompt, and the mean time a request waited before it first ran "
+              "(Triton's queue statistics for `hf_dynamic_batching`; the engine's queue length over "
+              "time, by Little's law, for the engine models). Times in ms.")
+    r.table(["model", "offered req/s", "mean batch", "tokens computed", "padding", "prompt", "queue",
+             "latency p50"], cost_rows(points))
+    r.setup(
         f"- one tritonserver (2.51) hosting {', '.join(f'`{m}`' for m in args.models)} from "
         "`model_repository/` with their default parameters (SmolLM2-135M-Instruct, fp32, on the "
         "CPU, torch's default threads; the engine models: max_batch_size 32, "
@@ -365,39 +275,39 @@ def report(args, points: list[Point], headlines: dict, alone: dict[str, Summary]
         "batcher, max_batch_size 32, 10 ms queue delay); the load generator runs on the same machine",
         f"- trace: ORCA's synthetic lengths scaled by {args.scale:g}: prompt tokens uniform in "
         f"[{lo_in}, {hi_in}], output tokens uniform in [{lo_out}, {hi_out}] (max_tokens with "
-        f"ignore_eos), greedy; seed {args.seed}, so every model gets the same requests at the "
-        "same offsets",
+        f"ignore_eos), greedy; seed {args.seed}, so every model gets the same requests at the same offsets",
         f"- unloaded ({CALIBRATION_REQUESTS} requests of the same lengths, one at a time), median "
         "normalized latency in ms per token and median time to first token in ms: "
-        + "; ".join(f"`{m}` {fmt(s.normalized_latency_p50)} and {fmt(s.ttft_p50)}" for m, s in alone.items()),
+        + "; ".join(f"`{m}` {ms(s.normalized_latency_p50)} and {ms(s.ttft_p50)}" for m, s in alone.items()),
         f"- per rate: Poisson arrivals for about {args.duration:g} s (offsets stretched so the "
         "last arrival is at (n - 1) / rate: each run offers exactly its nominal rate), at least "
         f"{args.min_requests} requests over gRPC (streamed, except to `hf_dynamic_batching`); "
         "the models take turns at each rate; rates swept: "
-        f"{', '.join(f'{r:g}' for r in args.rates)} req/s; a model's sweep ends after two "
+        f"{', '.join(f'{x:g}' for x in args.rates)} req/s; a model's sweep ends after two "
         "rates in a row over the bound, or one over twice the bound",
         "- normalized latency: a request's end-to-end latency divided by its output tokens "
         "(ORCA's metric); throughput counts completed requests over the run from first send "
-        "to last response", "",
-        "## Results", "",
-        "Latencies in ms; normalized latency in ms per output token.", "",
-        *table(["model", "offered req/s", "requests", "errors", "done req/s", "tok/s",
-                "norm. p50", "norm. p99", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"], rows),
-        "", f"![median time to first token vs throughput]({args.name}_ttft.png)", "",
-        f"Raw figures: [{args.name}.csv]({args.name}.csv) (one row per run), "
-        f"[{args.name}_requests.csv]({args.name}_requests.csv) (one row per request, times in "
-        f"seconds from the run's start) and [{args.name}_iterations.csv]({args.name}_iterations.csv) "
-        "(one row per iteration of the engine models).", ""]
+        "to last response")
+    rows = [[p.model, f"{p.rate:g}", s.num_requests, s.errors, f"{s.request_throughput:.2f}",
+             f"{s.token_throughput:.1f}", ms(s.normalized_latency_p50), ms(s.normalized_latency_p99),
+             ms(s.ttft_p50), ms(s.ttft_p99), ms(s.itl_p50), ms(s.itl_p99)] for p in points if (s := p.summary)]
+    r.section("Results", "Latencies in ms; normalized latency in ms per output token.")
+    r.table(["model", "offered req/s", "requests", "errors", "done req/s", "tok/s", "norm. p50", "norm. p99",
+             "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"], rows)
+    r.add(f"![median time to first token vs throughput]({args.name}_ttft.png)", "",
+          f"Raw figures: [{args.name}.csv]({args.name}.csv) (one row per run), "
+          f"[{args.name}_requests.csv]({args.name}_requests.csv) (one row per request, times in "
+          f"seconds from the run's start) and [{args.name}_iterations.csv]({args.name}_iterations.csv) "
+          "(one row per iteration of the engine models).", "")
     if trace_rate is not None:
-        lines += [
-            "## Scheduler view", "",
-            f"The engine models' per-iteration trace (written by the model with "
-            f"`ORCA_ITERATION_TRACE`) during their runs at {trace_rate:g} req/s. Iteration-level: "
-            "requests join and leave at every iteration, the batch tracks the load and the queue "
-            "stays short. Request-level: a batch is admitted whole, shrinks as its requests "
-            "finish, and newcomers queue until its last request is done.", "",
-            f"![per-iteration scheduler trace]({scheduler_name(args)})", ""]
-    return lines
+        r.section("Scheduler view",
+                  f"The engine models' per-iteration trace (written by the model with "
+                  f"`ORCA_ITERATION_TRACE`) during their runs at {trace_rate:g} req/s. Iteration-level: "
+                  "requests join and leave at every iteration, the batch tracks the load and the queue "
+                  "stays short. Request-level: a batch is admitted whole, shrinks as its requests "
+                  "finish, and newcomers queue until its last request is done.", "",
+                  f"![per-iteration scheduler trace]({scheduler_name(args)})")
+    return r
 
 
 def scheduler_name(args) -> str:
@@ -408,12 +318,21 @@ def replot(args) -> None:
     """The latency plots again from a run's <name>.csv (the scheduler view needs the traces)."""
     with open(args.out / f"{args.name}.csv") as f:
         rows = list(csv.DictReader(f))
-    points = []
-    for row in rows:
-        summary = Summary(**{f.name: float(row[f.name]) for f in dataclasses.fields(Summary)})
-        points.append(Point(row["model"], float(row["offered_rate"]), summary, [], 0.0, 0.0))
+    points = [Point(row["model"], float(row["offered_rate"]),
+                    Summary(**{f.name: float(row[f.name]) for f in dataclasses.fields(Summary)}), [], 0.0, 0.0)
+              for row in rows]
     models = {m: MODELS[m] for m in dict.fromkeys(p.model for p in points)}
     plot_curves(args.out, points, models, args.bound_ms / 1e3, args.ttft_bound_ms / 1e3, prefix=args.name)
+
+
+def trace_pair(args, points: list[Point], work: Path) -> float | None:
+    """The scheduler view: the highest rate both engine models ran at where orca stayed under."""
+    engines = [m for m in ENGINE_MODELS if m in args.models]
+    both = [x for x in args.rates if all(any(p.model == m and p.rate == x for p in points) for m in engines)]
+    calm = [x for x in both if any(p.model == "orca" and p.rate == x and not p.over for p in points)]
+    rate = (calm or both or [None])[-1]
+    pair = [p for p in points if p.rate == rate and p.model in engines]
+    return rate if pair and plot_scheduler(args.out, pair, work, MODELS, scheduler_name(args)) else None
 
 
 def main() -> None:
@@ -422,52 +341,29 @@ def main() -> None:
         if args.bound_ms is None or args.ttft_bound_ms is None:
             raise SystemExit("--replot needs --bound-ms and --ttft-bound-ms (the run's, from its report)")
         return replot(args)
-    started, t0 = datetime.datetime.now(), time.monotonic()
+    r = Report("Iteration-level vs request-level batching under Poisson load",
+               "bench" if args.quick else "bench-full")
     args.out.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer()
-    with tempfile.TemporaryDirectory(prefix="orca-bench-") as tmp:
-        work = Path(tmp)
-        models = [f"--load-model={m}" for m in args.models]
-        server = Server(work, extra_args=["--model-control-mode=explicit", *models],
-                        env={"ORCA_ITERATION_TRACE": str(work / "iterations-{model}.jsonl")})
-        try:
-            log("starting tritonserver ...")
-            server.wait_ready()
-            log("warming up ...")
-            warm_up(server, tokenizer, args)
-            alone = calibrate(server, tokenizer, args)
-            unloaded = alone["orca"]
-            args.bound_given, args.ttft_bound_given = args.bound_ms is not None, args.ttft_bound_ms is not None
-            if args.bound_ms is None:
-                args.bound_ms = args.bound_factor * unloaded.normalized_latency_p50 * 1e3
-            if args.ttft_bound_ms is None:
-                args.ttft_bound_ms = args.bound_factor * unloaded.ttft_p50 * 1e3
-            log(f"bounds: {args.bound_ms:.0f} ms per output token, {args.ttft_bound_ms:.0f} ms to "
-                "the first token; sweeping ...")
-            points = sweep(server, args, tokenizer)
-            add_costs(points, work)
-            write_iterations(args.out, args.name, points, work)
-            bound = args.bound_ms / 1e3
-            headlines = {"normalized": headline(points, "normalized_latency_p50", bound),
-                         "ttft": headline(points, "ttft_p50", args.ttft_bound_ms / 1e3)}
-            # The scheduler view: the highest rate both engine models ran at where orca stayed under.
-            engines = [m for m in ENGINE_MODELS if m in args.models]
-            both = [r for r in args.rates
-                    if all(any(p.model == m and p.rate == r for p in points) for m in engines)]
-            calm = [r for r in both if any(p.model == "orca" and p.rate == r and not p.over
-                                           for p in points)]
-            trace_rate = (calm or both or [None])[-1]
-            pair = [p for p in points if p.rate == trace_rate and p.model in engines]
-            if not (pair and plot_scheduler(args.out, pair, work, MODELS, scheduler_name(args))):
-                trace_rate = None
-        finally:
-            server.stop()
+    with work_dir() as work, serving(work, *args.models,
+                                     env={"ORCA_ITERATION_TRACE": str(work / "iterations-{model}.jsonl")}) as (server, _):
+        alone = warm_up_and_calibrate(server, tokenizer, args)
+        args.bound_given, args.ttft_bound_given = args.bound_ms is not None, args.ttft_bound_ms is not None
+        if args.bound_ms is None:
+            args.bound_ms = args.bound_factor * alone["orca"].normalized_latency_p50 * 1e3
+        if args.ttft_bound_ms is None:
+            args.ttft_bound_ms = args.bound_factor * alone["orca"].ttft_p50 * 1e3
+        log(f"bounds: {args.bound_ms:.0f} ms per output token, {args.ttft_bound_ms:.0f} ms to the first token")
+        points = sweep(args.rates, args.models, lambda model, rate, _: run_at(server, args, tokenizer, model, rate))
+        add_costs(points, work)
+        write_iterations(args.out, args.name, points, work)
+        trace_rate = trace_pair(args, points, work)
+    headlines = {"normalized": headline(points, "normalized_latency_p50", args.bound_ms / 1e3),
+                 "ttft": headline(points, "ttft_p50", args.ttft_bound_ms / 1e3)}
     write_csvs(args.out, args.name, points)
-    plot_curves(args.out, points, {m: MODELS[m] for m in args.models}, bound, args.ttft_bound_ms / 1e3,
-                prefix=args.name)
-    lines = report(args, points, headlines, alone, trace_rate, started, time.monotonic() - t0)
-    (args.out / f"{args.name}.md").write_text("\n".join(lines))
-    print("\n".join(lines))
+    plot_curves(args.out, points, {m: MODELS[m] for m in args.models}, args.bound_ms / 1e3,
+                args.ttft_bound_ms / 1e3, prefix=args.name)
+    report(args, points, headlines, alone, trace_rate, r).write(args.out / f"{args.name}.md")
     if any(p.summary.errors for p in points):
         raise SystemExit("some requests failed; see the table")
 

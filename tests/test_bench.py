@@ -176,7 +176,7 @@ def test_a_failed_request_is_the_one_counted(server):
 
 
 def _point(rate: float, throughput: float, p50: float, errors: int = 0, model: str = "orca"):
-    from benchmarks.bench_serving import Point
+    from benchmarks.common import Point
     from client.bench import Summary
 
     fields = {f: math.nan for f in Summary.__dataclass_fields__}
@@ -268,7 +268,7 @@ def test_perf_analyzer_input_data_pins_the_output_length(tokenizer, tmp_path):
 
 
 def test_exact_rate_stretches_offsets_to_the_nominal_rate(tokenizer):
-    from benchmarks.bench_serving import exact_rate
+    from client.trace import exact_rate
 
     trace = make_trace(LengthDist(kind="fixed"), 40, 2.0, seed=0, tokenizer=tokenizer)
     stretched = exact_rate(trace, 2.0)
@@ -300,7 +300,7 @@ def test_plots_are_written(tmp_path):
 
 
 def test_a_model_is_done_after_two_runs_over_the_bound_or_one_far_over():
-    from benchmarks.bench_serving import done
+    from benchmarks.common import done
 
     assert not done([_point(1, 0.9, 0.1)])
     assert not done([_point(1, 0.9, 0.1), _point(2, 1.8, 0.3)])  # once over: maybe noise

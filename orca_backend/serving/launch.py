@@ -90,7 +90,23 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-class Server:
+class _Child:
+    """A child process used in a `with` block: ready on entry (else stopped and the error
+    raised), stopped on exit."""
+
+    def __enter__(self):
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class Server(_Child):
     """A tritonserver child process on free loopback ports (tests and benchmarks).
 
     `env` adds environment variables for the server and its models (ORCA_ITERATION_TRACE).
@@ -174,7 +190,7 @@ class Server:
         self._log.close()
 
 
-class Frontend:
+class Frontend(_Child):
     """The OpenAI-compatible API as a child process, in front of a tritonserver's gRPC port.
 
     `api_key` reaches it through ORCA_API_KEY, never its command line; `args` are more options."""
