@@ -39,6 +39,7 @@ from pathlib import Path
 from benchmarks.common import (REPORTS, Point, Report, add_sweep_options, apply_preset, log, ms, options,
                                run_point, serving, sweep, work_dir)
 from benchmarks.common import rate_trace as common_rate_trace
+from benchmarks.headline import record
 from benchmarks.plots import load_iterations, plot_curves, plot_scheduler
 from client.bench import CSV_FIELDS, Summary, run_trace, summarize
 from client.trace import LengthDist, TraceRequest, load_tokenizer, make_trace
@@ -335,6 +336,20 @@ def trace_pair(args, points: list[Point], work: Path) -> float | None:
     return rate if pair and plot_scheduler(args.out, pair, work, MODELS, scheduler_name(args)) else None
 
 
+def record_headline(args, rates: dict) -> None:
+    """The README's row of this run (with all three models)."""
+    if any(m not in rates for m in MODELS):
+        return
+    what = (f"The same, lengths scaled by {args.scale:g}" if args.scale != 1 else
+            "Request rate under the latency bound, ORCA's lengths: `orca` against `hf_dynamic_batching` and "
+            f"`orca_request_level` (bound: {args.bound_factor:g}x `orca`'s unloaded median normalized latency)")
+    figure = (f"**{describe_ratio(*rates['orca/hf_dynamic_batching'])}** and "
+              f"**{describe_ratio(*rates['orca/orca_request_level'])}** ("
+              + ", ".join(describe(*rates[m]) for m in ("orca", "hf_dynamic_batching"))
+              + f" and {describe(*rates['orca_request_level'])} req/s under {args.bound_ms:.0f} ms/token)")
+    record(args.out / f"{args.name}.md", "bench" if args.quick else "bench-full", {args.name: (what, figure)})
+
+
 def main() -> None:
     args = parse_args()
     if args.replot:
@@ -364,6 +379,7 @@ def main() -> None:
     plot_curves(args.out, points, {m: MODELS[m] for m in args.models}, args.bound_ms / 1e3,
                 args.ttft_bound_ms / 1e3, prefix=args.name)
     report(args, points, headlines, alone, trace_rate, r).write(args.out / f"{args.name}.md")
+    record_headline(args, headlines["normalized"])
     if any(p.summary.errors for p in points):
         raise SystemExit("some requests failed; see the table")
 

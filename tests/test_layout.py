@@ -187,3 +187,21 @@ def test_the_checks_see_a_broken_graph():
              "orca_backend.engine.c": {"orca_backend.core.a"}}
     assert cycles(graph) == [["orca_backend.core.a", "orca_backend.core.b", "orca_backend.engine.c"]]
     assert upward_imports(graph) == ["orca_backend.core.b -> orca_backend.engine.c"]
+
+
+def test_the_readme_headline_is_the_figures_file_rendered(tmp_path, monkeypatch):
+    """The README's benchmark figures are never edited by hand: they are headline.json's."""
+    from benchmarks import headline
+
+    text = headline.README.read_text()
+    assert headline.readme_with(text, headline.load()) == text
+    # A benchmark's report in docs/benchmarks updates the file and the README; a trial run elsewhere does not.
+    monkeypatch.setattr(headline, "FIGURES", tmp_path / "headline.json")
+    monkeypatch.setattr(headline, "README", tmp_path / "README.md")
+    headline.README.write_text(f"intro\n{headline.START}\n| old |\n{headline.END}\nrest\n")
+    headline.record(tmp_path / "trial.md", "bench", {"x": ("a", "1x")})
+    assert not headline.FIGURES.exists()
+    headline.record(headline.REPORTS / "serving.md", "bench", {"x": ("a", "1x")})
+    assert headline.README.read_text().splitlines() == [
+        "intro", headline.START, "| measured | figure | report |", "|---|---|---|",
+        "| a | 1x | [serving.md](docs/benchmarks/serving.md) (`make bench`) |", headline.END, "rest"]
