@@ -78,8 +78,7 @@ bench-cpu: model
 # then check it against make bench's figures (docs/benchmarks/serving.*), run ORCA's and vLLM's
 # comparisons at GPT-3 scale and the Llama-3-70B sizing example; writes docs/benchmarks/simulation.*
 simulate: model
-	$(PY) -m benchmarks.profile_cpu --out docs/benchmarks/simulation_cpu.json --samples docs/benchmarks/simulation_profile.json
-	$(PY) -m benchmarks.bench_simulate
+	$(PY) -m benchmarks.bench_simulate --profile
 
 # The host path alone (engine null: a runner that costs nothing, at once or after 10 ms a step)
 # beside Triton's floor, 16/64/256 streams, our client, the OpenAI API and perf_analyzer (when

@@ -13,7 +13,9 @@ import datetime
 import math
 import os
 import platform
+import re
 import shlex
+import shutil
 import sys
 import tempfile
 import time
@@ -24,6 +26,7 @@ from pathlib import Path
 from client.bench import RequestRecord, Summary, run_trace, summarize
 from client.trace import TraceRequest, exact_rate
 from orca_backend.serving.launch import REPO_ROOT, Frontend, Server
+from orca_backend.serving.stages.repository import set_parameters
 from orca_backend.simulate.sweep import is_over
 
 REPORTS = REPO_ROOT / "docs" / "benchmarks"
@@ -85,6 +88,17 @@ def serving(work: Path, *models: str, repository: Path | None = None, env: dict 
         else:
             with Frontend(work, server.grpc_url, args=openai) as frontend:
                 yield server, frontend
+
+
+def copy_model(folder: Path, model: str, name: str | None = None, **parameters: str) -> Path:
+    """model_repository/<model> into `folder`, as `name` (default `model`), with `parameters`
+    set in its config.pbtxt."""
+    target = folder / (name or model)
+    shutil.copytree(REPO_ROOT / "model_repository" / model, target, ignore=shutil.ignore_patterns("__pycache__"))
+    config = target / "config.pbtxt"
+    text = re.sub(rf'^name: "{model}"$', f'name: "{target.name}"', config.read_text(), flags=re.M)
+    config.write_text(set_parameters(text, parameters))
+    return target
 
 
 # /metrics -----------------------------------------------------------------------------------

@@ -312,15 +312,13 @@ def test_a_model_is_done_after_two_runs_over_the_bound_or_one_far_over():
 def test_pipeline_bench_reads_stage_counters_and_bubble_shares():
     from benchmarks.bench_pipeline import stage_counters, stage_deltas
 
-    def metrics(busy0, bubble0, busy1):
-        return "\n".join([
-            "# HELP orca_stage_busy_seconds_total Time the stage spent on iterations",
-            f'orca_stage_busy_seconds_total{{model="orca",stage="0"}} {busy0}',
-            f'orca_stage_bubble_seconds_total{{stage="0",model="orca"}} {bubble0}',
-            'orca_stage_iterations_total{model="orca",stage="0"} 10',
-            f'orca_stage_busy_seconds_total{{model="orca",stage="1"}} {busy1}',
-            'orca_stage_busy_seconds_total{model="other",stage="0"} 99',
-            'orca_iterations_total{model="orca"} 10'])
+    def metrics(busy0, bubble0, busy1):  # as Server.metrics() reads them
+        return {'orca_stage_busy_seconds_total{model="orca",stage="0"}': busy0,
+                'orca_stage_bubble_seconds_total{stage="0",model="orca"}': bubble0,
+                'orca_stage_iterations_total{model="orca",stage="0"}': 10.0,
+                'orca_stage_busy_seconds_total{model="orca",stage="1"}': busy1,
+                'orca_stage_busy_seconds_total{model="other",stage="0"}': 99.0,
+                'orca_iterations_total{model="orca"}': 10.0}
 
     before = stage_counters(metrics(1.0, 0.5, 2.0))
     assert before == {0: {"busy_seconds_total": 1.0, "bubble_seconds_total": 0.5,
@@ -365,9 +363,9 @@ def test_pipeline_bench_repositories_share_the_engine_settings(tmp_path, default
 def test_pipeline_bench_mean_batch_from_the_histogram():
     from benchmarks.bench_pipeline import mean_batch
 
-    text = lambda total, count: (f'orca_iteration_batch_size_sum{{model="orca"}} {total}\n'
-                                 f'orca_iteration_batch_size_count{{model="orca"}} {count}\n'
-                                 'orca_iteration_batch_size_count{model="orca_request_level"} 99')
+    text = lambda total, count: {'orca_iteration_batch_size_sum{model="orca"}': total,
+                                 'orca_iteration_batch_size_count{model="orca"}': count,
+                                 'orca_iteration_batch_size_count{model="orca_request_level"}': 99}
     assert mean_batch(text(10, 5), text(70, 15)) == 6.0
     assert math.isnan(mean_batch(text(10, 5), text(10, 5)))  # no iteration in between
 

@@ -72,10 +72,10 @@ def load_hardware(preset: str, calibration: Path | None = None) -> Hardware:
     if preset == "cpu":
         if calibration is None:
             raise ConfigError("hardware 'cpu' needs its calibration file (--calibration FILE; "
-                              "benchmarks/profile_cpu.py writes it)")
+                              "python -m benchmarks.bench_simulate --profile writes it)")
         if not Path(calibration).exists():
-            raise ConfigError(f"hardware 'cpu': no calibration file {calibration}; benchmarks/profile_cpu.py "
-                              "writes it")
+            raise ConfigError(f"hardware 'cpu': no calibration file {calibration}; python -m "
+                              "benchmarks.bench_simulate --profile writes it")
         try:
             raw = json.loads(Path(calibration).read_text())
         except ValueError as e:
