@@ -13,7 +13,9 @@ import datetime
 import math
 import os
 import platform
+import re
 import shlex
+import shutil
 import sys
 import tempfile
 import time
@@ -24,6 +26,7 @@ from pathlib import Path
 from client.bench import RequestRecord, Summary, run_trace, summarize
 from client.trace import TraceRequest, exact_rate
 from orca_backend.serving.launch import REPO_ROOT, Frontend, Server
+from orca_backend.serving.stages.repository import set_parameters
 from orca_backend.simulate.sweep import is_over
 
 REPORTS = REPO_ROOT / "docs" / "benchmarks"
@@ -87,6 +90,17 @@ def serving(work: Path, *models: str, repository: Path | None = None, env: dict 
                 yield server, frontend
 
 
+def copy_model(folder: Path, model: str, name: str | None = None, **parameters: str) -> Path:
+    """model_repository/<model> into `folder`, as `name` (default `model`), with `parameters`
+    set in its config.pbtxt."""
+    target = folder / (name or model)
+    shutil.copytree(REPO_ROOT / "model_repository" / model, target, ignore=shutil.ignore_patterns("__pycache__"))
+    config = target / "config.pbtxt"
+    text = re.sub(rf'^name: "{model}"$', f'name: "{target.name}"', config.read_text(), flags=re.M)
+    config.write_text(set_parameters(text, parameters))
+    return target
+
+
 # /metrics -----------------------------------------------------------------------------------
 
 def metric_samples(samples: dict[str, float], family: str, **labels: str) -> dict[tuple, float]:
@@ -107,6 +121,13 @@ def metric_samples(samples: dict[str, float], family: str, **labels: str) -> dic
 def metric_total(samples: dict[str, float], family: str, **labels: str) -> float:
     """The sum of `family`'s samples whose labels include `labels` (0 without any)."""
     return sum(metric_samples(samples, family, **labels).values())
+
+
+def cpu_seconds(stat: Path) -> float:
+    """User plus system CPU seconds so far, from a /proc stat file: a process's, or a thread's
+    (/proc/<pid>/task/<tid>/stat)."""
+    fields = stat.read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # The rate sweep -----------------------------------------------------------------------------
