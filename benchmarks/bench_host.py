@@ -50,7 +50,8 @@ def model_name(step_ms: float, executor: str = "inline") -> str:
 
 def repository(folder: Path, steps_ms: list[float], max_batch_size: int, real_model: bool) -> Path:
     """The floor, `orca` with engine null for each step, and (`real_model`) `orca` as shipped."""
-    shutil.copytree(REPO_ROOT / "benchmarks" / "host_floor", folder / FLOOR, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO_ROOT / "benchmarks" / "host_floor", folder / FLOOR,
+                    ignore=shutil.ignore_patterns("__pycache__"))
     if real_model:
         copy_model(folder, "orca")
         copy_model(folder, "orca", "orca_process", executor="process")  # the runner out of the stub's GIL
@@ -108,16 +109,19 @@ def measure(model: str, via: str, load, server, pids: dict[str, int], args) -> t
     mark = lambda: marks.append((time.time(), thread_cpu(pids), server.metrics()))
     r = load.run(args.warmup, args.seconds, mark, mark)
     (wall0, cpu0, before), (wall1, cpu1, after) = marks
-    us = {k: (v - cpu0.get(k, 0.0)) / r.tokens * 1e6 for k, v in cpu1.items() if v > cpu0.get(k, 0.0)} if r.tokens else {}
+    us = {k: (v - cpu0.get(k, 0.0)) / r.tokens * 1e6 for k, v in cpu1.items()
+          if r.tokens and v > cpu0.get(k, 0.0)}
     of = lambda process: f"{sum(v for (p, _), v in us.items() if p == process):.0f}" if r.tokens else "nan"
     delta = lambda name: metric_total(after, name, model=model) - metric_total(before, name, model=model)
     calls, lags = delta("orca_server_calls_total"), delta("orca_sender_lag_seconds_count")
     iterations = load_iterations(args.work / f"trace_{model}.jsonl", wall0, wall1)
     periods = np.diff([i["time"] for i in iterations]) * 1e3
-    row = [model, via, load.streams, f"{r.tokens_per_second:,.0f}", f"{r.tokens / r.responses if r.responses else math.nan:.2f}",
+    row = [model, via, load.streams, f"{r.tokens_per_second:,.0f}",
+           f"{r.tokens / r.responses if r.responses else math.nan:.2f}",
            f"{percentile_ms(r.token_gaps, 50):.1f} / {percentile_ms(r.token_gaps, 99):.1f}",
-           f"{percentile_ms(r.ttfts, 50):.0f} / {percentile_ms(r.ttfts, 99):.0f}", of(f"stub {model}"), of("tritonserver"),
-           of("client"), f"{calls / r.tokens:.2f}" if calls and r.tokens else "-",
+           f"{percentile_ms(r.ttfts, 50):.0f} / {percentile_ms(r.ttfts, 99):.0f}",
+           of(f"stub {model}"), of("tritonserver"), of("client"),
+           f"{calls / r.tokens:.2f}" if calls and r.tokens else "-",
            f"{np.median(periods):.1f} / {np.percentile(periods, 99):.1f}" if len(periods) > 2 else "-",
            f"{statistics.mean(i['num_requests'] for i in iterations):.0f}" if iterations else "-",
            f"{delta('orca_sender_lag_seconds_sum') / lags * 1e3:.1f}" if lags else "-",
@@ -159,9 +163,10 @@ def perf_analyzer_row(args, server, model: str) -> list:
     return [model, streams, f"{rate:.1f}", f"{rate * args.tokens:,.0f}", f"{float(row['Response Throughput']):,.0f}"]
 
 
-def runs(args, server, expected: str, prefix_lengths: list[int]) -> tuple[list[list], list[list]]:
-    """Every load of the summary, in order: the rows of the summary and of the CPU by thread."""
-    rows, threads, pids = [], [], processes(server)
+def loads(args, server, expected: str, prefix_lengths: list[int]):
+    """Every load of the summary, in order, with the processes whose CPU it reads:
+    (model, via, load, pids)."""
+    pids = processes(server)
     for step in args.steps:
         for streams in args.streams:
             models = ([FLOOR] if step == args.steps[0] else []) + [model_name(step)]
@@ -169,16 +174,13 @@ def runs(args, server, expected: str, prefix_lengths: list[int]) -> tuple[list[l
                 models.append(model_name(step, "process"))
             for model in models:
                 ask = Ask.exact(args.tokens, None if model == FLOOR else expected)
-                row, by_thread = measure(model, "grpc", TritonLoad(server.grpc_url, model, streams, [ask]), server, pids, args)
-                rows, threads = rows + [row], threads + by_thread
+                yield model, "grpc", TritonLoad(server.grpc_url, model, streams, [ask]), pids
     if args.openai:
         with Frontend(args.work, server.grpc_url, args=["--log-level", "warning"]) as frontend:
             pids, model = processes(server, frontend), model_name(args.steps[0])
             for streams in args.openai:
-                load = OpenAILoad(frontend.port, model, streams, args.tokens, expected, prefix_lengths)
-                row, by_thread = measure(model, "openai", load, server, pids, args)
-                rows, threads = rows + [row], threads + by_thread
-    return rows, threads
+                yield model, "openai", OpenAILoad(frontend.port, model, streams, args.tokens, expected,
+                                                  prefix_lengths), pids
 
 
 def main() -> None:
@@ -199,14 +201,18 @@ def main() -> None:
     with work_dir("orca-host-") as args.work:
         repo = repository(args.work / "repo", args.steps, max(args.streams + args.openai), args.real_rounds > 0)
         with serving(args.work, repository=repo) as (server, _):
-            rows, threads = runs(args, server, expected, prefix_lengths)
+            rows, threads = [], []
+            for model, via, load, pids in loads(args, server, expected, prefix_lengths):
+                row, by_thread = measure(model, via, load, server, pids, args)
+                rows.append(row)
+                threads += by_thread
             real = real_model_rows(server, args.tokens, args.real_rounds) if args.real_rounds else []
-            has_perf_analyzer = (args.tools / "bin" / "perf_analyzer").exists()
-            perf = [perf_analyzer_row(args, server, m) for m in (FLOOR, model_name(args.steps[0]))] if has_perf_analyzer else []
-    r.add(f"Closed loop, {args.tokens} tokens a request (ignore_eos), {args.warmup:g} s of warm-up then {args.seconds:g} s "
-          "measured; models in one tritonserver, the client in this process; every figure from one run. The columns: "
-          "[benchmarks.md](../benchmarks.md#the-host-path); the serving path before the host-path work, measured the "
-          "same way: [host_before.md](host_before.md).", "")
+            perf = ([perf_analyzer_row(args, server, m) for m in (FLOOR, model_name(args.steps[0]))]
+                    if (args.tools / "bin" / "perf_analyzer").exists() else [])
+    r.add(f"Closed loop, {args.tokens} tokens a request (ignore_eos), {args.warmup:g} s of warm-up then "
+          f"{args.seconds:g} s measured; models in one tritonserver, the client in this process; every figure "
+          "from one run. The columns: [benchmarks.md](../benchmarks.md#the-host-path); the serving path before "
+          "the host-path work, measured the same way: [host_before.md](host_before.md).", "")
     r.table(["model", "via", "streams", "tokens/s", "tokens/resp", "gap p50/p99", "ttft p50/p99", "stub us/tok",
              "server us/tok", "client us/tok", "calls/tok", "period p50/p99", "batch", "lag ms", "wrong"], rows)
     if perf:

@@ -95,7 +95,8 @@ def genai_perf(args, artifacts: Path, concurrency: int, *settings: str) -> tuple
     if not found:
         raise SystemExit(f"genai-perf wrote no profile_export_genai_perf.json under {artifacts}")
     stats = json.loads(found[0].read_text())
-    return {f"{m}_{s}": v for m, values in stats.items() if isinstance(values, dict) for s, v in values.items()}, command
+    flat = {f"{m}_{s}": v for m, values in stats.items() if isinstance(values, dict) for s, v in values.items()}
+    return flat, command
 
 
 # perf.md: three clients, one after the other, on one workload ---------------------------------
@@ -126,8 +127,8 @@ def three_clients(args, url: str, raw: Path) -> tuple[dict, list[str]]:
         "latency_avg": sum(float(row[k]) for k in row if k in LATENCY_PARTS) / 1e3,
         "latency_p50": float(row["p50 latency"]) / 1e3, "latency_p99": float(row["p99 latency"]) / 1e3}
     log("genai-perf ...")
-    stats, genai_command = genai_perf(args, raw / "genai_perf", args.concurrency, "--backend", "vllm", "--endpoint-type",
-                                      "kserve", "-u", url, "--output-tokens-mean-deterministic",
+    stats, genai_command = genai_perf(args, raw / "genai_perf", args.concurrency, "--backend", "vllm",
+                                      "--endpoint-type", "kserve", "-u", url, "--output-tokens-mean-deterministic",
                                       "--synthetic-input-tokens-mean", str(args.input_tokens),
                                       "--synthetic-input-tokens-stddev", "0")
     results["genai-perf"] = {key: stats.get(name, math.nan) for key, name in GENAI_PERF.items()}
@@ -177,14 +178,16 @@ async def one_round(path: str, args, grpc_url: str, frontend_url: str, requests:
             async for line in r.aiter_lines():
                 now = time.monotonic_ns() // 1000
                 if line.startswith("data: {"):
-                    first = take(record, now, sent, json.loads(line[6:])["choices"][0]["delta"].get("content") or "", first)
+                    delta = json.loads(line[6:])["choices"][0]["delta"]
+                    first = take(record, now, sent, delta.get("content") or "", first)
 
     async def stream() -> None:
         for _ in range(requests):
             await (direct() if path == "direct" else through_frontend())
 
     grpc_client = grpc_aio.InferenceServerClient(grpc_url)  # one gRPC channel; pooled HTTP connections
-    async with httpx2.AsyncClient(timeout=60, limits=httpx2.Limits(max_connections=2 * args.openai_concurrency)) as http:
+    limits = httpx2.Limits(max_connections=2 * args.openai_concurrency)
+    async with httpx2.AsyncClient(timeout=60, limits=limits) as http:
         await asyncio.gather(*(stream() for _ in range(args.openai_concurrency)))
     await grpc_client.close()
     return record
@@ -194,12 +197,15 @@ def frontend_alone(args, work: Path) -> tuple[dict, dict]:
     """Each path's samples (us) over the rounds, alternating, and the CPU (ms) per token of the
     stand-in and of the frontend while the frontend path ran."""
     grpc_url = f"127.0.0.1:{free_ports(1)[0]}"
-    fake = subprocess.Popen([sys.executable, "-m", "benchmarks.fake_triton", grpc_url, str(args.interval)], cwd=REPO_ROOT)
-    runs, cpu = {path: {"token": [], "ttft": []} for path in ("direct", "frontend")}, {"fake server": 0.0, "frontend": 0.0}
+    fake = subprocess.Popen([sys.executable, "-m", "benchmarks.fake_triton", grpc_url, str(args.interval)],
+                            cwd=REPO_ROOT)
+    runs = {path: {"token": [], "ttft": []} for path in ("direct", "frontend")}
+    cpu = {"fake server": 0.0, "frontend": 0.0}
     try:
         with Frontend(work, grpc_url, args=["--log-level", "warning"]) as frontend:
             asyncio.run(one_round("frontend", args, grpc_url, frontend.url, 1))  # warm-up: the chat template
-            stats = {"fake server": Path(f"/proc/{fake.pid}/stat"), "frontend": Path(f"/proc/{frontend.process.pid}/stat")}
+            stats = {"fake server": Path(f"/proc/{fake.pid}/stat"),
+                     "frontend": Path(f"/proc/{frontend.process.pid}/stat")}
             for i in range(args.rounds):
                 for path, samples in runs.items():
                     log(f"  round {i + 1}: {path}")
@@ -221,7 +227,8 @@ def overhead_rows(runs: dict) -> list[list[str]]:
     for key, label in (("ttft", "time to first token"), ("token", "per-token latency")):
         d, f = [v / 1000 for v in runs["direct"][key]], [v / 1000 for v in runs["frontend"][key]]
         for stat, get in (("median", statistics.median), ("p99", p99)):
-            rows.append([f"{label} {stat} (ms)", f"{get(d):.3f}", f"{get(f):.3f}", f"{get(f) - get(d):+.3f}", str(len(f))])
+            rows.append([f"{label} {stat} (ms)", f"{get(d):.3f}", f"{get(f):.3f}", f"{get(f) - get(d):+.3f}",
+                         str(len(f))])
     return rows
 
 
@@ -284,16 +291,17 @@ def main() -> None:
         if path.is_file() and path.suffix in (".json", ".csv", ".log", ".txt"):
             path.write_text(portable(path.read_text()))
     perf.table(["metric", *(f"`{t}`" for t in results), "max/min - 1"], comparison(results))
-    perf.add("`-`: the tool does not report it; what each tool counts: [README.md](README.md#2-do-other-tools-agree-perfmd).",
+    perf.add("`-`: the tool does not report it; what each tool counts: "
+             "[README.md](README.md#2-do-other-tools-agree-perfmd).",
              "", "Commands (the server's port varies):", "", "```", *commands, "```", "",
              "Raw outputs: [perf/](perf/) (perf_analyzer's CSV and log, genai-perf's artifacts and log, our "
              "per-request JSON).", "")
     perf.setup("- tritonserver 2.51 with `orca` only (default parameters, SmolLM2-135M-Instruct fp32 on the CPU), "
                "clients on the same machine; perf_analyzer 2.60.0, genai-perf 0.0.16",
-               f"- workload: closed loop, {args.concurrency} requests in flight, prompts of {args.input_tokens} tokens, "
-               f"exactly {args.output_tokens} output tokens each (ours: max_tokens with ignore_eos; the other two: "
-               f"max_tokens = min_tokens), greedy, streaming gRPC; {args.requests} measured requests per tool; the "
-               "three run one after the other").write(args.out / "perf.md")
+               f"- workload: closed loop, {args.concurrency} requests in flight, prompts of {args.input_tokens} "
+               f"tokens, exactly {args.output_tokens} output tokens each (ours: max_tokens with ignore_eos; the "
+               f"other two: max_tokens = min_tokens), greedy, streaming gRPC; {args.requests} measured requests per "
+               "tool; the three run one after the other").write(args.out / "perf.md")
     openai.section("1. The frontend alone",
                    f"{args.openai_concurrency} streams at once, each {args.stream_requests} requests of "
                    f"{args.output_tokens} tokens per round, {args.rounds} rounds per path, alternating; the stand-in "
@@ -305,10 +313,10 @@ def main() -> None:
                + ", ".join(f"{k} {v:.3f} ms" for k, v in cpu.items()) + ".", "")
     openai.section("2. With the model",
                    f"tritonserver with `orca` (default parameters, SmolLM2-135M-Instruct on the CPU) and the frontend; "
-                   f"genai-perf 0.0.16, {args.openai_concurrency} concurrent streams, {args.requests} measured requests "
-                   f"per run, prompts of {args.input_tokens} random tokens in the chat template (each run its own, "
-                   f"drawn alike), {args.output_tokens} output tokens; two runs of each, alternating (values: run 1 / "
-                   "run 2).")
+                   f"genai-perf 0.0.16, {args.openai_concurrency} concurrent streams, {args.requests} measured "
+                   f"requests per run, prompts of {args.input_tokens} random tokens in the chat template (each run "
+                   f"its own, drawn alike), {args.output_tokens} output tokens; two runs of each, alternating (values: "
+                   "run 1 / run 2).")
     openai.table(["metric", "Triton protocol (kserve, streaming gRPC)", "OpenAI chat (frontend)",
                   "chat - Triton (mean)"], model_rows).setup().write(args.out / "openai.md")
 

@@ -24,7 +24,8 @@ IN_FRESH_INTERPRETERS = {
         "load_chat_template(FOLDER).render(MESSAGES)",
     "render the chat prompt with transformers":
         "from transformers import AutoTokenizer\n"
-        "AutoTokenizer.from_pretrained(FOLDER).apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)",
+        "AutoTokenizer.from_pretrained(FOLDER).apply_chat_template(\n"
+        "    MESSAGES, tokenize=False, add_generation_prompt=True)",
 }
 
 
@@ -56,7 +57,8 @@ def cli_run(grpc_url: str) -> tuple[float, float]:
 
 
 def row(name: str, values: list[float]) -> list:
-    return [name, f"{statistics.median(values) * 1000:.0f} ms", f"{min(values) * 1000:.0f} - {max(values) * 1000:.0f} ms"]
+    return [name, f"{statistics.median(values) * 1000:.0f} ms",
+            f"{min(values) * 1000:.0f} - {max(values) * 1000:.0f} ms"]
 
 
 def main() -> None:

@@ -35,7 +35,8 @@ CITIES = ["Paris", "Lagos", "Sao Paulo", "Kyoto", "Oslo", "New York", "Cairo"]
 WIDE = {"type": "object", "required": [f"p{i}" for i in range(300)],
         "properties": {f"p{i}": {"type": "integer", "minimum": i, "maximum": 1000 * i + 7} for i in range(300)}}
 SPECS = {"the tests' JSON schema": {"json": SCHEMA}, "choice of 3": {"choice": ["a", "b", "c"]},
-         "regex (a phone number)": {"regex": r"\(\d{3}\) \d{3}-\d{4}"}, "300 bounded integer properties": {"json": WIDE}}
+         "regex (a phone number)": {"regex": r"\(\d{3}\) \d{3}-\d{4}"},
+         "300 bounded integer properties": {"json": WIDE}}
 
 
 def documents(count: int, seed: int = 0) -> list[str]:
@@ -152,8 +153,9 @@ def main() -> None:
             copy_model(work / "repo", "orca", name, engine="null", null_step_seconds=step, max_batch_size="256",
                        max_num_batched_tokens="8192", kv_cache_tokens=str(1 << 20))
         with serving(work, repository=work / "repo") as (server, _):
-            served = served_rows(args, server, [("orca", 16, "default model"), ("orca_null_10ms", 256,
-                                                "null runner, 10 ms step"), ("orca_null_0ms", 256, "null runner, instant")])
+            served = served_rows(args, server, [("orca", 16, "default model"),
+                                                ("orca_null_10ms", 256, "null runner, 10 ms step"),
+                                                ("orca_null_0ms", 256, "null runner, instant")])
     r.section("Served: delivered tokens/s with a share of the requests under the schema",
               f"Closed loop, {args.warmup:g} s of warm-up then {args.seconds:g} s measured; a free request asks for "
               f"{args.tokens} tokens (ignore_eos), a constrained one for up to {3 * args.tokens} under the schema, "

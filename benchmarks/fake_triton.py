@@ -28,7 +28,8 @@ PROMPT_TOKENS = 7
 def _response(request: pb.ModelInferRequest, final: bool) -> pb.ModelStreamInferResponse:
     r = pb.ModelInferResponse(model_name=MODEL, id=request.id)
     text = f"<{time.monotonic_ns() // 1000}>"
-    for name, value, datatype in (("text_output", text, "BYTES"), ("finish_reason", "length" if final else "None", "BYTES"),
+    for name, value, datatype in (("text_output", text, "BYTES"),
+                                  ("finish_reason", "length" if final else "None", "BYTES"),
                                   ("num_input_tokens", PROMPT_TOKENS, "UINT32"), ("num_output_tokens", 1, "UINT32")):
         array = np.array([value.encode()], dtype=np.object_) if datatype == "BYTES" else np.array([value], np.uint32)
         r.outputs.add(name=name, datatype=datatype, shape=list(array.shape))  # the data: raw_output_contents, in order
@@ -60,9 +61,9 @@ class FakeTriton(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelStreamInfer(self, request_iterator, context):
         async for request in request_iterator:
-            inputs = [t.name for t in request.inputs]
-            raw = request.raw_input_contents[inputs.index("sampling_parameters")] if "sampling_parameters" in inputs else None
-            n = int(json.loads(raw[4:].decode())["max_tokens"]) if raw else 16  # BYTES: a 4-byte length, then the text
+            raw = {t.name: request.raw_input_contents[i] for i, t in enumerate(request.inputs)}
+            sampling = raw.get("sampling_parameters")  # BYTES: a 4-byte length, then the text
+            n = int(json.loads(sampling[4:].decode())["max_tokens"]) if sampling else 16
             for i in range(n):
                 await asyncio.sleep(self.interval)
                 yield _response(request, i == n - 1)
