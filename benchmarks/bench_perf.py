@@ -1,59 +1,55 @@
-"""Our load generator, perf_analyzer and genai-perf on one workload: do their figures agree?
+"""Other tools on our workloads: our load generator, perf_analyzer and genai-perf on one workload
+(perf.md, raw outputs in perf/), and what the OpenAI-compatible frontend adds to latency
+(openai.md): alone, against a stand-in gRPC server (`benchmarks/fake_triton.py`), and with the
+model (genai-perf in chat mode beside genai-perf over Triton's protocol). docs/benchmarks.md
+describes both; the tools come from benchmarks/install_perf_tools.sh (`make perf`).
 
-Starts a real tritonserver with `orca` only, then runs three clients one after the other on
-the same closed-loop workload over streaming gRPC (`--concurrency` requests in flight, prompts
-of `--input-tokens` tokens, exactly `--output-tokens` output tokens, greedy):
-
-1. `client.bench` (ours), with the same prompts as 2;
-2. perf_analyzer, from an --input-data file holding those prompts (`client.perf_inputs`;
-   max_tokens = min_tokens pins the output length), with explicit stability
-   settings (a 2-core machine rarely meets the default 10% criterion);
-3. genai-perf with `--backend vllm` (the vLLM backend's input format, which `orca` speaks),
-   synthetic prompts of the same length, and the model's own tokenizer folder, offline.
-
-Each tool's raw output is saved under `--out`/perf/, and perf.md gets the comparison table.
-The tools come from benchmarks/install_perf_tools.sh (`make perf` runs it first).
-
-    python benchmarks/bench_perf.py --tools build/perf-tools
+    python -m benchmarks.bench_perf --tools build/perf-tools
 """
 from __future__ import annotations
 
-import argparse
+import asyncio
 import csv
-import datetime
 import json
 import math
 import os
+import random
 import shutil
+import statistics
 import subprocess
 import sys
-import tempfile
+import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.report import log, machine_lines, table  # noqa: E402
-from client.bench import run_trace, summarize, write_json  # noqa: E402
-from client.perf_inputs import input_data  # noqa: E402
-from client.trace import LengthDist, load_tokenizer, make_trace  # noqa: E402
-from orca_backend.checkpoint.store import prepare_default_model  # noqa: E402
-from orca_backend.serving.launch import REPO_ROOT, Server  # noqa: E402
+import httpx2  # the HTTP client the openai package is built on
+import tritonclient.grpc.aio as grpc_aio
+
+from benchmarks.common import REPORTS, Report, cpu_seconds, log, options, serving, work_dir
+from client.bench import run_trace, summarize, write_json
+from client.generate import chat_prompt
+from client.perf_inputs import input_data
+from client.trace import LengthDist, load_tokenizer, make_trace
+from orca_backend.checkpoint.store import prepare_default_model
+from orca_backend.serving.grpc_io import build_inputs
+from orca_backend.serving.launch import REPO_ROOT, Frontend, free_ports
 
 MODEL = "orca"
 # perf_analyzer's CSV splits the average latency into these parts (microseconds).
 LATENCY_PARTS = ("Client Send", "Network+Server Send/Recv", "Server Queue", "Server Compute Input",
                  "Server Compute Infer", "Server Compute Output", "Client Recv")
-COMMANDS: dict[str, str] = {}  # tool -> its command line, for the report
-
-
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tools", type=Path, default=REPO_ROOT / "build" / "perf-tools")
-    p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--input-tokens", type=int, default=64)
-    p.add_argument("--output-tokens", type=int, default=32)
-    p.add_argument("--requests", type=int, default=48, help="measured requests per tool")
-    p.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "benchmarks")
-    return p.parse_args()
+ROWS = (("request_throughput", "requests/s", "{:.2f}"), ("token_throughput", "output tokens/s", "{:.1f}"),
+        ("latency_avg", "request latency avg (ms)", "{:.0f}"), ("latency_p50", "request latency p50 (ms)", "{:.0f}"),
+        ("latency_p99", "request latency p99 (ms)", "{:.0f}"), ("ttft_p50", "time to first token p50 (ms)", "{:.0f}"),
+        ("itl_p50", "inter-token latency p50 (ms)", "{:.1f}"))
+GENAI_PERF = {"request_throughput": "request_throughput_avg", "token_throughput": "output_token_throughput_avg",
+              "latency_avg": "request_latency_avg", "latency_p50": "request_latency_p50",
+              "latency_p99": "request_latency_p99", "ttft_p50": "time_to_first_token_p50",
+              "itl_p50": "inter_token_latency_p50"}
+WITH_MODEL = {"time_to_first_token_p50": "time to first token p50 (ms)",
+              "time_to_first_token_p99": "time to first token p99 (ms)",
+              "inter_token_latency_p50": "inter-token latency p50 (ms)",
+              "inter_token_latency_p99": "inter-token latency p99 (ms)",
+              "request_latency_p50": "request latency p50 (ms)", "output_token_throughput_avg": "output tokens/s"}
 
 
 def portable(text: str) -> str:
@@ -61,91 +57,82 @@ def portable(text: str) -> str:
     return text.replace(str(REPO_ROOT), ".").replace(str(Path.home()), "~")
 
 
-def run_tool(argv: list[str], log_path: Path, env: dict | None = None, timeout: float = 900) -> str:
-    """Run a tool, keep its output in `log_path`, and fail loudly on a non-zero exit."""
+def run_tool(argv: list[str], log_path: Path, env: dict | None = None) -> str:
+    """Run a tool, keep its output in `log_path`, fail loudly on a non-zero exit; returns the
+    command line as a report shows it."""
     log("  $ " + " ".join(argv))
-    COMMANDS[Path(argv[0]).name] = portable(" ".join(argv))
     proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env={**os.environ, **(env or {})}, timeout=timeout)
+                          env={**os.environ, **(env or {})}, timeout=900)
     log_path.write_text(proc.stdout)
     if proc.returncode != 0:
-        raise SystemExit(f"{argv[0]} exited with {proc.returncode}; output in {log_path}:\n"
-                         + proc.stdout[-3000:])
-    return proc.stdout
+        raise SystemExit(f"{argv[0]} exited with {proc.returncode}; output in {log_path}:\n" + proc.stdout[-3000:])
+    return portable(" ".join(argv))
 
 
-def ours(server: Server, trace, args, out: Path) -> dict:
-    records = run_trace(server.grpc_url, MODEL, trace, concurrency=args.concurrency)
-    summary = summarize(records)
-    write_json(str(out / "client_bench.json"), summary, records, vars_for_json(args))
-    if summary.errors:
-        raise SystemExit(f"client.bench: {summary.errors} requests failed")
-    ms = lambda x: x * 1e3
-    return {"request_throughput": summary.request_throughput,
-            "token_throughput": summary.token_throughput,
-            "latency_avg": ms(sum(r.end - r.sent for r in records) / len(records)),
-            "latency_p50": ms(summary.latency_p50), "latency_p99": ms(summary.latency_p99),
-            "ttft_p50": ms(summary.ttft_p50), "itl_p50": ms(summary.itl_p50)}
+def perf_analyzer(tools: Path, url: str, model: str, data: dict, concurrency: int, out: Path,
+                  *settings: str) -> tuple[dict[str, str], str]:
+    """perf_analyzer on `model` (streaming gRPC, closed loop) with `data` as its --input-data, its
+    files in `out`: the first row of its CSV, and its command line."""
+    (out / "perf_analyzer_input.json").write_text(json.dumps(data, indent=1))
+    command = run_tool([str(tools / "bin" / "perf_analyzer"), "-m", model, "-u", url, "-i", "grpc", "--streaming",
+                        "--input-data", str(out / "perf_analyzer_input.json"), "--concurrency-range", str(concurrency),
+                        *settings, "-f", str(out / "perf_analyzer.csv")], out / "perf_analyzer.log")
+    with open(out / "perf_analyzer.csv") as f:
+        return next(csv.DictReader(f)), command
 
 
-def vars_for_json(args) -> dict:
-    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-
-
-def perf_analyzer(server: Server, trace, args, out: Path) -> dict:
-    input_path = out / "perf_analyzer_input.json"
-    input_path.write_text(json.dumps(input_data(trace), indent=1))
-    csv_path = out / "perf_analyzer.csv"
-    run_tool([str(args.tools / "bin" / "perf_analyzer"), "-m", MODEL, "-u", server.grpc_url,
-              "-i", "grpc", "--streaming", "--input-data", str(input_path),
-              "--concurrency-range", str(args.concurrency),
-              "--measurement-mode", "count_windows",
-              "--measurement-request-count", str(args.requests),
-              "--stability-percentage", "50", "--max-trials", "10",
-              "--percentile", "50", "-f", str(csv_path)], out / "perf_analyzer.log")
-    with open(csv_path) as f:
-        row = next(csv.DictReader(f))
-    us = lambda key: float(row[key]) / 1e3
-    latency = sum(float(row[k]) for k in row if k in LATENCY_PARTS) / 1e3
-    # One response per generated token here, so responses/s is output tokens/s.
-    return {"request_throughput": float(row["Inferences/Second"]),
-            "token_throughput": float(row["Response Throughput"]), "latency_avg": latency,
-            "latency_p50": us("p50 latency"), "latency_p99": us("p99 latency")}
-
-
-def genai_perf(server: Server, args, out: Path) -> dict:
-    artifacts = out / "genai_perf"
+def genai_perf(args, artifacts: Path, concurrency: int, *settings: str) -> tuple[dict, str]:
+    """genai-perf on `orca`, offline, its output under `artifacts`: its statistics ("<metric>_<stat>"),
+    and its command line."""
     shutil.rmtree(artifacts, ignore_errors=True)
-    run_tool([str(args.tools / "bin" / "genai-perf"), "profile", "-m", MODEL,
-              "--backend", "vllm", "--endpoint-type", "kserve", "--streaming",
-              "-u", server.grpc_url, "--tokenizer", str(prepare_default_model()),
-              "--synthetic-input-tokens-mean", str(args.input_tokens),
-              "--synthetic-input-tokens-stddev", "0",
-              "--output-tokens-mean", str(args.output_tokens), "--output-tokens-stddev", "0",
-              "--output-tokens-mean-deterministic", "--random-seed", "0",
-              "--concurrency", str(args.concurrency), "--request-count", str(args.requests),
-              "--warmup-request-count", str(args.concurrency),
-              "--stability-percentage", "50", "--artifact-dir", str(artifacts)],
-             out / "genai_perf.log", env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    command = run_tool([str(args.tools / "bin" / "genai-perf"), "profile", "-m", MODEL, *settings, "--streaming",
+                        "--tokenizer", str(prepare_default_model()), "--output-tokens-mean", str(args.output_tokens),
+                        "--output-tokens-stddev", "0", "--random-seed", "0", "--concurrency", str(concurrency),
+                        "--request-count", str(args.requests), "--warmup-request-count", str(concurrency),
+                        "--stability-percentage", "50", "--artifact-dir", str(artifacts)],
+                       artifacts.with_suffix(".log"), env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
     found = sorted(artifacts.rglob("profile_export_genai_perf.json"))
     if not found:
         raise SystemExit(f"genai-perf wrote no profile_export_genai_perf.json under {artifacts}")
     stats = json.loads(found[0].read_text())
-    get = lambda metric, stat="avg": stats.get(metric, {}).get(stat, math.nan)
-    return {"request_throughput": get("request_throughput"),
-            "token_throughput": get("output_token_throughput"),
-            "latency_avg": get("request_latency"), "latency_p50": get("request_latency", "p50"),
-            "latency_p99": get("request_latency", "p99"),
-            "ttft_p50": get("time_to_first_token", "p50"),
-            "itl_p50": get("inter_token_latency", "p50")}
+    flat = {f"{m}_{s}": v for m, values in stats.items() if isinstance(values, dict) for s, v in values.items()}
+    return flat, command
 
 
-ROWS = (("request_throughput", "requests/s", "{:.2f}"), ("token_throughput", "output tokens/s", "{:.1f}"),
-        ("latency_avg", "request latency avg (ms)", "{:.0f}"),
-        ("latency_p50", "request latency p50 (ms)", "{:.0f}"),
-        ("latency_p99", "request latency p99 (ms)", "{:.0f}"),
-        ("ttft_p50", "time to first token p50 (ms)", "{:.0f}"),
-        ("itl_p50", "inter-token latency p50 (ms)", "{:.1f}"))
+# perf.md: three clients, one after the other, on one workload ---------------------------------
+
+def three_clients(args, url: str, raw: Path) -> tuple[dict, list[str]]:
+    """Each client's figures (per second, ms), and the tools' command lines."""
+    dist = LengthDist(kind="fixed", input_tokens=args.input_tokens, output_tokens=args.output_tokens)
+    trace = make_trace(dist, args.requests, None, 0, load_tokenizer())
+    run_trace(url, MODEL, trace[:args.concurrency], concurrency=args.concurrency)  # warm-up
+    log("client.bench ...")
+    records = run_trace(url, MODEL, trace, concurrency=args.concurrency)
+    s = summarize(records)
+    write_json(str(raw / "client_bench.json"), s, records, {k: str(v) if isinstance(v, Path) else v
+                                                            for k, v in vars(args).items()})
+    if s.errors:
+        raise SystemExit(f"client.bench: {s.errors} requests failed")
+    results = {"client.bench": {
+        "request_throughput": s.request_throughput, "token_throughput": s.token_throughput,
+        "latency_avg": sum(r.end - r.sent for r in records) / len(records) * 1e3, "latency_p50": s.latency_p50 * 1e3,
+        "latency_p99": s.latency_p99 * 1e3, "ttft_p50": s.ttft_p50 * 1e3, "itl_p50": s.itl_p50 * 1e3}}
+    log("perf_analyzer ...")
+    row, perf_command = perf_analyzer(args.tools, url, MODEL, input_data(trace), args.concurrency, raw,
+                                      "--measurement-mode", "count_windows", "--measurement-request-count",
+                                      str(args.requests), "--stability-percentage", "50", "--max-trials", "10",
+                                      "--percentile", "50")
+    results["perf_analyzer"] = {  # one response per generated token here: responses/s is output tokens/s
+        "request_throughput": float(row["Inferences/Second"]), "token_throughput": float(row["Response Throughput"]),
+        "latency_avg": sum(float(row[k]) for k in row if k in LATENCY_PARTS) / 1e3,
+        "latency_p50": float(row["p50 latency"]) / 1e3, "latency_p99": float(row["p99 latency"]) / 1e3}
+    log("genai-perf ...")
+    stats, genai_command = genai_perf(args, raw / "genai_perf", args.concurrency, "--backend", "vllm",
+                                      "--endpoint-type", "kserve", "-u", url, "--output-tokens-mean-deterministic",
+                                      "--synthetic-input-tokens-mean", str(args.input_tokens),
+                                      "--synthetic-input-tokens-stddev", "0")
+    results["genai-perf"] = {key: stats.get(name, math.nan) for key, name in GENAI_PERF.items()}
+    return results, [perf_command, genai_command]
 
 
 def comparison(results: dict[str, dict]) -> list[list[str]]:
@@ -154,67 +141,184 @@ def comparison(results: dict[str, dict]) -> list[list[str]]:
         cells = [results[tool].get(key) for tool in results]
         values = [c for c in cells if c is not None and math.isfinite(c)]
         spread = f"{(max(values) / min(values) - 1) * 100:.0f}%" if len(values) > 1 and min(values) > 0 else "-"
-        rows.append([label, *("-" if c is None or not math.isfinite(c) else form.format(c)
-                              for c in cells), spread])
+        rows.append([label, *("-" if c is None or not math.isfinite(c) else form.format(c) for c in cells), spread])
     return rows
 
 
+# openai.md: the frontend alone against the stand-in, then with the model ----------------------
+
+def take(record: dict, now: int, sent: int, text: str, first: bool) -> bool:
+    """Each stamped token's latency in `text` (us), and the time to first token at the first
+    text; whether the first is still to come."""
+    record["token"] += [now - int(s) for s in text.replace(">", "").split("<") if s]
+    if first and text:
+        record["ttft"].append(now - sent)
+    return first and not text
+
+
+async def one_round(path: str, args, grpc_url: str, frontend_url: str, requests: int) -> dict:
+    """`--openai-concurrency` streams at once, each `requests` requests of `--output-tokens`, one
+    after the other, directly over gRPC or through the frontend."""
+    record, tokens = {"token": [], "ttft": []}, args.output_tokens
+
+    async def direct() -> None:
+        async def request():
+            yield {"model_name": "fake", "inputs": build_inputs("Hi", {"max_tokens": tokens}, stream=True)}
+
+        sent, first = time.monotonic_ns() // 1000, True
+        async for result, error in grpc_client.stream_infer(request()):
+            if error is not None:
+                raise RuntimeError(error)
+            first = take(record, time.monotonic_ns() // 1000, sent, result.as_numpy("text_output")[0].decode(), first)
+
+    async def through_frontend() -> None:
+        body = {"model": "fake", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": tokens, "stream": True}
+        sent, first = time.monotonic_ns() // 1000, True
+        async with http.stream("POST", frontend_url + "/v1/chat/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                now = time.monotonic_ns() // 1000
+                if line.startswith("data: {"):
+                    delta = json.loads(line[6:])["choices"][0]["delta"]
+                    first = take(record, now, sent, delta.get("content") or "", first)
+
+    async def stream() -> None:
+        for _ in range(requests):
+            await (direct() if path == "direct" else through_frontend())
+
+    grpc_client = grpc_aio.InferenceServerClient(grpc_url)  # one gRPC channel; pooled HTTP connections
+    limits = httpx2.Limits(max_connections=2 * args.openai_concurrency)
+    async with httpx2.AsyncClient(timeout=60, limits=limits) as http:
+        await asyncio.gather(*(stream() for _ in range(args.openai_concurrency)))
+    await grpc_client.close()
+    return record
+
+
+def frontend_alone(args, work: Path) -> tuple[dict, dict]:
+    """Each path's samples (us) over the rounds, alternating, and the CPU (ms) per token of the
+    stand-in and of the frontend while the frontend path ran."""
+    grpc_url = f"127.0.0.1:{free_ports(1)[0]}"
+    fake = subprocess.Popen([sys.executable, "-m", "benchmarks.fake_triton", grpc_url, str(args.interval)],
+                            cwd=REPO_ROOT)
+    runs = {path: {"token": [], "ttft": []} for path in ("direct", "frontend")}
+    cpu = {"fake server": 0.0, "frontend": 0.0}
+    try:
+        with Frontend(work, grpc_url, args=["--log-level", "warning"]) as frontend:
+            asyncio.run(one_round("frontend", args, grpc_url, frontend.url, 1))  # warm-up: the chat template
+            stats = {"fake server": Path(f"/proc/{fake.pid}/stat"),
+                     "frontend": Path(f"/proc/{frontend.process.pid}/stat")}
+            for i in range(args.rounds):
+                for path, samples in runs.items():
+                    log(f"  round {i + 1}: {path}")
+                    before = {k: cpu_seconds(stat) for k, stat in stats.items()}
+                    got = asyncio.run(one_round(path, args, grpc_url, frontend.url, args.stream_requests))
+                    for key in samples:
+                        samples[key] += got[key]
+                    for k, stat in stats.items():
+                        cpu[k] += (cpu_seconds(stat) - before[k]) if path == "frontend" else 0.0
+    finally:
+        fake.terminate()
+        fake.wait()
+    return runs, {k: v * 1e3 / len(runs["frontend"]["token"]) for k, v in cpu.items()}
+
+
+def overhead_rows(runs: dict) -> list[list[str]]:
+    p99 = lambda v: statistics.quantiles(v, n=100)[98] if len(v) > 1 else math.nan
+    rows = []
+    for key, label in (("ttft", "time to first token"), ("token", "per-token latency")):
+        d, f = [v / 1000 for v in runs["direct"][key]], [v / 1000 for v in runs["frontend"][key]]
+        for stat, get in (("median", statistics.median), ("p99", p99)):
+            rows.append([f"{label} {stat} (ms)", f"{get(d):.3f}", f"{get(f):.3f}", f"{get(f) - get(d):+.3f}",
+                         str(len(f))])
+    return rows
+
+
+def with_model(args, server, frontend: Frontend, work: Path) -> list[list[str]]:
+    """genai-perf over Triton's protocol and in chat mode through the frontend, two runs each,
+    alternating; each run its own prompts (else it would hit the prefix cache of the run
+    before), drawn alike for both."""
+    tokenizer, folder = load_tokenizer(), prepare_default_model()
+    results: dict[str, list[dict]] = {"triton": [], "chat": []}
+    for i in range(2):
+        for kind, runs in results.items():
+            log(f"  genai-perf round {i + 1}: {kind}")
+            rng = random.Random(f"{kind}-{i}")
+            questions = [tokenizer.decode([rng.choice(range(1000, 20000)) for _ in range(args.input_tokens)])
+                         for _ in range(args.requests + 2 * args.openai_concurrency)]
+            inputs = work / f"{kind}_{i}.jsonl"
+            inputs.write_text("".join(json.dumps({"text": q if kind == "chat" else chat_prompt(q, folder)}) + "\n"
+                                      for q in questions))
+            # Exactly `tokens` out: min_tokens = max_tokens over Triton's protocol (genai-perf's
+            # "deterministic"), ignore_eos through the OpenAI API (genai-perf allows the former only there).
+            endpoint = (["--endpoint-type", "chat", "-u", frontend.url, "--extra-inputs", "ignore_eos:true"]
+                        if kind == "chat" else ["--backend", "vllm", "--endpoint-type", "kserve", "-u", server.grpc_url,
+                                                "--output-tokens-mean-deterministic"])
+            runs.append(genai_perf(args, work / f"genai_{kind}_{i}", args.openai_concurrency, *endpoint,
+                                   "--input-file", str(inputs))[0])
+    values = lambda kind, key: [r.get(key, math.nan) for r in results[kind]]
+    return [[label, " / ".join(f"{v:.1f}" for v in values("triton", key)),
+             " / ".join(f"{v:.1f}" for v in values("chat", key)),
+             f"{statistics.mean(values('chat', key)) - statistics.mean(values('triton', key)):+.1f}"]
+            for key, label in WITH_MODEL.items()]
+
+
 def main() -> None:
-    args = parse_args()
-    started = datetime.datetime.now()
-    out = args.out / "perf"
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = load_tokenizer()
-    dist = LengthDist(kind="fixed", input_tokens=args.input_tokens, output_tokens=args.output_tokens)
-    trace = make_trace(dist, args.requests, None, 0, tokenizer)
-    with tempfile.TemporaryDirectory(prefix="orca-perf-") as tmp:
-        server = Server(Path(tmp), extra_args=["--model-control-mode=explicit", f"--load-model={MODEL}"])
-        try:
-            log("starting tritonserver ...")
-            server.wait_ready()
-            run_trace(server.grpc_url, MODEL, trace[:args.concurrency], concurrency=args.concurrency)
-            results = {}
-            log("client.bench ...")
-            results["client.bench"] = ours(server, trace, args, out)
-            log("perf_analyzer ...")
-            results["perf_analyzer"] = perf_analyzer(server, trace, args, out)
-            log("genai-perf ...")
-            results["genai-perf"] = genai_perf(server, args, out)
-        finally:
-            server.stop()
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    for path in out.rglob("*"):  # the saved outputs name no folder of this machine
+    p = options(__doc__)
+    p.add_argument("--tools", type=Path, default=REPO_ROOT / "build" / "perf-tools")
+    p.add_argument("--out", type=Path, default=REPORTS, help="where perf.md, perf/ and openai.md go")
+    p.add_argument("--concurrency", type=int, default=4, help="perf.md: requests in flight")
+    p.add_argument("--input-tokens", type=int, default=64)
+    p.add_argument("--output-tokens", type=int, default=32)
+    p.add_argument("--requests", type=int, default=48, help="measured requests per tool and per genai-perf run")
+    p.add_argument("--openai-concurrency", type=int, default=16, help="openai.md: streams at once")
+    p.add_argument("--rounds", type=int, default=3, help="openai.md: rounds of each path against the stand-in")
+    p.add_argument("--stream-requests", type=int, default=4, help="openai.md: requests per stream per round")
+    p.add_argument("--interval", type=float, default=0.05, help="the stand-in's seconds between a request's tokens")
+    args = p.parse_args()
+    raw = args.out / "perf"
+    raw.mkdir(parents=True, exist_ok=True)
+    perf = Report("Our figures next to perf_analyzer's and genai-perf's", "perf")
+    with work_dir("orca-perf-") as work:
+        with serving(work, MODEL) as (server, _):
+            results, commands = three_clients(args, server.grpc_url, raw)
+            openai = Report("The OpenAI frontend's added latency", "perf")
+            log("genai-perf with the model ...")
+            with Frontend(work, server.grpc_url, args=["--log-level", "warning"]) as frontend:
+                model_rows = with_model(args, server, frontend, work)
+        log("the frontend alone, against the stand-in ...")
+        runs, cpu = frontend_alone(args, work)
+    (raw / "results.json").write_text(json.dumps(results, indent=1))
+    for path in raw.rglob("*"):  # the saved outputs name no folder of this machine
         if path.is_file() and path.suffix in (".json", ".csv", ".log", ".txt"):
             path.write_text(portable(path.read_text()))
-    lines = report(args, results, started)
-    (args.out / "perf.md").write_text("\n".join(lines))
-    print("\n".join(lines))
-
-
-def report(args, results: dict, started: datetime.datetime) -> list[str]:
-    return [
-        "# Our figures next to perf_analyzer's and genai-perf's", "",
-        "Generated by `make perf` (`python benchmarks/bench_perf.py`).", "",
-        f"- date: {started.isoformat(timespec='seconds')}", *machine_lines(),
-        "- tritonserver 2.51 with `orca` only (default parameters, SmolLM2-135M-Instruct fp32 "
-        "on the CPU), clients on the same machine; perf_analyzer 2.60.0, genai-perf 0.0.16",
-        f"- workload: closed loop, {args.concurrency} requests in flight, prompts of "
-        f"{args.input_tokens} tokens, exactly {args.output_tokens} output tokens each (ours: "
-        "max_tokens with ignore_eos; the other two: max_tokens = min_tokens), greedy, "
-        f"streaming gRPC; {args.requests} measured requests per tool; "
-        "the three run one after the other", "",
-        *table(["metric", *(f"`{t}`" for t in results), "max/min - 1"], comparison(results)), "",
-        "`-`: the tool does not report it. perf_analyzer's tokens/s is its response "
-        "throughput: `orca` streams one response per generated token. Its latency is the "
-        "time from sending a request to its final response, like ours (its log says it uses "
-        "the first response of a decoupled model, but its figures match end-to-end latency, "
-        "not time to first token). genai-perf "
-        "counts throughput over its measurement window and tokenizes the streamed text with "
-        "the model's tokenizer to count tokens; we count the tokens the server reports.", "",
-        "Commands (the server's port varies):", "", "```",
-        *(f"{command}" for command in COMMANDS.values()), "```", "",
-        "Raw outputs: [perf/](perf/) (perf_analyzer's CSV and log, genai-perf's artifacts and "
-        "log, our per-request JSON).", ""]
+    perf.table(["metric", *(f"`{t}`" for t in results), "max/min - 1"], comparison(results))
+    perf.add("`-`: the tool does not report it; what each tool counts: "
+             "[README.md](README.md#2-do-other-tools-agree-perfmd).",
+             "", "Commands (the server's port varies):", "", "```", *commands, "```", "",
+             "Raw outputs: [perf/](perf/) (perf_analyzer's CSV and log, genai-perf's artifacts and log, our "
+             "per-request JSON).", "")
+    perf.setup("- tritonserver 2.51 with `orca` only (default parameters, SmolLM2-135M-Instruct fp32 on the CPU), "
+               "clients on the same machine; perf_analyzer 2.60.0, genai-perf 0.0.16",
+               f"- workload: closed loop, {args.concurrency} requests in flight, prompts of {args.input_tokens} "
+               f"tokens, exactly {args.output_tokens} output tokens each (ours: max_tokens with ignore_eos; the "
+               f"other two: max_tokens = min_tokens), greedy, streaming gRPC; {args.requests} measured requests per "
+               "tool; the three run one after the other").write(args.out / "perf.md")
+    openai.section("1. The frontend alone",
+                   f"{args.openai_concurrency} streams at once, each {args.stream_requests} requests of "
+                   f"{args.output_tokens} tokens per round, {args.rounds} rounds per path, alternating; the stand-in "
+                   f"server sends a token every {args.interval * 1000:.0f} ms per request. `direct`: tritonclient "
+                   "asyncio gRPC streaming; `frontend`: chat completions streamed as SSE over HTTP, through the "
+                   "frontend to the same stand-in.")
+    openai.table(["metric", "direct", "frontend", "added", "samples"], overhead_rows(runs))
+    openai.add("CPU time per token while the frontend path ran (user + system, from /proc): "
+               + ", ".join(f"{k} {v:.3f} ms" for k, v in cpu.items()) + ".", "")
+    openai.section("2. With the model",
+                   f"tritonserver with `orca` (default parameters, SmolLM2-135M-Instruct on the CPU) and the frontend; "
+                   f"genai-perf 0.0.16, {args.openai_concurrency} concurrent streams, {args.requests} measured "
+                   f"requests per run, prompts of {args.input_tokens} random tokens in the chat template (each run "
+                   f"its own, drawn alike), {args.output_tokens} output tokens; two runs of each, alternating (values: "
+                   "run 1 / run 2).")
+    openai.table(["metric", "Triton protocol (kserve, streaming gRPC)", "OpenAI chat (frontend)",
+                  "chat - Triton (mean)"], model_rows).setup().write(args.out / "openai.md")
 
 
 if __name__ == "__main__":

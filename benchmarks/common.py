@@ -123,6 +123,13 @@ def metric_total(samples: dict[str, float], family: str, **labels: str) -> float
     return sum(metric_samples(samples, family, **labels).values())
 
 
+def cpu_seconds(stat: Path) -> float:
+    """User plus system CPU seconds so far, from a /proc stat file: a process's, or a thread's
+    (/proc/<pid>/task/<tid>/stat)."""
+    fields = stat.read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 # The rate sweep -----------------------------------------------------------------------------
 
 @dataclass(slots=True)

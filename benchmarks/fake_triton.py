@@ -1,13 +1,15 @@
-"""A stand-in for tritonserver's gRPC service that streams canned tokens at a fixed pace, each
-token's text carrying the moment it was sent: what a client receives then says how long the
-path from the server to it took, with no model competing for the CPU. bench_openai.py uses it
-to measure what the OpenAI frontend adds to that path.
+"""A stand-in for tritonserver's gRPC service that streams stamped tokens at a fixed pace.
 
-Serves one model, `fake`, with the serving model's I/O; every request gets `num_tokens`
-responses (`max_tokens` of its sampling parameters), one every `interval` seconds.
+One model, `fake`, with the serving model's I/O: each request gets `max_tokens` responses, one
+every INTERVAL seconds, each token's text the moment it was sent (`<microseconds of the
+monotonic clock>`), so that a client can tell how long the path to it took with no model
+competing for the CPU (`make perf`'s measure of the OpenAI frontend).
+
+    python -m benchmarks.fake_triton ADDRESS INTERVAL
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import time
@@ -23,34 +25,17 @@ MODEL = "fake"
 PROMPT_TOKENS = 7
 
 
-def stamp() -> str:
-    """The text of one token: its send time, in microseconds of the monotonic clock."""
-    return f"<{time.monotonic_ns() // 1000}>"
-
-
-def _output(response: pb.ModelInferResponse, name: str, array: np.ndarray, datatype: str) -> None:
-    tensor = response.outputs.add(name=name, datatype=datatype, shape=list(array.shape))
-    del tensor  # the data goes in raw_output_contents, in the same order
-    raw = serialize_byte_tensor(array).item() if datatype == "BYTES" else array.tobytes()
-    response.raw_output_contents.append(raw)
-
-
-def _response(request: pb.ModelInferRequest, text: str, finish: str, final: bool) -> pb.ModelStreamInferResponse:
+def _response(request: pb.ModelInferRequest, final: bool) -> pb.ModelStreamInferResponse:
     r = pb.ModelInferResponse(model_name=MODEL, id=request.id)
-    _output(r, "text_output", np.array([text.encode()], dtype=np.object_), "BYTES")
-    _output(r, "finish_reason", np.array([finish.encode()], dtype=np.object_), "BYTES")
-    _output(r, "num_input_tokens", np.array([PROMPT_TOKENS], dtype=np.uint32), "UINT32")
-    _output(r, "num_output_tokens", np.array([1], dtype=np.uint32), "UINT32")
+    text = f"<{time.monotonic_ns() // 1000}>"
+    for name, value, datatype in (("text_output", text, "BYTES"),
+                                  ("finish_reason", "length" if final else "None", "BYTES"),
+                                  ("num_input_tokens", PROMPT_TOKENS, "UINT32"), ("num_output_tokens", 1, "UINT32")):
+        array = np.array([value.encode()], dtype=np.object_) if datatype == "BYTES" else np.array([value], np.uint32)
+        r.outputs.add(name=name, datatype=datatype, shape=list(array.shape))  # the data: raw_output_contents, in order
+        r.raw_output_contents.append(serialize_byte_tensor(array).item() if datatype == "BYTES" else array.tobytes())
     r.parameters["triton_final_response"].bool_param = final
     return pb.ModelStreamInferResponse(infer_response=r)
-
-
-def _max_tokens(request: pb.ModelInferRequest) -> int:
-    for i, tensor in enumerate(request.inputs):
-        if tensor.name == "sampling_parameters":
-            raw = request.raw_input_contents[i]
-            return int(json.loads(raw[4:].decode())["max_tokens"])  # BYTES: 4-byte length, then the text
-    return 16
 
 
 class FakeTriton(pb_grpc.GRPCInferenceServiceServicer):
@@ -76,35 +61,25 @@ class FakeTriton(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelStreamInfer(self, request_iterator, context):
         async for request in request_iterator:
-            n = _max_tokens(request)
+            raw = {t.name: request.raw_input_contents[i] for i, t in enumerate(request.inputs)}
+            sampling = raw.get("sampling_parameters")  # BYTES: a 4-byte length, then the text
+            n = int(json.loads(sampling[4:].decode())["max_tokens"]) if sampling else 16
             for i in range(n):
                 await asyncio.sleep(self.interval)
-                last = i == n - 1
-                yield _response(request, stamp(), "length" if last else "None", last)
+                yield _response(request, i == n - 1)
 
 
-async def serve(port: int, interval: float) -> grpc.aio.Server:
+async def serve(address: str, interval: float) -> None:
     server = grpc.aio.server()
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(FakeTriton(interval), server)
-    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.add_insecure_port(address)
     await server.start()
-    return server
-
-
-def main() -> None:
-    import argparse
-
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--interval", type=float, default=0.05, help="seconds between a request's tokens")
-    args = p.parse_args()
-
-    async def run():
-        server = await serve(args.port, args.interval)
-        await server.wait_for_termination()
-
-    asyncio.run(run())
+    await server.wait_for_termination()
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("address", help="host:port to listen on")
+    parser.add_argument("interval", type=float, help="seconds between a request's tokens")
+    args = parser.parse_args()
+    asyncio.run(serve(args.address, args.interval))
