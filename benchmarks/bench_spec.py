@@ -1,36 +1,22 @@
-"""What speculative decoding buys on this machine: decode speed with and without n-gram prompt
-lookup, on prompts whose answer repeats their input (editing, code) and on prompts whose answer
-does not, at batch 1 to 32; where the adaptive switch (`max_batch_size`) should sit; a draft
-model at batch 1 (the default model drafting for itself: every proposal holds, at a draft as
-dear as the model; and its first layers alone, untrained: a cheap draft that guesses badly);
-and llama.cpp's llama-server (no speculation, F32 GGUF of the same weights) on the same prompts.
+"""What speculative decoding buys on the CPU: decode speed with and without n-gram prompt lookup
+at batch 1 to 32, on prompts whose answer repeats their input and on prompts whose answer does
+not; a draft model at batch 1; llama-server without speculation on the same prompts (if `make
+bench-cpu` built it). How it is measured: docs/speculative.md (Cost).
 
-One engine per configuration, all built first; rounds alternate between them. Figures are
-generated tokens per second of wall time (`LLM.generate`, greedy, `ignore_eos`, 64 tokens a
-request), best of the rounds; a batch of B repeats the kind's prompts round-robin.
-
-    python benchmarks/bench_spec.py [--rounds 2] [--markdown docs/benchmarks/speculative.md]
+    python -m benchmarks.bench_spec [--rounds 2]    # writes docs/benchmarks/speculative.md
 """
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
-import os
 import shutil
-import subprocess
-import sys
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.report import log, machine_lines, table  # noqa: E402
-from orca_backend.checkpoint.store import prepare_default_model  # noqa: E402
-from orca_backend.core.sampling_params import SamplingParams  # noqa: E402
-from orca_backend.engine.llm import LLM  # noqa: E402
-from orca_backend.serving.launch import REPO_ROOT, free_ports  # noqa: E402
+from benchmarks.common import LLAMA_CPP, Report, llama_server, log, options, work_dir
+from orca_backend.checkpoint.store import prepare_default_model
+from orca_backend.core.sampling_params import SamplingParams
+from orca_backend.engine.llm import LLM
 
 MAX_TOKENS = 64
 TEXT = ("Speculative decoding proposes several tokens and checks them in one pass over the weights, so a "
@@ -47,8 +33,6 @@ PROMPTS = {
                  "Explain to a child why the sky is blue."]}
 BATCHES = (1, 2, 4, 8, 16, 32)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 3, "prompt_lookup_max": 4}
-
-
 DRAFT_LAYERS = 8  # of the default model's 30, for the cheap draft
 
 
@@ -56,123 +40,92 @@ def first_layers(model: Path, num_layers: int, folder: Path) -> Path:
     """A checkpoint of `model`'s embeddings, first `num_layers` layers, final norm and head."""
     from safetensors.torch import load_file, save_file
 
-    folder.mkdir(parents=True, exist_ok=True)
-    for f in model.iterdir():
-        if f.name not in ("model.safetensors", "config.json"):
-            shutil.copy(f, folder / f.name)
+    shutil.copytree(model, folder, ignore=shutil.ignore_patterns("model.safetensors", "config.json"))
     config = json.loads((model / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": num_layers}))
-    weights = load_file(model / "model.safetensors")
-    save_file({k: v for k, v in weights.items()
+    save_file({k: v for k, v in load_file(model / "model.safetensors").items()
                if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers},
               folder / "model.safetensors", metadata={"format": "pt"})
     return folder
 
 
 def tokens_per_second(llm: LLM, prompts: list[str], batch: int) -> float:
-    requests = [prompts[i % len(prompts)] for i in range(batch)]
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     start = time.perf_counter()
-    outs = llm.generate(requests, params)
+    outs = llm.generate([prompts[i % len(prompts)] for i in range(batch)],
+                        SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
     return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
 
 
-def llama_single(prompts: list[str]) -> float | None:
-    """llama-server's decode tokens/s at one stream, as its own timings say; None if not built
-    (`make bench-cpu` builds it)."""
-    root = REPO_ROOT / "build" / "llama.cpp"
-    binary, gguf = root / "cmake-build/bin/llama-server", root / "gguf/model-f32.gguf"
-    if not binary.exists() or not gguf.exists():
-        return None
-    port = free_ports(1)[0]
-    proc = subprocess.Popen([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", "1",
-                             "-c", "2048", "-t", str(os.cpu_count()), "--no-webui"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, OSError):
-                time.sleep(0.5)
-        per_token = []
-        for prompt in prompts:
-            body = json.dumps({"prompt": prompt, "n_predict": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-                               "cache_prompt": False}).encode()
-            request = urllib.request.Request(url + "/completion", body, {"Content-Type": "application/json"})
-            with urllib.request.urlopen(request, timeout=300) as r:
-                per_token.append(json.loads(r.read())["timings"]["predicted_per_token_ms"])
-        return 1000 / (sum(per_token) / len(per_token))
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+def llama_single(url: str, prompts: list[str]) -> float:
+    """llama-server's decode tokens/s at one stream, as its own timings say."""
+    per_token = []
+    for prompt in prompts:
+        body = json.dumps({"prompt": prompt, "n_predict": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+                           "cache_prompt": False}).encode()
+        request = urllib.request.Request(url + "/completion", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=300) as response:
+            per_token.append(json.loads(response.read())["timings"]["predicted_per_token_ms"])
+    return 1000 / (sum(per_token) / len(per_token))
+
+
+def accepted(s) -> str:
+    share = s.num_accepted_tokens / max(1, s.num_draft_tokens)
+    return f"{s.num_accepted_tokens:,} of {s.num_draft_tokens:,} tokens ({share:.0%})"
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = options(__doc__, "speculative.md")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--markdown", type=Path)
     args = p.parse_args()
-    options = dict(kv_cache_tokens=16384, max_batch_size=32)
-    model = prepare_default_model()
-    engines = {"off": LLM(**options),
-               "ngram, always": LLM(speculative_config={**NGRAM, "max_batch_size": 64}, **options),
-               "ngram, adaptive (max_batch_size 2, the default)": LLM(speculative_config=NGRAM, **options)}
-    cheap = first_layers(model, DRAFT_LAYERS, REPO_ROOT / "build" / f"draft-{DRAFT_LAYERS}-layers")
-    drafts = {"the model itself, k 4": LLM(speculative_config={"method": "draft_model", "model": str(model)},
-                                           **options),
-              f"its first {DRAFT_LAYERS} layers, k 2": LLM(speculative_config={
-                  "method": "draft_model", "model": str(cheap), "num_speculative_tokens": 2}, **options)}
-    best: dict[tuple, float] = {}
-    for r in range(args.rounds):
-        for kind, prompts in PROMPTS.items():
-            for batch in BATCHES:
-                runs = {**engines, **(drafts if batch == 1 else {})}
-                for name, llm in runs.items():
-                    rate = tokens_per_second(llm, prompts, batch)
-                    best[(kind, batch, name)] = max(best.get((kind, batch, name), 0.0), rate)
-                log(f"round {r + 1}, {kind}, batch {batch}: " + ", ".join(
-                    f"{name} {best[(kind, batch, name)]:.0f}" for name in runs))
-    accepted = {name: llm.engine.stats.speculation for name, llm in {**engines, **drafts}.items()}
-    for llm in (*engines.values(), *drafts.values()):
-        llm.shutdown()
-    llama = {kind: llama_single(prompts) for kind, prompts in PROMPTS.items()}
+    r, model = Report("Speculative decoding on the CPU", "bench-spec"), prepare_default_model()
+    settings = dict(kv_cache_tokens=16384, max_batch_size=32)
+    with work_dir() as work:
+        engines = {"off": LLM(**settings),
+                   "ngram, always": LLM(speculative_config={**NGRAM, "max_batch_size": 64}, **settings),
+                   "ngram, adaptive (max_batch_size 2, the default)": LLM(speculative_config=NGRAM, **settings)}
+        cheap = first_layers(model, DRAFT_LAYERS, work / "draft")
+        drafts = {"the model itself, k 4": LLM(speculative_config={"method": "draft_model", "model": str(model)},
+                                               **settings),
+                  f"its first {DRAFT_LAYERS} layers, k 2": LLM(speculative_config={
+                      "method": "draft_model", "model": str(cheap), "num_speculative_tokens": 2}, **settings)}
+        best: dict[tuple, float] = {}
+        for n in range(args.rounds):
+            for kind, prompts in PROMPTS.items():
+                for batch in BATCHES:
+                    runs = {**engines, **(drafts if batch == 1 else {})}
+                    for name, llm in runs.items():
+                        best[kind, batch, name] = max(best.get((kind, batch, name), 0.0),
+                                                      tokens_per_second(llm, prompts, batch))
+                    log(f"round {n + 1}, {kind}, batch {batch}: "
+                        + ", ".join(f"{name} {best[kind, batch, name]:.0f}" for name in runs))
+        speculation = {name: llm.engine.stats.speculation for name, llm in {**engines, **drafts}.items()}
+        for llm in (*engines.values(), *drafts.values()):
+            llm.shutdown()
+        llama = {}
+        if (LLAMA_CPP / "gguf/model-f32.gguf").exists():
+            with llama_server(work) as url:
+                llama = {kind: llama_single(url, prompts) for kind, prompts in PROMPTS.items()}
 
     def versus_off(kind: str, batch: int, name: str) -> str:
-        rate = best[(kind, batch, name)]
-        return f"{rate:.0f} ({rate / best[(kind, batch, 'off')]:.2f}x)"
-
-    rows = [[kind, batch, f"{best[(kind, batch, 'off')]:.0f}", *(versus_off(kind, batch, n) for n in list(engines)[1:])]
-            for kind in PROMPTS for batch in BATCHES]
-    draft_rows = [[kind, f"{best[(kind, 1, 'off')]:.0f}", *(versus_off(kind, 1, n) for n in drafts)] for kind in PROMPTS]
-    spec = accepted["ngram, always"]
-    lines = [f"# Speculative decoding on the CPU ({datetime.date.today()})", "",
-             f"`python benchmarks/bench_spec.py --rounds {args.rounds}` (`make bench-spec`): the default model, "
-             f"greedy, {MAX_TOKENS} tokens a request (`ignore_eos`), n-gram proposals of up to "
-             f"{NGRAM['num_speculative_tokens']} tokens (n-grams of {NGRAM['prompt_lookup_min']} to "
-             f"{NGRAM['prompt_lookup_max']}); generated tokens per second, best of the rounds. \"always\" "
-             "speculates at any batch; \"adaptive\" only while at most 2 requests run.", "",
-             *table(["prompts", "batch", "off tok/s", *list(engines)[1:]], rows), "",
-             f"Proposals accepted (always on, every run): {spec.num_accepted_tokens:,} of "
-             f"{spec.num_draft_tokens:,} tokens ({spec.num_accepted_tokens / max(1, spec.num_draft_tokens):.0%}), "
-             f"by position {spec.accepted_per_position}.", "",
-             "A draft model at batch 1 (`method: draft_model`; the adaptive switch at its default): the default "
-             f"model drafting for itself, and a checkpoint of its first {DRAFT_LAYERS} of 30 layers with its "
-             "head (`first_layers` here, no training):", "",
-             *table(["prompts", "off tok/s", *drafts], draft_rows), "",
-             *(f"Proposals accepted, {name}: {s.num_accepted_tokens:,} of {s.num_draft_tokens:,} "
-               f"({s.num_accepted_tokens / max(1, s.num_draft_tokens):.0%})."
-               for name, s in ((n, accepted[n]) for n in drafts)), ""]
-    for kind, rate in llama.items():
-        if rate is not None:
-            lines.append(f"llama-server (F32 GGUF, one slot, no speculation), prompts whose answer {kind}: "
-                         f"{rate:.0f} tokens/s at batch 1.")
-    lines += ["", *machine_lines(), ""]
-    print("\n".join(lines))
-    if args.markdown:
-        args.markdown.write_text("\n".join(lines))
+        return f"{best[kind, batch, name]:.0f} ({best[kind, batch, name] / best[kind, batch, 'off']:.2f}x)"
+    spec = speculation["ngram, always"]
+    r.add(f"The default model, greedy, {MAX_TOKENS} tokens a request, n-gram proposals of up to "
+          f"{NGRAM['num_speculative_tokens']} tokens (n-grams of {NGRAM['prompt_lookup_min']} to "
+          f"{NGRAM['prompt_lookup_max']}); tokens/s, best of {args.rounds} rounds. \"always\" speculates at any batch; "
+          "\"adaptive\" only while at most 2 requests run ([how](../speculative.md#cost)).", "")
+    r.table(["prompts", "batch", "off tok/s", *list(engines)[1:]],
+            [[kind, b, f"{best[kind, b, 'off']:.0f}", *(versus_off(kind, b, n) for n in list(engines)[1:])]
+             for kind in PROMPTS for b in BATCHES])
+    r.add(f"Proposals accepted (always on, every run): {accepted(spec)}, by position "
+          f"{spec.accepted_per_position}.", "",
+          "A draft model at batch 1 (`method: draft_model`): the default model drafting for itself, and its first "
+          f"{DRAFT_LAYERS} of 30 layers with its head, untrained:", "")
+    r.table(["prompts", "off tok/s", *drafts],
+            [[kind, f"{best[kind, 1, 'off']:.0f}", *(versus_off(kind, 1, n) for n in drafts)] for kind in PROMPTS])
+    r.add(*(f"Proposals accepted, {name}: {accepted(speculation[name])}." for name in drafts), "",
+          *(f"llama-server (F32 GGUF, one slot, no speculation), prompts whose answer {kind}: {rate:.0f} tokens/s "
+            "at batch 1." for kind, rate in llama.items()), "")
+    r.setup().write(args.markdown)
 
 
 if __name__ == "__main__":

@@ -16,16 +16,18 @@ import platform
 import re
 import shlex
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from client.bench import RequestRecord, Summary, run_trace, summarize
 from client.trace import TraceRequest, exact_rate
-from orca_backend.serving.launch import REPO_ROOT, Frontend, Server
+from orca_backend.serving.launch import REPO_ROOT, Frontend, Server, free_ports
 from orca_backend.serving.stages.repository import set_parameters
 from orca_backend.simulate.sweep import is_over
 
@@ -99,6 +101,40 @@ def copy_model(folder: Path, model: str, name: str | None = None, **parameters: 
     text = re.sub(rf'^name: "{model}"$', f'name: "{target.name}"', config.read_text(), flags=re.M)
     config.write_text(set_parameters(text, parameters))
     return target
+
+
+LLAMA_CPP = REPO_ROOT / "build" / "llama.cpp"  # where benchmarks/build_llama_cpp.sh builds llama-server
+
+
+@contextlib.contextmanager
+def llama_server(work: Path, gguf: str = "f32", slots: int = 1) -> Iterator[str]:
+    """llama.cpp's llama-server on the default model's GGUF (`gguf`: f32 or q8_0) with `slots`
+    parallel slots (continuous batching, every core, the model named `model`), ready: its URL;
+    stopped on exit."""
+    log(f"starting llama-server {gguf} ...")
+    port = free_ports(1)[0]
+    with open(work / f"llama-server-{gguf}.log", "wb") as out:
+        process = subprocess.Popen(
+            [str(LLAMA_CPP / "cmake-build/bin/llama-server"), "-m", str(LLAMA_CPP / f"gguf/model-{gguf}.gguf"),
+             "--host", "127.0.0.1", "--port", str(port), "-np", str(slots), "-c", str(2048 * slots),
+             "-t", str(os.cpu_count()), "--cont-batching", "--no-webui", "-a", "model"],
+            stdout=out, stderr=subprocess.STDOUT)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 300
+    try:
+        while not _answers(url + "/health"):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"llama-server did not start; see {out.name}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def _answers(url: str) -> bool:
+    with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=5) as response:
+        return response.status == 200
+    return False
 
 
 # /metrics -----------------------------------------------------------------------------------
@@ -268,3 +304,30 @@ def write_csv(path: Path, rows: list[dict]) -> None:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else [], extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
+
+
+# Offline measurements -----------------------------------------------------------------------
+
+def seconds(fn: Callable[[], object]) -> float:
+    """The wall time of one call of `fn`."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def best_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """The fastest of `repeats` timed calls of `fn` after an untimed one: on a shared machine
+    the fastest run is the one least disturbed."""
+    fn()
+    return min(seconds(fn) for _ in range(repeats))
+
+
+def num_params(folder: Path) -> int:
+    """The parameters of the safetensors checkpoint in `folder`, counted from the files' headers."""
+    from safetensors import safe_open
+
+    total = 0
+    for file in Path(folder).glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            total += sum(math.prod(f.get_slice(key).get_shape()) for key in f.keys())
+    return total
