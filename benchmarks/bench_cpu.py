@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from benchmarks.common import (LLAMA_CPP, Point, Report, add_sweep_options, apply_preset, best_seconds, llama_server,
                                log, metric_total, num_params, options, rate_trace, seconds, serving, sweep, work_dir)
-from benchmarks.plots import plt, save_latency_axes
+from benchmarks.plots import plot_latency
 from client.bench import RequestRecord, summarize
 from client.trace import LengthDist, TraceRequest, corpus_text, load_tokenizer, make_trace
 from orca_backend import LLM, SamplingParams
@@ -283,12 +283,8 @@ def bench_served(args, r: Report) -> None:
               "([how](../cpu.md#how-make-bench-cpu-measures)).")
     r.table(["", *results], rows)
     png = args.markdown.with_suffix(".png")
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for name, (_, points) in results.items():
-        ax.plot([p.summary.request_throughput for p in points],
-                [p.summary.normalized_latency_p50 * 1e3 for p in points], "o-", label=name)
-    ax.axhline(args.bound_ms, color="gray", linestyle="--", linewidth=1, label=f"bound {args.bound_ms:g} ms/token")
-    save_latency_axes(fig, ax, png, "median normalized latency (ms per output token)")
+    plot_latency(png, {name: (points, "o-", None) for name, (_, points) in results.items()},
+                 {args.bound_ms / 1e3: f"bound {args.bound_ms:g} ms/token"})
     r.add(f"![median normalized latency against throughput]({png.name})", "")
 
 
