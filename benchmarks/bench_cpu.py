@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from benchmarks.common import (LLAMA_CPP, Point, Report, add_sweep_options, apply_preset, best_seconds, llama_server,
                                log, metric_total, num_params, options, rate_trace, seconds, serving, sweep, work_dir)
+from benchmarks.headline import record
 from benchmarks.plots import plot_latency
 from client.bench import RequestRecord, summarize
 from client.trace import LengthDist, TraceRequest, corpus_text, load_tokenizer, make_trace
@@ -266,6 +267,9 @@ def bench_served(args, r: Report) -> None:
             with llama_server(work, gguf, args.slots) as url:
                 results[f"llama-server {gguf}"] = served(args, url, "model", f"llama-server {gguf}", tokenizer)
     rows = [["decode, one request (ms/token)", *(f"{one['decode'] * 1e3:.1f}" for one, _ in results.values())]]
+    ours, theirs = results["orca"][0]["decode"], results["llama-server f32"][0]["decode"]
+    args.headline = {"cpu": ("llama.cpp's `llama-server` (F32 GGUF) against `orca`, one stream's decode time per token",
+                             f"{theirs * 1e3:.1f} against {ours * 1e3:.1f} ms ({ours / theirs:.2f}x faster)")}
     rows += [[f"1-token request, {k}-token prompt (ms)", *(f"{one[k] * 1e3:.0f}" for one, _ in results.values())]
              for k in (8, 128, 512)]
     for rate in sorted({p.rate for _, points in results.values() for p in points}):
@@ -360,6 +364,7 @@ def main() -> None:
     bench_served(args, r)
     bench_gemm(args, r)
     r.setup().write(args.markdown)
+    record(args.markdown, "bench-cpu", args.headline)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from benchmarks.common import Report, log, num_params, options, work_dir
+from benchmarks.headline import record
 from orca_backend.checkpoint.config import ModelConfig
 from orca_backend.checkpoint.store import prepare_default_model
 from orca_backend.core.sampling_params import SamplingParams
@@ -118,6 +119,9 @@ def main() -> None:
     r.table(["projection", "µs / iteration", "share"],
             [[k, f"{v:,.0f}", f"{v / total:.0%}"] for k, v in sorted(profile.items(), key=lambda kv: -kv[1])])
     r.setup().write(args.markdown)
+    record(args.markdown, "bench-lora", {"lora": (
+        f"Multi-LoRA: a decode iteration at batch {BATCH} with {MOST} rank-{RANK} adapters on every projection mixed, "
+        "against the base model", f"{medians[f'{MOST} adapters'] / reference:.2f}x")})
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from benchmarks.bench_serving import NOT_STREAMING, headline
 from benchmarks.common import (REPORTS, Point, Report, add_sweep_options, apply_preset, copy_model, log,
                                metric_total, ms, options, rate_trace, run_point, serving, sweep, work_dir,
                                write_csv)
+from benchmarks.headline import record
 from benchmarks.plots import plot_curves
 from client.bench import Summary, run_trace, summarize
 from client.trace import SharedPrefixes, load_tokenizer
@@ -128,6 +129,9 @@ def run_workload(r: Report, server, args, tokenizer, workload: str) -> list[dict
               f"![median time to first token vs throughput](prefix_{workload}_ttft.png)", "",
               "Unloaded, one request at a time (median normalized latency in ms per token, median TTFT in ms): "
               + "; ".join(f"`{m}` {ms(s.normalized_latency_p50)} and {ms(s.ttft_p50)}" for m, s in alone.items()))
+    n = heads["normalized"]
+    args.headline[workload] = (f"**{describe_ratio(*n[f'orca/{UNCACHED}'])}** ({describe(*n['orca'])} against "
+                               f"{describe(*n[UNCACHED])} req/s under {ms(bound)} ms/token)")
     r.table(["model", "offered req/s", "requests", "errors", "done req/s", "norm. p50", "TTFT p50", "TTFT p99",
              "prompt tokens", "cached", "hit rate", "computed"], [row(p) for p in points])
     return [{"workload": workload, "model": p.model, "offered_rate": p.rate, **dataclasses.asdict(p.summary),
@@ -139,7 +143,7 @@ def main() -> None:
     r = Report("Prefix caching under Poisson load", "bench-prefix")
     args.out.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer()
-    rows = []
+    rows, args.headline = [], {}
     with work_dir() as work:
         for model in ("orca", "hf_dynamic_batching"):
             copy_model(work / "models", model)
@@ -162,6 +166,11 @@ def main() -> None:
                 "`{}` {:.0f}, {:.0f}; {:.0f}".format(m, *(metric_total(samples, c, model=m) for c in COUNTERS))
                 for m in MODELS if m != "hf_dynamic_batching"))
     r.add("Raw figures: [prefix.csv](prefix.csv).").write(args.out / "prefix.md")
+    if "system" in args.headline:
+        w = args.workloads["system"]
+        record(args.out / "prefix.md", "bench-prefix", {"prefix_system": (
+            f"Request rate with prefix caching against without, a {w.system_tokens}-token system prompt before "
+            f"{w.question_tokens}-token questions", args.headline["system"])})
 
 
 if __name__ == "__main__":

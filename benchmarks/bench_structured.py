@@ -18,6 +18,7 @@ import torch
 from tokenizers import Tokenizer
 
 from benchmarks.common import Report, copy_model, log, metric_total, options, serving, work_dir
+from benchmarks.headline import record
 from benchmarks.host_load import Ask, TritonLoad
 from orca_backend.checkpoint.config import ModelConfig
 from orca_backend.checkpoint.store import prepare_default_model
@@ -162,6 +163,11 @@ def main() -> None:
               "ending where the JSON ends; invalid: outputs that are not exactly what was asked for.")
     r.table(["model", "streams", "constrained", "tokens/s", "ratio to 0%", "mask ms / iteration", "requests",
              "invalid", "errors"], served).setup().write(args.markdown)
+    full = next((row for row in served if row[0] == "default model" and row[2] == "100%"), None)
+    if full is not None:
+        record(args.markdown, "bench-structured", {"structured": (
+            "Structured outputs: the default model's tokens/s with every request under a JSON schema, against none "
+            f"({full[1]} streams)", f"{full[4]}x (goal 0.95x), {full[7]} of {full[6]} outputs invalid")})
 
 
 if __name__ == "__main__":

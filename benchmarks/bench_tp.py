@@ -21,6 +21,7 @@ import torch.distributed as dist
 import transformers
 
 from benchmarks.common import Report, log, options, seconds, work_dir
+from benchmarks.headline import record
 from client.triton_client import StreamingClient
 from orca_backend import EngineConfig, LLMEngine, SamplingParams
 from orca_backend.checkpoint.store import prepare_default_model
@@ -232,6 +233,11 @@ def main() -> None:
     r.add(f"The gRPC hop adds {medians['grpc'] - medians['bls']:.2f} ms per iteration "
           f"({100 * (medians['grpc'] / medians['bls'] - 1):.1f}%).", "")
     r.setup().write(args.markdown)
+    top = max(args.batches)
+    one, two = Sample.median(samples[1, top]), Sample.median(samples[2, top])
+    record(args.markdown, "bench-tp", {"tensor_parallel": (
+        f"Tensor parallelism: 2 ranks against 1 on the same 2 cores, decode at batch {top}",
+        f"{two.decode_rate / one.decode_rate:.2f}x")})
 
 
 if __name__ == "__main__":
