@@ -1,6 +1,7 @@
 """Request parsing, config parameters and the engine loop, without a server."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
@@ -96,6 +97,18 @@ def test_the_documented_parameters_are_the_ones_read():
         return set(re.findall(r'parameters: \{ key: "(\w+)"', text))
 
     assert shipped("orca") == read and shipped("orca_request_level") <= read
+
+
+def test_the_documented_parts_hold_the_options_they_list():
+    """docs/configuration.md's table of EngineConfig's parts lists each option under the part
+    that holds it."""
+    from orca_backend.core.config import PARTS
+    from orca_backend.serving.launch import REPO_ROOT
+
+    text = (REPO_ROOT / "docs" / "configuration.md").read_text()
+    rows = re.findall(r"^\| `config\.(\w+)` \(`\w+`\) \| ([^|]+) \|", text, re.M)
+    documented = {part: set(re.findall(r"`(\w+)`", options)) for part, options in rows}
+    assert documented == {part: {f.name for f in dataclasses.fields(cls)} for part, cls in PARTS.items()}
 
 
 @pytest.mark.parametrize("parameters, message", [

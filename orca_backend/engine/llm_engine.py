@@ -46,7 +46,7 @@ class LLMEngine:
     """Requests in, deltas out. The scheduler decides each iteration; the executor runs it.
 
     `executor_factory` makes the executor from the runner's spec, at the start and again
-    after the runner died; by default the one `config.executor` names (the serving layer
+    after the runner died; by default the one `config.parallel.executor` names (the serving layer
     hands in the Triton stages' one, tests hand in fakes)."""
 
     def __init__(self, config: EngineConfig | None = None,
