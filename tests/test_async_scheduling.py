@@ -216,9 +216,9 @@ def test_the_same_in_a_child_process(default_model):
 
 
 def test_pipelines_refuse_async_scheduling_and_one_stage_has_it_by_default():
-    assert EngineConfig().async_scheduling is True and EngineConfig().max_inflight == 2
-    assert EngineConfig(executor="pipeline").async_scheduling is False
-    assert EngineConfig(async_scheduling=False).max_inflight == 1
+    assert EngineConfig().scheduler.async_scheduling is True and EngineConfig().scheduler.max_inflight == 2
+    assert EngineConfig(executor="pipeline").scheduler.async_scheduling is False
+    assert EngineConfig(async_scheduling=False).scheduler.max_inflight == 1
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineConfig(executor="pipeline", async_scheduling=True)
 

@@ -126,7 +126,7 @@ def _run_seeded(engine: LLMEngine, max_steps: int = 500) -> tuple[list[list[int]
 
 def test_seeded_sampling_survives_chunked_prefill_and_preemption(llm, default_model):
     # The reference: each request alone, its prompt in one iteration, nothing preempted.
-    assert all(len(llm.engine.rules.encode(p)) <= llm.engine.config.max_num_batched_tokens for p in SEEDED_PROMPTS)
+    assert all(len(llm.engine.rules.encode(p)) <= llm.engine.config.scheduler.max_num_batched_tokens for p in SEEDED_PROMPTS)
     alone = [llm.generate([prompt], params)[0].token_ids
              for prompt, params in zip(SEEDED_PROMPTS, SEEDED_PARAMS)]
     assert all(len(t) == 12 for t in alone) and len({tuple(t) for t in alone}) == len(alone)
@@ -134,7 +134,7 @@ def test_seeded_sampling_survives_chunked_prefill_and_preemption(llm, default_mo
     # A small pool, still without preemption: the default one takes seconds to allocate.
     chunked = LLMEngine(EngineConfig(model=str(default_model), kv_cache_tokens=2048,
                                      **ENGINE_VARIANTS["chunked"]))
-    budget = chunked.config.max_num_batched_tokens
+    budget = chunked.config.scheduler.max_num_batched_tokens
     assert all(len(chunked.rules.encode(p)) > budget for p in SEEDED_PROMPTS), "prompts must be chunked"
     tokens, _ = _run_seeded(chunked)
     assert tokens == alone and chunked.scheduler.num_preemptions == 0

@@ -137,7 +137,7 @@ def test_a_prompt_over_max_prompt_bytes_is_refused_before_tokenizing(engine, mon
     def no_tokenizing(*_):
         raise AssertionError("the prompt was tokenized")
 
-    monkeypatch.setattr(engine.config, "max_prompt_bytes", 1000)
+    monkeypatch.setattr(engine.config.runner, "max_prompt_bytes", 1000)
     monkeypatch.setattr(engine.rules, "tokenizer", type("T", (), {"encode_batch": no_tokenizing})())
     with pytest.raises(InvalidRequestError, match="1001 bytes, more than max_prompt_bytes \\(1000\\)"):
         engine.add_request("x", "é" + "a" * 999, GOOD)

@@ -45,7 +45,7 @@ def test_a_failing_stage_fails_its_iteration_alone_and_the_pipeline_goes_on(tiny
     expected, _ = _drain(reference)
 
     engine = LLMEngine(EngineConfig(model=folder, executor="pipeline"))
-    assert isinstance(engine.executor, PipelineExecutor) and engine.config.max_inflight == 2
+    assert isinstance(engine.executor, PipelineExecutor) and engine.config.scheduler.max_inflight == 2
     last = engine.executor.runners[1]
     real, calls = last.execute, []
 

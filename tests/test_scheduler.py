@@ -163,7 +163,7 @@ def test_max_loras_caps_the_adapters_of_running_requests_and_lets_others_by():
     adapter travels to the runner with the request, and the wire keeps it."""
     from orca_backend.core.messages import LoRARef
 
-    engine = FakeEngine(max_loras=2)
+    engine = FakeEngine(enable_lora=True, max_loras=2)
     refs = {name: LoRARef(i + 1, name, f"/adapters/{name}") for i, name in enumerate("abcd")}
     lengths = {"r0": 2, "r1": 6, "r2": 2, "r3": 2, "r4": 2, "r5": 2}
     for (request_id, max_tokens), name in zip(lengths.items(), ["a", "b", "c", "a", None, "d"]):

@@ -1,6 +1,7 @@
 """Request parsing, config parameters and the engine loop, without a server."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
@@ -49,23 +50,26 @@ def test_bad_requests_name_the_problem(kwargs, message):
 
 def test_config_parameters_become_engine_options():
     c = engine_config_from_parameters({"max_batch_size": "8", "model": "", "dtype": "auto", "policy": "reserve"})
-    assert (c.max_batch_size, c.model, c.dtype, c.device, c.policy) == (8, None, "float32", "cpu", "reserve")
+    assert (c.scheduler.max_batch_size, c.runner.model, c.runner.dtype, c.runner.device, c.scheduler.policy) == (
+        8, None, "float32", "cpu", "reserve")
     c = engine_config_from_parameters({"executor": "process", "max_inflight": "2",
                                        "iteration_timeout_seconds": "30"})
-    assert (c.executor, c.max_inflight, c.iteration_timeout_seconds) == ("process", 2, 30)
+    assert (c.parallel.executor, c.scheduler.max_inflight, c.parallel.iteration_timeout_seconds) == ("process", 2, 30)
     gpu = engine_config_from_parameters({}, instance_device({"model_instance_kind": "GPU",
                                                              "model_instance_device_id": "2"}))
-    assert (gpu.device, gpu.dtype, gpu.attention_backend, gpu.cuda_graphs) == ("cuda:2", "bfloat16", "triton", True)
+    runner = gpu.runner
+    assert (runner.device, runner.dtype, runner.attention_backend, runner.cuda_graphs) == (
+        "cuda:2", "bfloat16", "triton", True)
     c = engine_config_from_parameters({"attention": "triton", "cuda_graphs": "False"})
-    assert (c.attention_backend, c.cuda_graphs) == ("triton", False)
-    assert engine_config_from_parameters({"attention": "auto"}).attention_backend == "torch"
+    assert (c.runner.attention_backend, c.runner.cuda_graphs) == ("triton", False)
+    assert engine_config_from_parameters({"attention": "auto"}).runner.attention_backend == "torch"
     c = engine_config_from_parameters({"executor": "pipeline", "pipeline_stages": "3", "max_inflight": "auto"})
-    assert (c.executor, c.pipeline_stages, c.max_inflight) == ("pipeline", 3, 3)
-    assert engine_config_from_parameters({"max_inflight": "auto"}).max_inflight == 2  # async scheduling
+    assert (c.parallel.executor, c.parallel.pipeline_stages, c.scheduler.max_inflight) == ("pipeline", 3, 3)
+    assert engine_config_from_parameters({"max_inflight": "auto"}).scheduler.max_inflight == 2  # async scheduling
     c = engine_config_from_parameters({"max_inflight": "auto", "async_scheduling": "false"})
-    assert (c.async_scheduling, c.max_inflight) == (False, 1)
+    assert (c.scheduler.async_scheduling, c.scheduler.max_inflight) == (False, 1)
     c = engine_config_from_parameters({"engine": "null", "null_step_seconds": "0.01"})
-    assert (c.engine, c.null_step_seconds) == ("null", 0.01)
+    assert (c.runner.engine, c.runner.null_step_seconds) == ("null", 0.01)
 
 
 def test_a_models_args_give_its_parameters_and_device():
@@ -78,7 +82,7 @@ def test_a_models_args_give_its_parameters_and_device():
 
 
 def test_the_documented_parameters_are_the_ones_read():
-    """Every EngineConfig field that is a model parameter, and the serving loop's five: the
+    """Every EngineConfig option that is a model parameter, and the serving loop's five: the
     table of docs/configuration.md and model_repository/orca/config.pbtxt name exactly these
     (the other served models a part of them)."""
     from orca_backend.serving.launch import REPO_ROOT
@@ -93,6 +97,18 @@ def test_the_documented_parameters_are_the_ones_read():
         return set(re.findall(r'parameters: \{ key: "(\w+)"', text))
 
     assert shipped("orca") == read and shipped("orca_request_level") <= read
+
+
+def test_the_documented_parts_hold_the_options_they_list():
+    """docs/configuration.md's table of EngineConfig's parts lists each option under the part
+    that holds it."""
+    from orca_backend.core.config import PARTS
+    from orca_backend.serving.launch import REPO_ROOT
+
+    text = (REPO_ROOT / "docs" / "configuration.md").read_text()
+    rows = re.findall(r"^\| `config\.(\w+)` \(`\w+`\) \| ([^|]+) \|", text, re.M)
+    documented = {part: set(re.findall(r"`(\w+)`", options)) for part, options in rows}
+    assert documented == {part: {f.name for f in dataclasses.fields(cls)} for part, cls in PARTS.items()}
 
 
 @pytest.mark.parametrize("parameters, message", [

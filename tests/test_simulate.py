@@ -330,7 +330,7 @@ def test_a_shared_system_prompt_is_computed_once_with_prefix_caching():
     (["--kv-tokens", "8"], "--kv-tokens 8 is less than one block of 16"),
     (["--tp", "3"], "tensor_parallel_size 3 does not divide the model's attention heads 32"),
     (["--rates", "0,1"], "--rates must be positive numbers"),
-    (["--max-batch-size", "0"], "max_batch_size must be >= 1"),
+    (["--max-batch-size", "0"], "'max_batch_size' must be an integer >= 1, got 0"),
     (["--block-size", "0"], "--block-size must be > 0, got 0"),
     (["--num-requests", "0"], "--num-requests must be > 0, got 0"),
     (["--duration", "-1"], "--duration must be > 0, got -1"),

@@ -159,7 +159,7 @@ def test_a_request_whose_grammar_compiles_waits_and_the_others_run_meanwhile(hel
 
 def test_a_grammar_not_compiled_in_time_fails_its_request_alone(held):
     engine, backend = held
-    engine.config.grammar_compile_timeout_seconds = 0.2
+    engine.config.runner.grammar_compile_timeout_seconds = 0.2
     engine.add_request("slow", "Is it good?", sampled({"choice": ["a", "b"]}))
     engine.add_request("free", "Once upon a time", SamplingParams(temperature=0, max_tokens=4))
     seen = _run(engine, lambda s: all(any(d.finished for d in s.get(r, [])) for r in ("slow", "free")))
@@ -172,7 +172,7 @@ def test_a_grammar_not_compiled_in_time_fails_its_request_alone(held):
 
 def test_the_serving_loop_refuses_a_grammar_that_times_out_as_invalid_and_serves_on(held):
     engine, backend = held
-    engine.config.grammar_compile_timeout_seconds = 0.2
+    engine.config.runner.grammar_compile_timeout_seconds = 0.2
     loop = EngineLoop(engine)
     loop.start()
     try:

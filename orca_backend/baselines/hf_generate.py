@@ -103,10 +103,10 @@ class HFBatchGenerator:
 
     def __init__(self, config: EngineConfig, name: str = "hf_dynamic_batching") -> None:
         self.name = name
-        self.rules = RequestRules(config)
-        self.device = torch.device(config.device)
+        self.rules = RequestRules(config.runner)
+        self.device = torch.device(config.runner.device)
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            self.rules.model_path, dtype=getattr(torch, config.dtype)).to(self.device).eval()
+            self.rules.model_path, dtype=getattr(torch, config.runner.dtype)).to(self.device).eval()
         eos = self.rules.model_config.eos_token_ids
         self.pad_id = eos[0] if eos else 0  # masked out: any id does
 

@@ -19,40 +19,16 @@ import operator
 from collections import Counter, deque
 from dataclasses import dataclass
 
-from .config import BATCHING_MODES, POLICIES
+from .config import SchedulerConfig
 from .kv_manager import BlockManager
 from .messages import LoRARef, NewRequest, RunnerOutput, ScheduledRequest, SchedulerOutput
 from .request import Request, RequestStatus
-from .speculative import NgramProposer, SpeculativeConfig, may_speculate
+from .speculative import NgramProposer, may_speculate
 
 
 # Tokens a request decodes one at a time (one step ahead, with async scheduling) after a lookup
 # found no proposal, before it looks again.
 _PROPOSAL_BACKOFF = 4
-
-
-@dataclass(slots=True)
-class SchedulerConfig:
-    max_batch_size: int = 32  # requests per iteration
-    max_num_batched_tokens: int = 512
-    policy: str = "paged"
-    batching: str = "iteration"
-    max_inflight: int = 1  # iterations submitted and not yet returned
-    # A request in flight may be scheduled again, one step ahead, its next token a placeholder
-    # (the runner that samples it fills it in): one stage only, whose runner samples.
-    async_scheduling: bool = False
-    max_loras: int | None = None  # distinct LoRA adapters among running requests; None: no adapters
-    speculative: SpeculativeConfig | None = None  # propose tokens for decoding requests to check
-    priority_aging_iterations: int = 256  # a priority step is worth this many iterations of arrival
-
-    def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_num_batched_tokens", "max_inflight", "priority_aging_iterations"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.batching not in BATCHING_MODES:
-            raise ValueError(f"batching must be one of {BATCHING_MODES}, got {self.batching!r}")
 
 
 @dataclass(slots=True)
@@ -86,7 +62,7 @@ class Scheduler:
         self._iteration_ids = itertools.count()
         # rows: (request, tokens, samples, proposal rows)
         self._in_flight: dict[int, list[tuple[Request, int, bool, int]]] = {}
-        spec = config.speculative
+        spec = config.speculative_config
         # None with a draft model: the runner proposes, and the scheduler reserves its rows
         self.proposer = NgramProposer(spec) if spec is not None and spec.method == "ngram" else None
         # This iteration's proposals, by request id: the tokens, or with a draft model their number.
@@ -160,7 +136,7 @@ class Scheduler:
         ids of ended requests, when nothing is in flight)."""
         scheduled: list[tuple[Request, int]] = []
         num_preemptions = self.num_preemptions
-        spec = self.config.speculative
+        spec = self.config.speculative_config
         # Speculate only at low load: a big batch is no longer bound by reading the weights.
         self._speculate = spec is not None and len(self.running) <= spec.max_batch_size
         if len(self._priorities) > 1:
@@ -187,7 +163,7 @@ class Scheduler:
             return
         head = self.waiting[0]
         victims = [r for r in reversed(self.running) if not r.in_flight and r.params.priority > head.params.priority]
-        loras = self.running_loras() if self.config.max_loras is not None else None
+        loras = self.running_loras() if self.config.enable_lora else None
         if victims and not self._fits(head) and self._adapter_fits(head, loras) and self._room_after(head, victims):
             for victim in victims:
                 self._preempt(victim)
@@ -248,7 +224,7 @@ class Scheduler:
             return []
         limit = min(room, req.params.max_tokens - req.num_output_tokens - 1)
         if self.proposer is None:
-            return max(0, min(limit, self.config.speculative.num_speculative_tokens))
+            return max(0, min(limit, self.config.speculative_config.num_speculative_tokens))
         drafts = self.proposer.propose(req.request_id, req.prompt_token_ids + req.output_token_ids, limit)
         # Found none, and none of its proposals ever held (its text does not repeat itself): look
         # again a few tokens on, decoding one step ahead meanwhile (async scheduling).
@@ -302,7 +278,7 @@ class Scheduler:
         if request_mode and self.running:
             return  # request-level batching: nobody joins a batch that is running
         max_running = self._max_running
-        loras = self.running_loras() if c.max_loras is not None else None
+        loras = self.running_loras() if c.enable_lora else None
         i = 0
         while i < len(self.waiting) and len(scheduled) < c.max_batch_size and len(self.running) < max_running:
             if budget <= 0 and not request_mode:

@@ -11,13 +11,13 @@ import torch
 
 from ..checkpoint.config import ModelConfig
 from ..checkpoint.store import cache_root
-from ..core.config import EngineConfig
+from ..core.config import DTYPE_SIZES, EngineConfig
 from ..core.errors import ConfigError, InvalidRequestError
 from ..core.kv_manager import BlockManager
 from ..core.messages import RunnerOutput, SampledToken, SchedulerOutput
 from ..core.request import Request, RequestStatus
 from ..core.sampling_params import SamplingParams
-from ..core.scheduler import Scheduler, SchedulerConfig
+from ..core.scheduler import Scheduler
 from ..executors.base import Executor, ExecutorFactory, RunnerDiedError, RunnerUnavailableError
 from ..executors.factory import executor_factory_for
 from ..grammar import compiler_for, grammar_of
@@ -46,28 +46,28 @@ class LLMEngine:
     """Requests in, deltas out. The scheduler decides each iteration; the executor runs it.
 
     `executor_factory` makes the executor from the runner's spec, at the start and again
-    after the runner died; by default the one `config.executor` names (the serving layer
+    after the runner died; by default the one `config.parallel.executor` names (the serving layer
     hands in the Triton stages' one, tests hand in fakes)."""
 
     def __init__(self, config: EngineConfig | None = None,
                  executor_factory: ExecutorFactory | None = None) -> None:
         self.config = config = config or EngineConfig()
-        self.rules = RequestRules(config)
+        self.rules = RequestRules(config.runner)
+        # kv_cache_bytes is each rank's: a rank holds only its K/V heads (rank 0 the draft's too)
+        kv_elements = (self.rules.model_config.kv_elements_per_rank_token(config.parallel.tensor_parallel_size)
+                       + self._draft_kv_elements())
         self.runner_spec = RunnerSpec.from_config(
             config, model_path=self.rules.model_path, max_model_len=self.rules.max_model_len,
-            # kv_cache_bytes is each rank's: a rank holds only its K/V heads (rank 0 the draft's too)
-            num_blocks=config.num_kv_blocks(
-                self.rules.model_config.kv_elements_per_rank_token(config.tensor_parallel_size)
-                + self._draft_kv_elements()),
+            num_blocks=config.cache.num_kv_blocks(kv_elements * DTYPE_SIZES[config.runner.dtype]),
             engine_cache_dir=self._engine_cache_dir())
-        self.executor_factory = executor_factory or executor_factory_for(config)
+        self.executor_factory = executor_factory or executor_factory_for(config.parallel)
         self.executor: Executor = self.executor_factory(self.runner_spec)
         model = self.rules.model_config
         self.grammars = compiler_for(self.rules.model_path, model.vocab_size, model.eos_token_ids)
-        if config.enable_lora and model.architecture == "GPT2LMHeadModel":
+        if config.scheduler.enable_lora and model.architecture == "GPT2LMHeadModel":
             raise ConfigError("enable_lora: LoRA adapters apply to Llama-family models (q/k/v/o and "
                               f"gate/up/down projections); this model is {model.architecture}")
-        self.loras = LoRARegistry(model, config.enable_lora, config.max_lora_rank)
+        self.loras = LoRARegistry(model, config.scheduler.enable_lora, config.runner.max_lora_rank)
         self.stats = EngineStats()
         self.reset()
 
@@ -87,7 +87,7 @@ class LLMEngine:
         return draft.kv_elements_per_rank_token(1)
 
     def _engine_cache_dir(self) -> str:
-        if self.config.engine != "tensorrt":
+        if self.config.runner.engine != "tensorrt":
             return ""
         from trt_plugins.builder import SUPPORTED
 
@@ -95,7 +95,7 @@ class LLMEngine:
         if architecture not in SUPPORTED:
             raise ConfigError(f"engine 'tensorrt' builds {', '.join(SUPPORTED)}; this model is "
                               f"{architecture} (use engine 'torch')")
-        return self.config.engine_cache_dir or str(cache_root() / "engines")
+        return self.config.runner.engine_cache_dir or str(cache_root() / "engines")
 
     def reset(self) -> None:
         """Forget every request: a fresh scheduler and K/V pool. The weights stay loaded; a
@@ -118,16 +118,11 @@ class LLMEngine:
         return True
 
     def _fresh_scheduler(self) -> None:
-        c = self.config
+        cache = self.config.cache
         # A new pool starts with an empty prefix cache: a new runner has no K/V to share.
-        self.kv = BlockManager(self.runner_spec.num_blocks, c.block_size, c.enable_prefix_caching,
+        self.kv = BlockManager(self.runner_spec.num_blocks, cache.block_size, cache.enable_prefix_caching,
                                namespace=str(self.rules.model_path), stats=self.stats.prefix_cache)
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_batch_size=c.max_batch_size, max_num_batched_tokens=c.max_num_batched_tokens,
-            policy=c.policy, batching=c.batching, max_inflight=c.max_inflight,
-            async_scheduling=c.async_scheduling, max_loras=c.max_loras if c.enable_lora else None,
-            priority_aging_iterations=c.priority_aging_iterations,
-            speculative=c.speculative_config), self.kv, self.stats.scheduler)
+        self.scheduler = Scheduler(self.config.scheduler, self.kv, self.stats.scheduler)
         self._tracked: dict[str, _Tracked] = {}
         # Requests whose structured_outputs grammar is compiling: tracked, not yet scheduled.
         self._compiling: dict[str, Future] = {}
@@ -208,7 +203,7 @@ class LLMEngine:
         InvalidRequestError for a bad spec or one not compiled in time. Any thread."""
         if params.structured_outputs is None:
             return None
-        return self.grammars.submit(params.structured_outputs, self.config.grammar_compile_timeout_seconds)
+        return self.grammars.submit(params.structured_outputs, self.config.runner.grammar_compile_timeout_seconds)
 
     def prepare(self, prompt: str | list[int], params: SamplingParams) -> PreparedRequest:
         """Tokenize and check a request against the model and the K/V pool, and resolve its
@@ -216,7 +211,7 @@ class LLMEngine:
         InvalidRequestError. Safe to call from any thread (it reads the tokenizer and limits
         only), so a server can tokenize long prompts without holding up iterations."""
         token_ids = self.rules.prepare(prompt, params)
-        num_blocks, block_size = self.runner_spec.num_blocks, self.config.block_size
+        num_blocks, block_size = self.runner_spec.num_blocks, self.config.cache.block_size
         params = self.rules.resolved(params, len(token_ids), room=num_blocks * block_size - len(token_ids) + 1)
         need = -(-(len(token_ids) + params.max_tokens - 1) // block_size)
         if need > num_blocks:
@@ -262,12 +257,14 @@ class LLMEngine:
             num_prefix_queried_tokens=self.kv.stats.num_queried_tokens,
             num_prefix_hit_tokens=self.kv.stats.num_hit_tokens, num_evictions=self.kv.stats.num_evictions,
             num_structured_requests=self.stats.num_structured_requests,
-            lora=self._lora_snapshot() if self.config.enable_lora else None,
-            speculation=self.stats.speculation.copy() if self.config.speculative_config is not None else None)
+            lora=self._lora_snapshot() if self.config.scheduler.enable_lora else None,
+            speculation=(self.stats.speculation.copy() if self.config.scheduler.speculative_config is not None
+                         else None))
 
     def _lora_snapshot(self) -> LoRASnapshot:
         running, waiting = self.lora_requests()
-        return LoRASnapshot(tuple(running), tuple(waiting), self.config.max_loras, dict(self.stats.num_lora_requests))
+        return LoRASnapshot(tuple(running), tuple(waiting), self.config.scheduler.max_loras,
+                            dict(self.stats.num_lora_requests))
 
     # -- iterations -------------------------------------------------------------------------
     def step(self) -> StepOutput:
@@ -316,7 +313,7 @@ class LLMEngine:
             wait(list(self._compiling.values()), COMPILE_POLL_SECONDS, FIRST_COMPLETED)
 
     def _submit(self) -> None:
-        while len(self._in_flight) < self.config.max_inflight:
+        while len(self._in_flight) < self.config.scheduler.max_inflight:
             message = self.scheduler.schedule()
             if message is None:
                 return
@@ -331,7 +328,7 @@ class LLMEngine:
     def _returned(self) -> list[tuple[SchedulerOutput, Future[RunnerOutput]]]:
         """Wait for at least one iteration; every one that has returned, oldest first. A
         runner that returns nothing for `iteration_timeout_seconds` is treated as dead."""
-        timeout = self.config.iteration_timeout_seconds
+        timeout = self.config.parallel.iteration_timeout_seconds
         wait([future for _, future in self._in_flight.values()], timeout, FIRST_COMPLETED)
         done = sorted(i for i, (_, future) in self._in_flight.items() if future.done())
         if not done:
@@ -425,7 +422,7 @@ class LLMEngine:
     def _embedded(self, req: Request, pooled: bytes) -> RequestDelta:
         """An embedding request's end: its vector cut to `dimensions`, then normalized."""
         vector = torch.frombuffer(bytearray(pooled), dtype=torch.float32)[:req.params.dimensions]
-        if self.config.pooling_normalize:
+        if self.config.runner.pooling_normalize:
             vector = torch.nn.functional.normalize(vector, dim=0)
         self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
         del self._tracked[req.request_id]

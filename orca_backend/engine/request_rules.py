@@ -14,7 +14,7 @@ from tokenizers import Tokenizer
 
 from ..checkpoint.config import ModelConfig
 from ..checkpoint.store import prepare_default_model
-from ..core.config import EngineConfig
+from ..core.config import RunnerConfig
 from ..core.errors import ConfigError, InvalidRequestError
 from ..core.request import RequestStatus
 from ..core.sampling_params import SamplingParams
@@ -22,7 +22,7 @@ from .detokenizer import IncrementalDetokenizer
 
 
 class RequestRules:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: RunnerConfig) -> None:
         self.model_path = Path(config.model) if config.model else prepare_default_model()
         self.model_config = ModelConfig.from_folder(self.model_path)
         self.tokenizer = load_tokenizer(self.model_path)

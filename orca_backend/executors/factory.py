@@ -1,7 +1,7 @@
 """The executor an engine config names, as a factory (called again after a runner died)."""
 from __future__ import annotations
 
-from ..core.config import EngineConfig
+from ..core.config import ParallelConfig
 from ..core.errors import ConfigError
 from .base import ExecutorFactory
 from .inline import InlineExecutor
@@ -9,7 +9,7 @@ from .pipeline import PipelineFactory
 from .process import ProcessExecutor
 
 
-def executor_factory_for(config: EngineConfig) -> ExecutorFactory:
+def executor_factory_for(config: ParallelConfig) -> ExecutorFactory:
     """The factory of the executor `config.executor` names. `stages` lives in tritonserver
     only (its stages are Triton models): the serving layer hands the engine that factory."""
     if config.executor == "process":

@@ -2,7 +2,7 @@
 Triton stage models (`dataclasses.asdict` there, `RunnerSpec(**values)` back)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from ..core.config import EngineConfig
@@ -45,21 +45,14 @@ class RunnerSpec:
     @classmethod
     def from_config(cls, config: EngineConfig, *, model_path: Path | str, num_blocks: int,
                     max_model_len: int, engine_cache_dir: str = "") -> RunnerSpec:
-        """The runner of a whole model, as `config` asks for it; the rest is what the engine
-        worked out: the checkpoint's folder, the K/V pool's size and the context limit."""
-        return cls(model_path=str(model_path), dtype=config.dtype, device=config.device,
-                   num_blocks=num_blocks, block_size=config.block_size, seed=config.seed,
-                   keep_logits=config.keep_logits, attention=config.attention_backend,
-                   cuda_graphs=config.cuda_graphs, max_batch_size=config.max_batch_size,
-                   max_model_len=max_model_len, engine=config.engine,
-                   tensorrt_runtime=config.tensorrt_runtime,
-                   max_num_batched_tokens=config.max_num_batched_tokens,
-                   engine_cache_dir=engine_cache_dir,
-                   tensor_parallel_size=config.tensor_parallel_size,
-                   linear=config.linear, quantization=config.quantization,
-                   null_step_seconds=config.null_step_seconds,
-                   enable_lora=config.enable_lora, max_loras=config.max_loras,
-                   max_cpu_loras=config.max_cpu_loras, max_lora_rank=config.max_lora_rank,
-                   draft_model_path=config.draft_model_path, pooling_type=config.pooling_type,
-                   # under the engine's deadline, so a hung rank is named before the runner is
-                   collective_timeout_seconds=max(1.0, config.iteration_timeout_seconds / 2))
+        """The runner of a whole model, as `config` asks for it: each field named as an option
+        takes its value; the rest is what the engine worked out (the checkpoint's folder, the
+        K/V pool's size, the context limit, where built engines are kept) or derived here."""
+        options = config.options()
+        values = {f.name: options[f.name] for f in fields(cls) if f.name in options}
+        return cls(**values | dict(
+            model_path=str(model_path), num_blocks=num_blocks, max_model_len=max_model_len,
+            engine_cache_dir=engine_cache_dir, attention=config.runner.attention_backend,
+            draft_model_path=config.draft_model_path,
+            # under the engine's deadline, so a hung rank is named before the runner is
+            collective_timeout_seconds=max(1.0, config.parallel.iteration_timeout_seconds / 2)))

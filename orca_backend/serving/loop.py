@@ -227,10 +227,10 @@ class EngineLoop:
                 engine.add_lora(command.lora_name, command.lora_path)
             elif command.action == "unload":
                 engine.remove_lora(command.lora_name)
-            elif not engine.config.enable_lora:
+            elif not engine.config.scheduler.enable_lora:
                 raise InvalidRequestError("LoRA feature is not enabled.")
             running, waiting = engine.lora_requests()
-            reply = {"loras": engine.loras.listing(), "max_loras": engine.config.max_loras,
+            reply = {"loras": engine.loras.listing(), "max_loras": engine.config.scheduler.max_loras,
                      "running": running, "waiting": waiting}
             self.sender.put(Reply(c.sink, json.dumps(reply)))
         except Exception as e:
@@ -269,7 +269,7 @@ class EngineLoop:
         # An abort in flight takes effect when its iteration returns: collect what is out
         # (nothing new is scheduled for ended requests), so that every block comes back. Only
         # that: a runner that died is not started again on the way out.
-        for _ in range(self.engine.config.max_inflight + 1):
+        for _ in range(self.engine.config.scheduler.max_inflight + 1):
             if not self.engine.num_iterations_in_flight:
                 break
             try:

@@ -1,6 +1,6 @@
 """A served model's config.pbtxt `parameters` and device, from the `args` Triton gives its
-`initialize`: the engine's options (every `EngineConfig` field that is a model parameter, read
-by its type) and the serving loop's own."""
+`initialize`: the engine's options (every field of `EngineConfig`'s parts that is a model
+parameter, read by its type) and the serving loop's own."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,18 +10,19 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..core.config import EngineConfig, auto_device, auto_dtype, is_model_parameter
+from ..core.config import PARTS, EngineConfig, auto_device, auto_dtype, is_model_parameter
 from ..core.errors import ConfigError
 
 
 def _option_types() -> dict[str, type]:
     """Each parameter's type: int, float, bool or str (of `int | None`, int)."""
-    hints = typing.get_type_hints(EngineConfig)
     types = {}
-    for f in dataclasses.fields(EngineConfig):
-        if is_model_parameter(f):
-            kinds = [t for t in typing.get_args(hints[f.name]) if t is not type(None)] or [hints[f.name]]
-            types[f.name] = kinds[0]
+    for part in PARTS.values():
+        hints = typing.get_type_hints(part)
+        for f in dataclasses.fields(part):
+            if is_model_parameter(f):
+                kinds = [t for t in typing.get_args(hints[f.name]) if t is not type(None)] or [hints[f.name]]
+                types[f.name] = kinds[0]
     return types
 
 

@@ -47,8 +47,9 @@ class TritonPythonModel:
         engine_config = engine_config_from_parameters(parameters, instance_device(args))
         name = args["model_name"]
         # The stages executor calls the Triton models <name>_stage_<i>, so it is made here.
-        factory = (TritonStagesFactory(engine_config, name) if engine_config.executor == "stages"
-                   else executor_factory_for(engine_config))
+        parallel = engine_config.parallel
+        factory = (TritonStagesFactory(parallel, name) if parallel.executor == "stages"
+                   else executor_factory_for(parallel))
         self.engine = LLMEngine(engine_config, factory)
         for lora_name, lora_path in lora_modules(version_folder).items():
             self.engine.add_lora(lora_name, lora_path)

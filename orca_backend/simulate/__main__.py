@@ -27,8 +27,8 @@ import sys
 from pathlib import Path
 
 from ..checkpoint.config import ModelConfig
+from ..core.config import BATCHING_MODES, POLICIES, SchedulerConfig
 from ..core.errors import ConfigError
-from ..core.scheduler import SchedulerConfig
 from .cost_model import DTYPE_BYTES, CostModel, Layout
 from .hardware import PRESETS, load_hardware
 from .loop import Simulation, SimulatedIteration
@@ -58,8 +58,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, default=1, help="pipeline stages")
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--policy", default="paged", choices=("paged", "reserve"))
-    p.add_argument("--batching", default="iteration", choices=("iteration", "request"))
+    p.add_argument("--policy", default="paged", choices=POLICIES)
+    p.add_argument("--batching", default="iteration", choices=BATCHING_MODES)
     p.add_argument("--padding", action="store_true",
                    help="request-level batches padded as FasterTransformer runs them (--batching request)")
     p.add_argument("--micro-batches", type=int, default=1,
@@ -85,11 +85,8 @@ def deployment(args: argparse.Namespace) -> Deployment:
     """Everything the options describe, checked: the first refusal names what is wrong."""
     hardware = load_hardware(args.hardware, args.calibration)
     cost = CostModel(load_model(args.model), hardware, Layout(args.tp, args.pp), args.dtype)
-    try:
-        scheduler = SchedulerConfig(args.max_batch_size, args.max_num_batched_tokens, args.policy,
-                                    args.batching, args.max_inflight)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    scheduler = SchedulerConfig(max_batch_size=args.max_batch_size, max_num_batched_tokens=args.max_num_batched_tokens,
+                                policy=args.policy, batching=args.batching, max_inflight=args.max_inflight)
     for name in ("block_size", "min_requests", "duration", "num_requests"):
         value = getattr(args, name)
         if value is not None and not value > 0:

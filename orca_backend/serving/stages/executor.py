@@ -38,7 +38,7 @@ import msgpack
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from ...core.config import EngineConfig
+from ...core.config import ParallelConfig
 from ...core.errors import ConfigError
 from ...core.messages import RunnerOutput, SchedulerOutput
 from ...executors.base import Executor, IterationFailedError, RunnerDiedError, RunnerUnavailableError
@@ -292,7 +292,7 @@ def _output(response, name: str):
 class TritonStagesFactory(StagedFactory):
     """The `stages` executor of the serving model `name`, as the engine's executor factory."""
 
-    def __init__(self, config: EngineConfig, name: str) -> None:
+    def __init__(self, config: ParallelConfig, name: str) -> None:
         super().__init__(config.pipeline_stages)
         self.transport, self.name = config.stage_transport, name
         self.timeout = float(config.iteration_timeout_seconds)
