@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from orca_backend.core.kv_manager import BlockManager
 from orca_backend.core.messages import (RunnerOutput, SampledToken, SchedulerOutput, decode_runner_output,
                                         decode_scheduler_output, encode)
-from orca_backend.core.request import Request, RequestStatus
+from orca_backend.core.request import Request, RequestEnd, RequestStatus
 from orca_backend.core.sampling_params import SamplingParams
 from orca_backend.core.scheduler import Scheduler, SchedulerConfig
 from orca_backend.executors.base import Executor
@@ -120,6 +120,11 @@ def _prefix_digests(tokens: list[int]) -> list[int]:
     return digests
 
 
+def ends_at_max_tokens(req: Request, new_token_ids: list[int]) -> RequestEnd | None:
+    """The stop rule of the fake engines: max_tokens only."""
+    return RequestEnd(RequestStatus.FINISHED_LENGTH) if req.num_output_tokens >= req.params.max_tokens else None
+
+
 class FakeEngine:
     """Scheduler + K/V manager driven through the message boundary by a FakeRunner."""
 
@@ -147,9 +152,7 @@ class FakeEngine:
         out = decode_runner_output(encode(out))
         for request_id, table in zip(fed.request_ids, fed.block_tables):
             assert table == self.kv.block_tables[request_id], "the runner's block table drifted"
-        for req in self.scheduler.update(out):
-            if req.request_id in out.sampled and req.num_output_tokens >= req.params.max_tokens:
-                self.scheduler.finish(req, RequestStatus.FINISHED_LENGTH)
+        self.scheduler.update(out, ends_at_max_tokens)
         self.kv.check_integrity()
         self.batches.append(fed)
         return fed

@@ -16,10 +16,10 @@ import pytest
 from orca_backend import EngineConfig, LLMEngine, SamplingParams
 from orca_backend.core.kv_manager import BlockManager
 from orca_backend.core.messages import decode_scheduler_output, encode
-from orca_backend.core.request import Request, RequestStatus
+from orca_backend.core.request import Request, RequestEnd, RequestStatus
 from orca_backend.core.scheduler import Scheduler, SchedulerConfig
 
-from fakes import FakeRunner
+from fakes import FakeRunner, ends_at_max_tokens
 
 STOP_AT = 1004  # the fake runner's fifth output token: a request with stop=True ends there
 
@@ -60,18 +60,16 @@ class _Ahead:
                 assert not self.scheduler.num_unfinished, "requests left that cannot run"
                 return
             result = out.popleft()
-            for req in self.scheduler.update(result):
-                token = result.sampled.get(req.request_id)
-                if token is None:
-                    continue
-                if req.request_id in self.stops and token.token_id == STOP_AT:
-                    self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
-                elif req.num_output_tokens >= req.params.max_tokens:
-                    self.scheduler.finish(req, RequestStatus.FINISHED_LENGTH)
+            self.scheduler.update(result, self._ends)
             if on_return is not None:
                 on_return(self)
             self.kv.check_integrity()
         raise AssertionError("requests did not finish")
+
+    def _ends(self, req: Request, new_token_ids: list[int]) -> RequestEnd | None:
+        if req.request_id in self.stops and new_token_ids[-1] == STOP_AT:
+            return RequestEnd(RequestStatus.FINISHED_STOPPED)
+        return ends_at_max_tokens(req, new_token_ids)
 
     def check_inputs(self) -> None:
         """Every token the runner was given is the request's true token at that position."""

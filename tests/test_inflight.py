@@ -12,7 +12,7 @@ import pytest
 from orca_backend import EngineConfig, LLMEngine, SamplingParams
 from orca_backend.core.kv_manager import BlockManager
 from orca_backend.core.messages import RunnerOutput, SampledToken
-from orca_backend.core.request import Request, RequestStatus
+from orca_backend.core.request import Request, RequestEnd, RequestStatus
 from orca_backend.core.scheduler import Scheduler, SchedulerConfig
 from orca_backend.executors.base import RunnerDiedError
 from orca_backend.serving.inputs import GenerateRequest
@@ -127,6 +127,24 @@ def test_a_request_in_flight_is_never_preempted():
     third = scheduler.schedule()
     assert third.request_ids == ["b"] and third.preempted_request_ids == ["a"]
     kv.check_integrity()
+
+
+def test_an_end_found_while_the_request_is_in_flight_again_applies_when_that_iteration_returns():
+    kv = BlockManager(num_blocks=8, block_size=4)
+    scheduler = Scheduler(SchedulerConfig(max_inflight=2, async_scheduling=True), kv)
+    req = Request("a", list(range(1, 9)), SamplingParams(max_tokens=8))
+    scheduler.add(req)
+    first, ahead = scheduler.schedule(), scheduler.schedule()
+    assert ahead.scheduled[0].num_placeholders == 1
+
+    def stop(r: Request, new_token_ids: list[int]) -> RequestEnd:
+        return RequestEnd(RequestStatus.FINISHED_STOPPED)
+
+    [update] = scheduler.update(RunnerOutput(first.iteration_id, {"a": SampledToken(1000)}), stop)
+    assert update.end.status == RequestStatus.FINISHED_STOPPED and req.status == RequestStatus.RUNNING
+    assert scheduler.update(RunnerOutput(ahead.iteration_id, {"a": SampledToken(1001)}), stop) == []
+    assert req.status == RequestStatus.FINISHED_STOPPED and req.output_token_ids == [1000]
+    assert kv.num_used_blocks == 0
 
 
 def test_an_abort_in_flight_takes_effect_when_its_iteration_returns(default_model):

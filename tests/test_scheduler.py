@@ -4,8 +4,11 @@ from __future__ import annotations
 import pytest
 
 from orca_backend.core.kv_manager import BlockManager
-from orca_backend.core.request import RequestStatus
-from orca_backend.core.scheduler import SchedulerConfig
+from orca_backend.core.messages import RunnerOutput, SampledToken
+from orca_backend.core.request import Request, RequestEnd, RequestStatus
+from orca_backend.core.sampling_params import SamplingParams
+from orca_backend.core.scheduler import Scheduler, SchedulerConfig
+from orca_backend.core.speculative import SpeculativeConfig
 
 from fakes import FakeEngine
 
@@ -179,3 +182,26 @@ def test_max_loras_caps_the_adapters_of_running_requests_and_lets_others_by():
     assert first_seen["r2"] > 1 and first_seen["r5"] > first_seen["r2"]
     assert engine.runner.loras == {"r0": refs["a"], "r1": refs["b"], "r2": refs["c"], "r3": refs["a"],
                                    "r4": None, "r5": refs["d"]}
+
+
+def test_update_ends_a_request_at_the_token_its_rule_names_and_drops_the_tokens_after_it():
+    kv = BlockManager(num_blocks=8, block_size=4)
+    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=2)
+    scheduler = Scheduler(SchedulerConfig(speculative=spec), kv)
+    req = Request("a", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_tokens=8))
+    scheduler.add(req)
+    scheduler.update(RunnerOutput(scheduler.schedule().iteration_id, {"a": SampledToken(3)}))
+    second = scheduler.schedule()
+    assert second.scheduled[0].draft_token_ids == [1, 2, 3]
+    seen = []
+
+    def ends(r: Request, new_token_ids: list[int]) -> RequestEnd | None:
+        seen.append(list(new_token_ids))
+        return RequestEnd(RequestStatus.FINISHED_STOPPED, num_kept=2)  # a stop at the second
+
+    out = RunnerOutput(second.iteration_id, {"a": SampledToken(9)}, accepted_token_ids={"a": [1, 2, 3]})
+    [update] = scheduler.update(out, ends)
+    assert seen == [[1, 2, 3, 9]] and update.new_token_ids == [1, 2] and req.output_token_ids == [3, 1, 2]
+    assert update.end.status == req.status == RequestStatus.FINISHED_STOPPED
+    assert not scheduler.num_unfinished and kv.num_used_blocks == 0
+    kv.check_integrity()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .messages import LoRARef
@@ -105,3 +106,27 @@ class Request:
     @property
     def finish_reason(self) -> str | None:
         return self.status.reason
+
+
+@dataclass(slots=True)
+class RequestEnd:
+    """Where a returned iteration ended a request: its status, and with FINISHED_ERROR why."""
+
+    status: RequestStatus
+    num_kept: int | None = None  # of its new tokens, those kept (the one that ended it last); None: all
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """A live request of a returned iteration: its new tokens (none after its end) and, if the
+    iteration ended it, how. Read the end here, not `request.status`: a request that is in
+    flight again ends when that iteration returns."""
+
+    request: Request
+    new_token_ids: list[int] = field(default_factory=list)
+    end: RequestEnd | None = None
+
+
+# The caller's stop rules: given a request and its new tokens (already appended), where it ends.
+EndRule = Callable[[Request, list[int]], RequestEnd | None]

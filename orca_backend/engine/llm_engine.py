@@ -14,8 +14,8 @@ from ..checkpoint.store import cache_root
 from ..core.config import DTYPE_SIZES, EngineConfig
 from ..core.errors import ConfigError, InvalidRequestError
 from ..core.kv_manager import BlockManager
-from ..core.messages import RunnerOutput, SampledToken, SchedulerOutput
-from ..core.request import Request, RequestStatus
+from ..core.messages import RunnerOutput, SchedulerOutput
+from ..core.request import Request, RequestEnd, RequestStatus, RequestUpdate
 from ..core.sampling_params import SamplingParams
 from ..core.scheduler import Scheduler
 from ..executors.base import Executor, ExecutorFactory, RunnerDiedError, RunnerUnavailableError
@@ -348,30 +348,15 @@ class LLMEngine:
             raise
         except Exception as e:
             log.error("an iteration of %d requests failed", message.num_requests, exc_info=e)
-            return [self._fail(req, f"internal error in the engine's iteration: {e}")
-                    for req in self.scheduler.fail_iteration(message.iteration_id)]
+            updates = self.scheduler.fail_iteration(message.iteration_id,
+                                                    f"internal error in the engine's iteration: {e}")
+            return [self._delta(update, None) for update in updates]
         if out.iteration_id != message.iteration_id:
             raise RunnerDiedError(f"{self.executor.name} answered iteration {message.iteration_id} "
                                   f"with iteration {out.iteration_id}'s output")
-        live = self.scheduler.update(out)
-        sampling = {s.request_id for s in message.scheduled if s.sample}
-        drafts = {s.request_id: s.num_drafts for s in message.scheduled if s.num_drafts}
-        deltas = []
-        for req in live:
-            if req.request_id in out.prompt_logprobs:
-                self._take_prompt_logprobs(req.request_id, *out.prompt_logprobs[req.request_id])
-            token = out.sampled.get(req.request_id)
-            if req.request_id in out.errors:
-                deltas.append(self._fail(req, out.errors[req.request_id]))
-            elif req.request_id in out.embeddings:
-                deltas.append(self._embedded(req, out.embeddings[req.request_id]))
-            elif token is not None:
-                accepted = len(out.accepted_token_ids.get(req.request_id, [])) if req.request_id in drafts else 0
-                if req.request_id in drafts:
-                    self.stats.speculation.add(drafts[req.request_id], accepted)
-                deltas.append(self._process_safely(req, token, out, 1 + accepted))
-            elif req.request_id in sampling:
-                deltas.append(self._fail(req, "internal error: the runner returned no token"))
+        updates = self.scheduler.update(out, self._ends)
+        self._count_proposals(message, out, updates)
+        deltas = [delta for update in updates if (delta := self._delta(update, out)) is not None]
         if not message.num_requests:
             return deltas  # it only told the runner which requests have ended
         self.stats.num_iterations += 1
@@ -379,7 +364,7 @@ class LLMEngine:
         iterations.append(IterationRecord(
             message.num_requests, message.num_tokens, message.num_prefill_requests,
             message.num_decode_requests, self.kv.num_used_blocks, len(self.scheduler.waiting),
-            sum(s.num_computed_tokens for s in message.scheduled), len(sampling),
+            sum(s.num_computed_tokens for s in message.scheduled), sum(s.sample for s in message.scheduled),
             seconds, out.mask_seconds))
         return deltas
 
@@ -419,57 +404,79 @@ class LLMEngine:
                 entry.setdefault(other, (value, other_rank))
             scores.append(entry)
 
-    def _embedded(self, req: Request, pooled: bytes) -> RequestDelta:
+    def _ends(self, req: Request, new_token_ids: list[int]) -> RequestEnd | None:
+        """The stop rules (EOS, stop tokens and strings, lengths) over a request's new tokens in
+        turn (several when proposals were accepted before its sampled one): the first token that
+        ends it is its last. The scheduler applies what this finds."""
+        try:
+            detokenizer = self._tracked[req.request_id].detokenizer
+            for j, token_id in enumerate(new_token_ids):
+                behind = len(new_token_ids) - 1 - j
+                status = self.rules.finish_status(req.params, detokenizer, token_id,
+                                                  req.num_output_tokens - behind, req.num_tokens - behind)
+                if status is not None:
+                    return RequestEnd(status, num_kept=j + 1)
+        except Exception as e:
+            return RequestEnd(RequestStatus.FINISHED_ERROR, error=_output_failure(req, e))
+        return None
+
+    def _count_proposals(self, message: SchedulerOutput, out: RunnerOutput, updates: list[RequestUpdate]) -> None:
+        """Speculative decoding's counters: each live request that checked proposals and sampled."""
+        drafts = {s.request_id: s.num_drafts for s in message.scheduled if s.num_drafts}
+        for update in updates:
+            rid = update.request.request_id
+            if rid in drafts and rid in out.sampled and rid not in out.errors and rid not in out.embeddings:
+                self.stats.speculation.add(drafts[rid], len(out.accepted_token_ids.get(rid, [])))
+
+    def _delta(self, update: RequestUpdate, out: RunnerOutput | None) -> RequestDelta | None:
+        """What a live request of a returned iteration (None: one that failed) tells its client:
+        its error, its embedding, or its new tokens and text; None when it has nothing to say
+        (a prompt chunk)."""
+        req, end = update.request, update.end
+        rid = req.request_id
+        if out is not None and rid in out.prompt_logprobs:
+            self._take_prompt_logprobs(rid, *out.prompt_logprobs[rid])
+        if end is not None and end.error is not None:
+            self._tracked.pop(rid, None)
+            return _error_delta(req, end.error)
+        if end is None and not update.new_token_ids:
+            return None
+        try:
+            tracked = self._tracked.pop(rid) if end is not None else self._tracked[rid]
+            if rid in out.embeddings:
+                return self._embedding_delta(req, out.embeddings[rid])
+            return self._token_delta(tracked, update, out)
+        except Exception as e:
+            return self._fail(req, _output_failure(req, e))
+
+    def _embedding_delta(self, req: Request, pooled: bytes) -> RequestDelta:
         """An embedding request's end: its vector cut to `dimensions`, then normalized."""
         vector = torch.frombuffer(bytearray(pooled), dtype=torch.float32)[:req.params.dimensions]
         if self.config.runner.pooling_normalize:
             vector = torch.nn.functional.normalize(vector, dim=0)
-        self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
-        del self._tracked[req.request_id]
         return RequestDelta(req.request_id, [], "", "stop", req.num_prompt_tokens, 0, None,
                             num_cached_tokens=req.num_cached_tokens or 0, embedding=vector.tolist())
 
-    def _process_safely(self, req: Request, token: SampledToken, out: RunnerOutput, num_new: int) -> RequestDelta:
-        try:
-            logits = out.logits.get(req.request_id) if out.logits is not None else None
-            return self._process(req, token, logits, num_new)
-        except Exception as e:
-            log.exception("request %s failed after its token was sampled", req.request_id)
-            return self._fail(req, f"internal error while processing this request's output: {e}")
+    def _token_delta(self, tracked: _Tracked, update: RequestUpdate, out: RunnerOutput) -> RequestDelta:
+        """The delta of a request's new tokens, ended or not."""
+        req, end = update.request, update.end
+        token = out.sampled[req.request_id]
+        if token.logprob is not None:
+            tracked.cumulative_logprob = (tracked.cumulative_logprob or 0.0) + token.logprob
+        logits = out.logits.get(req.request_id) if out.logits is not None else None
+        return RequestDelta(  # the end found, not the request's status: an end in flight applies on return
+            req.request_id, update.new_token_ids, tracked.detokenizer.take_delta(final=end is not None),
+            end.status.reason if end is not None else None, req.num_prompt_tokens, req.num_output_tokens,
+            tracked.cumulative_logprob,
+            [token.top_logprobs] if token.top_logprobs is not None else None,
+            torch.frombuffer(bytearray(logits), dtype=torch.float32) if logits is not None else None,
+            num_cached_tokens=req.num_cached_tokens or 0, prompt_logprobs=self._prompt_logprobs_once(tracked))
 
     def _fail(self, req: Request, message: str) -> RequestDelta:
         """End one request with an error; its K/V blocks are freed at once."""
         self._tracked.pop(req.request_id, None)
         self._end(req, RequestStatus.FINISHED_ERROR)
         return _error_delta(req, message)
-
-    def _process(self, req: Request, token: SampledToken, logits: bytes | None, num_new: int = 1) -> RequestDelta:
-        """The delta of a request's `num_new` newest tokens (several when proposals were
-        accepted before `token`): each taken in turn, so that a stop, EOS or max_tokens among
-        them ends the request at that token and the ones after it are dropped."""
-        tracked = self._tracked[req.request_id]
-        if token.logprob is not None:
-            tracked.cumulative_logprob = (tracked.cumulative_logprob or 0.0) + token.logprob
-        new = req.output_token_ids[-num_new:]
-        for j, token_id in enumerate(new):
-            behind = len(new) - 1 - j
-            status = self.rules.finish_status(req.params, tracked.detokenizer, token_id,
-                                              req.num_output_tokens - behind, req.num_tokens - behind)
-            if status is not None:
-                if behind:
-                    del req.output_token_ids[-behind:]
-                    new = new[:j + 1]
-                break
-        if status is not None:
-            self.scheduler.finish(req, status)
-            del self._tracked[req.request_id]
-        return RequestDelta(  # the status, not the request's: an end in flight applies on return
-            req.request_id, new, tracked.detokenizer.take_delta(final=status is not None),
-            status.reason if status is not None else None, req.num_prompt_tokens, req.num_output_tokens,
-            tracked.cumulative_logprob,
-            [token.top_logprobs] if token.top_logprobs is not None else None,
-            torch.frombuffer(bytearray(logits), dtype=torch.float32) if logits is not None else None,
-            num_cached_tokens=req.num_cached_tokens or 0, prompt_logprobs=self._prompt_logprobs_once(tracked))
 
     @staticmethod
     def _prompt_logprobs_once(tracked: _Tracked) -> list | None:
@@ -479,6 +486,13 @@ class LLMEngine:
         tracked.prompt_logprobs_sent = True
         return tracked.prompt_logprobs
 
+
+
+def _output_failure(req: Request, error: Exception) -> str:
+    """A failure in making a request's output (its stop rules, its delta): logged, and the
+    message its error delta carries."""
+    log.exception("request %s failed after its token was sampled", req.request_id, exc_info=error)
+    return f"internal error while processing this request's output: {error}"
 
 
 def _error_delta(req: Request, message: str) -> RequestDelta:

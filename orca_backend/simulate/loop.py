@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from ..core.errors import ConfigError
 from ..core.kv_manager import BlockManager
 from ..core.messages import RunnerOutput, SampledToken, SchedulerOutput
-from ..core.request import Request, RequestStatus
+from ..core.request import Request, RequestEnd, RequestStatus
 from ..core.sampling_params import SamplingParams
 from ..core.scheduler import Scheduler, SchedulerConfig
 from .cost_model import CostModel, Rows
@@ -192,15 +192,19 @@ class Simulation:
 
     def _return(self, message: SchedulerOutput, now: float, requests: dict, timings: list, batch: dict) -> None:
         sampled = {s.request_id: SampledToken(0) for s in message.scheduled if s.sample}
-        for req in self.scheduler.update(RunnerOutput(message.iteration_id, sampled)):
-            if req.request_id not in sampled:
+
+        def ends(req: Request, new_token_ids: list[int]) -> RequestEnd | None:
+            done = req.num_output_tokens >= timings[requests[req.request_id][1]].num_output_tokens
+            return RequestEnd(RequestStatus.FINISHED_LENGTH) if done else None
+
+        for update in self.scheduler.update(RunnerOutput(message.iteration_id, sampled), ends):
+            if not update.new_token_ids:
                 continue
-            timing = timings[requests[req.request_id][1]]
+            timing = timings[requests[update.request.request_id][1]]
             if timing.first_token is None:
                 timing.first_token = now
-            if req.num_output_tokens >= timing.num_output_tokens:
+            if update.end is not None:
                 timing.finish = now
-                self.scheduler.finish(req, RequestStatus.FINISHED_LENGTH)
 
 
 def _request(index: int, r: TraceRequest) -> Request:
