@@ -187,7 +187,7 @@ def test_max_loras_caps_the_adapters_of_running_requests_and_lets_others_by():
 def test_update_ends_a_request_at_the_token_its_rule_names_and_drops_the_tokens_after_it():
     kv = BlockManager(num_blocks=8, block_size=4)
     spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=2)
-    scheduler = Scheduler(SchedulerConfig(speculative=spec), kv)
+    scheduler = Scheduler(SchedulerConfig(speculative_config=spec), kv)
     req = Request("a", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_tokens=8))
     scheduler.add(req)
     scheduler.update(RunnerOutput(scheduler.schedule().iteration_id, {"a": SampledToken(3)}))
