@@ -30,19 +30,12 @@ def _give_memory_back():
         pass
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items) -> None:
     for item in items:
         if SERVER_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.server)
         elif ENGINE_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.engine)
-        # Run in parallel (`-n 2 --dist loadgroup`): every test of a real server in one worker,
-        # one after another as without workers (the session servers start once, make serve's
-        # fixed ports are never taken twice, memory holds one server at a time); the rest by file,
-        # so that a module's fixtures are built once.
-        group = "server" if item.get_closest_marker("server") else item.module.__name__
-        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session")
