@@ -40,7 +40,7 @@ def runnable(module: str) -> bool:
 def python_m_modules(text: str) -> set[str]:
     """Our modules that `python -m` (or `$(PY) -m`) runs in a text: in shell form, or in a
     Dockerfile's JSON form."""
-    ours = r"((?:orca_backend|trt_plugins|client|tools)(?:\.\w+)*)"
+    ours = r"((?:orca_backend|trt_plugins|client|tools|benchmarks)(?:\.\w+)*)"
     return set(re.findall(rf"\s-m {ours}", text)) | set(re.findall(rf'"-m", "{ours}"', text))
 
 
