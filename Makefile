@@ -29,8 +29,9 @@ model: install
 serve: model
 	$(PY) -m orca_backend.serving.launch --model-repository model_repository $(SERVE_ARGS)
 
+# Two pytest processes at once: the tests of a real tritonserver, and the rest (tests/two_groups.py).
 test: model
-	$(PY) -m pytest -q
+	$(PY) tests/two_groups.py
 
 # Everything but the slow groups (pytest markers server, numerics, subprocess, engine): under 90 s.
 test-fast: model
