@@ -119,8 +119,8 @@ bench-executors: model
 	$(PY) -m benchmarks.bench_engine --executors-only --quick --markdown docs/benchmarks/executors.md
 
 # perf_analyzer and genai-perf in build/perf-tools, then both and our load generator on one
-# workload (docs/benchmarks/perf.md and perf/), and the OpenAI frontend's added latency (alone,
-# and genai-perf chat beside genai-perf over Triton's protocol at 16 streams; openai.md).
+# workload (docs/benchmarks/perf.md and perf/), and the OpenAI frontend's added latency
+# (genai-perf chat beside genai-perf over Triton's protocol at 16 streams; openai.md).
 perf: model
 	bash benchmarks/install_perf_tools.sh build/perf-tools $(PYTHON)
 	$(PY) -m benchmarks.bench_perf --tools build/perf-tools

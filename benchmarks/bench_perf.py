@@ -1,14 +1,12 @@
 """Other tools on our workloads: our load generator, perf_analyzer and genai-perf on one workload
-(perf.md, raw outputs in perf/), and what the OpenAI-compatible frontend adds to latency
-(openai.md): alone, against a stand-in gRPC server (`benchmarks/fake_triton.py`), and with the
-model (genai-perf in chat mode beside genai-perf over Triton's protocol). docs/benchmarks.md
-describes both; the tools come from benchmarks/install_perf_tools.sh (`make perf`).
+(perf.md, raw outputs in perf/), and what the OpenAI-compatible frontend adds to latency with
+the model (openai.md: genai-perf in chat mode beside genai-perf over Triton's protocol; its cost
+with a model that costs nothing is `make bench-host`'s). docs/benchmarks.md describes both; the tools come from benchmarks/install_perf_tools.sh (`make perf`).
 
     python -m benchmarks.bench_perf --tools build/perf-tools
 """
 from __future__ import annotations
 
-import asyncio
 import csv
 import json
 import math
@@ -17,21 +15,16 @@ import random
 import shutil
 import statistics
 import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx2  # the HTTP client the openai package is built on
-import tritonclient.grpc.aio as grpc_aio
 
-from benchmarks.common import REPORTS, Report, cpu_seconds, log, options, serving, work_dir
+from benchmarks.common import REPORTS, Report, log, options, serving, work_dir
 from client.bench import run_trace, summarize, write_json
 from client.generate import chat_prompt
 from client.perf_inputs import input_data
 from client.trace import LengthDist, load_tokenizer, make_trace
 from orca_backend.checkpoint.store import prepare_default_model
-from orca_backend.serving.grpc_io import build_inputs
-from orca_backend.serving.launch import REPO_ROOT, Frontend, free_ports
+from orca_backend.serving.launch import REPO_ROOT, Frontend
 
 MODEL = "orca"
 # perf_analyzer's CSV splits the average latency into these parts (microseconds).
@@ -145,92 +138,7 @@ def comparison(results: dict[str, dict]) -> list[list[str]]:
     return rows
 
 
-# openai.md: the frontend alone against the stand-in, then with the model ----------------------
-
-def take(record: dict, now: int, sent: int, text: str, first: bool) -> bool:
-    """Each stamped token's latency in `text` (us), and the time to first token at the first
-    text; whether the first is still to come."""
-    record["token"] += [now - int(s) for s in text.replace(">", "").split("<") if s]
-    if first and text:
-        record["ttft"].append(now - sent)
-    return first and not text
-
-
-async def one_round(path: str, args, grpc_url: str, frontend_url: str, requests: int) -> dict:
-    """`--openai-concurrency` streams at once, each `requests` requests of `--output-tokens`, one
-    after the other, directly over gRPC or through the frontend."""
-    record, tokens = {"token": [], "ttft": []}, args.output_tokens
-
-    async def direct() -> None:
-        async def request():
-            yield {"model_name": "fake", "inputs": build_inputs("Hi", {"max_tokens": tokens}, stream=True)}
-
-        sent, first = time.monotonic_ns() // 1000, True
-        async for result, error in grpc_client.stream_infer(request()):
-            if error is not None:
-                raise RuntimeError(error)
-            first = take(record, time.monotonic_ns() // 1000, sent, result.as_numpy("text_output")[0].decode(), first)
-
-    async def through_frontend() -> None:
-        body = {"model": "fake", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": tokens, "stream": True}
-        sent, first = time.monotonic_ns() // 1000, True
-        async with http.stream("POST", frontend_url + "/v1/chat/completions", json=body) as r:
-            async for line in r.aiter_lines():
-                now = time.monotonic_ns() // 1000
-                if line.startswith("data: {"):
-                    delta = json.loads(line[6:])["choices"][0]["delta"]
-                    first = take(record, now, sent, delta.get("content") or "", first)
-
-    async def stream() -> None:
-        for _ in range(requests):
-            await (direct() if path == "direct" else through_frontend())
-
-    grpc_client = grpc_aio.InferenceServerClient(grpc_url)  # one gRPC channel; pooled HTTP connections
-    limits = httpx2.Limits(max_connections=2 * args.openai_concurrency)
-    async with httpx2.AsyncClient(timeout=60, limits=limits) as http:
-        await asyncio.gather(*(stream() for _ in range(args.openai_concurrency)))
-    await grpc_client.close()
-    return record
-
-
-def frontend_alone(args, work: Path) -> tuple[dict, dict]:
-    """Each path's samples (us) over the rounds, alternating, and the CPU (ms) per token of the
-    stand-in and of the frontend while the frontend path ran."""
-    grpc_url = f"127.0.0.1:{free_ports(1)[0]}"
-    fake = subprocess.Popen([sys.executable, "-m", "benchmarks.fake_triton", grpc_url, str(args.interval)],
-                            cwd=REPO_ROOT)
-    runs = {path: {"token": [], "ttft": []} for path in ("direct", "frontend")}
-    cpu = {"fake server": 0.0, "frontend": 0.0}
-    try:
-        with Frontend(work, grpc_url, args=["--log-level", "warning"]) as frontend:
-            asyncio.run(one_round("frontend", args, grpc_url, frontend.url, 1))  # warm-up: the chat template
-            stats = {"fake server": Path(f"/proc/{fake.pid}/stat"),
-                     "frontend": Path(f"/proc/{frontend.process.pid}/stat")}
-            for i in range(args.rounds):
-                for path, samples in runs.items():
-                    log(f"  round {i + 1}: {path}")
-                    before = {k: cpu_seconds(stat) for k, stat in stats.items()}
-                    got = asyncio.run(one_round(path, args, grpc_url, frontend.url, args.stream_requests))
-                    for key in samples:
-                        samples[key] += got[key]
-                    for k, stat in stats.items():
-                        cpu[k] += (cpu_seconds(stat) - before[k]) if path == "frontend" else 0.0
-    finally:
-        fake.terminate()
-        fake.wait()
-    return runs, {k: v * 1e3 / len(runs["frontend"]["token"]) for k, v in cpu.items()}
-
-
-def overhead_rows(runs: dict) -> list[list[str]]:
-    p99 = lambda v: statistics.quantiles(v, n=100)[98] if len(v) > 1 else math.nan
-    rows = []
-    for key, label in (("ttft", "time to first token"), ("token", "per-token latency")):
-        d, f = [v / 1000 for v in runs["direct"][key]], [v / 1000 for v in runs["frontend"][key]]
-        for stat, get in (("median", statistics.median), ("p99", p99)):
-            rows.append([f"{label} {stat} (ms)", f"{get(d):.3f}", f"{get(f):.3f}", f"{get(f) - get(d):+.3f}",
-                         str(len(f))])
-    return rows
-
+# openai.md: genai-perf through the frontend beside genai-perf over Triton's protocol ------------
 
 def with_model(args, server, frontend: Frontend, work: Path) -> list[list[str]]:
     """genai-perf over Triton's protocol and in chat mode through the frontend, two runs each,
@@ -270,9 +178,6 @@ def main() -> None:
     p.add_argument("--output-tokens", type=int, default=32)
     p.add_argument("--requests", type=int, default=48, help="measured requests per tool and per genai-perf run")
     p.add_argument("--openai-concurrency", type=int, default=16, help="openai.md: streams at once")
-    p.add_argument("--rounds", type=int, default=3, help="openai.md: rounds of each path against the stand-in")
-    p.add_argument("--stream-requests", type=int, default=4, help="openai.md: requests per stream per round")
-    p.add_argument("--interval", type=float, default=0.05, help="the stand-in's seconds between a request's tokens")
     args = p.parse_args()
     raw = args.out / "perf"
     raw.mkdir(parents=True, exist_ok=True)
@@ -284,8 +189,6 @@ def main() -> None:
             log("genai-perf with the model ...")
             with Frontend(work, server.grpc_url, args=["--log-level", "warning"]) as frontend:
                 model_rows = with_model(args, server, frontend, work)
-        log("the frontend alone, against the stand-in ...")
-        runs, cpu = frontend_alone(args, work)
     (raw / "results.json").write_text(json.dumps(results, indent=1))
     for path in raw.rglob("*"):  # the saved outputs name no folder of this machine
         if path.is_file() and path.suffix in (".json", ".csv", ".log", ".txt"):
@@ -302,21 +205,13 @@ def main() -> None:
                f"tokens, exactly {args.output_tokens} output tokens each (ours: max_tokens with ignore_eos; the "
                f"other two: max_tokens = min_tokens), greedy, streaming gRPC; {args.requests} measured requests per "
                "tool; the three run one after the other").write(args.out / "perf.md")
-    openai.section("1. The frontend alone",
-                   f"{args.openai_concurrency} streams at once, each {args.stream_requests} requests of "
-                   f"{args.output_tokens} tokens per round, {args.rounds} rounds per path, alternating; the stand-in "
-                   f"server sends a token every {args.interval * 1000:.0f} ms per request. `direct`: tritonclient "
-                   "asyncio gRPC streaming; `frontend`: chat completions streamed as SSE over HTTP, through the "
-                   "frontend to the same stand-in.")
-    openai.table(["metric", "direct", "frontend", "added", "samples"], overhead_rows(runs))
-    openai.add("CPU time per token while the frontend path ran (user + system, from /proc): "
-               + ", ".join(f"{k} {v:.3f} ms" for k, v in cpu.items()) + ".", "")
-    openai.section("2. With the model",
+    openai.section("With the model",
                    f"tritonserver with `orca` (default parameters, SmolLM2-135M-Instruct on the CPU) and the frontend; "
                    f"genai-perf 0.0.16, {args.openai_concurrency} concurrent streams, {args.requests} measured "
                    f"requests per run, prompts of {args.input_tokens} random tokens in the chat template (each run "
                    f"its own, drawn alike), {args.output_tokens} output tokens; two runs of each, alternating (values: "
-                   "run 1 / run 2).")
+                   "run 1 / run 2). What the frontend costs with a model that costs nothing: the `openai` rows of "
+                   "[host.md](host.md).")
     openai.table(["metric", "Triton protocol (kserve, streaming gRPC)", "OpenAI chat (frontend)",
                   "chat - Triton (mean)"], model_rows).setup().write(args.out / "openai.md")
 

@@ -81,8 +81,6 @@ def parse_args():
                    help="the default bounds: this many times orca's unloaded medians")
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated, orca first")
     p.add_argument("--name", help="output files' name (default serving, or serving_full)")
-    p.add_argument("--replot", action="store_true",
-                   help="only redraw the latency plots from <name>.csv, with --bound-ms and --ttft-bound-ms")
     p.add_argument("--out", type=Path, default=REPORTS)
     args = p.parse_args()
     apply_preset(args, QUICK if args.quick else FULL)
@@ -315,17 +313,6 @@ def scheduler_name(args) -> str:
     return "scheduler_trace.png" if args.name == "serving" else f"{args.name}_scheduler.png"
 
 
-def replot(args) -> None:
-    """The latency plots again from a run's <name>.csv (the scheduler view needs the traces)."""
-    with open(args.out / f"{args.name}.csv") as f:
-        rows = list(csv.DictReader(f))
-    points = [Point(row["model"], float(row["offered_rate"]),
-                    Summary(**{f.name: float(row[f.name]) for f in dataclasses.fields(Summary)}), [], 0.0, 0.0)
-              for row in rows]
-    models = {m: MODELS[m] for m in dict.fromkeys(p.model for p in points)}
-    plot_curves(args.out, points, models, args.bound_ms / 1e3, args.ttft_bound_ms / 1e3, prefix=args.name)
-
-
 def trace_pair(args, points: list[Point], work: Path) -> float | None:
     """The scheduler view: the highest rate both engine models ran at where orca stayed under."""
     engines = [m for m in ENGINE_MODELS if m in args.models]
@@ -352,10 +339,6 @@ def record_headline(args, rates: dict) -> None:
 
 def main() -> None:
     args = parse_args()
-    if args.replot:
-        if args.bound_ms is None or args.ttft_bound_ms is None:
-            raise SystemExit("--replot needs --bound-ms and --ttft-bound-ms (the run's, from its report)")
-        return replot(args)
     r = Report("Iteration-level vs request-level batching under Poisson load",
                "bench" if args.quick else "bench-full")
     args.out.mkdir(parents=True, exist_ok=True)

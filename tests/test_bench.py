@@ -370,18 +370,6 @@ def test_pipeline_bench_mean_batch_from_the_histogram():
     assert math.isnan(mean_batch(text(10, 5), text(10, 5)))  # no iteration in between
 
 
-def test_replot_redraws_the_curves_from_a_run_s_csv(tmp_path):
-    import argparse
-
-    from benchmarks.bench_serving import replot, write_csvs
-
-    points = [_point(1, 0.9, 0.1), _point(2, 1.8, 0.3), _point(1, 0.8, 0.2, model="hf_dynamic_batching")]
-    write_csvs(tmp_path, "serving_full", points)
-    replot(argparse.Namespace(out=tmp_path, name="serving_full", bound_ms=250.0, ttft_bound_ms=1000.0))
-    for name in ("serving_full_latency.png", "serving_full_ttft.png"):
-        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
-
-
 def test_the_system_workload_puts_one_system_prompt_before_every_question(tokenizer):
     workload = SharedPrefixes("system", system_tokens=64, question_tokens=12, answer_tokens=5)
     trace = workload.trace(6, 2.0, seed=3, tokenizer=tokenizer)
