@@ -135,7 +135,7 @@ def test_adapters_are_loaded_used_and_unloaded_at_run_time(openai_urls, feature_
 def test_the_metrics_say_which_adapters_run_and_count_requests_per_adapter(feature_server):
     before = settled_metrics(feature_server)
     with StreamingClient(feature_server.grpc_url, "lora") as c:
-        # Long enough for the metrics thread (it sends within 0.2 s) to see a running.
+        # Long enough for the metrics thread (it sends within 0.2 s) to see `a` running.
         long = c.send(PROMPT, sampling={**GREEDY, "max_tokens": 48, "lora_name": "a"}, stream=True)
         wait_until(lambda: len(c._results[long].responses) > 2, what="a's request running")
         # a running, b waits for nothing (two slots): both show as running

@@ -4,7 +4,8 @@
 The server tests spend much of their time waiting on servers that work in other processes, the
 rest keep the cores busy: side by side they take about the time of the longer group. Every
 process of both groups runs torch on one thread (OMP_NUM_THREADS=1 unless set): with two
-threads each, the two groups' processes would stall at each other's OpenMP barriers. Each
+threads each, the server group ran several times slower here, its servers' threads waiting
+on the cores the other group's threads held. Each
 group is one pytest process, so the session servers start once and make serve's fixed ports
 are never taken twice. (pytest-xdist's `loadgroup` would do this, but it cannot group tests
 under pytest 9, whose node ids it no longer rewrites.) The server group reports as it goes;
@@ -34,8 +35,9 @@ def main(args: list[str]) -> int:
             print("tests of a real tritonserver (the others run meanwhile; their report follows):", flush=True)
             server = pytest("server", args).wait()
             rest.wait()
-        finally:
-            rest.kill()  # the server group was interrupted: the other with it
+        except BaseException:  # interrupted (Ctrl+C): the other group with it
+            rest.kill()
+            raise
         rest_log.seek(0)
         print("\nthe other tests:", rest_log.read(), sep="\n", flush=True)
     codes = [code for code in (server, rest.returncode) if code != NO_TESTS]
