@@ -7,8 +7,8 @@ process of both groups runs torch on one thread (OMP_NUM_THREADS=1 unless set): 
 threads each, the server group ran several times slower here, its servers' threads waiting
 on the cores the other group's threads held. Each
 group is one pytest process, so the session servers start once and make serve's fixed ports
-are never taken twice. (pytest-xdist's `loadgroup` would do this, but it cannot group tests
-under pytest 9, whose node ids it no longer rewrites.) The server group reports as it goes;
+are never taken twice. (pytest-xdist's `loadgroup` would do this, but under pytest 9 it groups
+nothing: xdist 3.8 renames a test's `_nodeid`, which pytest 9 no longer reads.) The server group reports as it goes;
 the other's report follows it. Arguments go to both pytest processes.
 
     python tests/two_groups.py [pytest options]
