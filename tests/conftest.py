@@ -174,12 +174,22 @@ def make_lora_adapters(model_folder: Path, root: Path, specs: dict[str, dict]) -
             peft_model.save_pretrained(paths[name])
             model = peft_model.merge_and_unload()
         for prompt in LORA_PROMPTS:
-            ids = torch.tensor([tokenizer(prompt).input_ids])
-            with torch.no_grad():
-                for _ in range(LORA_MAX_TOKENS):  # no cache, no EOS: plain argmax, as ignore_eos runs
-                    ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-            greedy[(name, prompt)] = ids[0, -LORA_MAX_TOKENS:].tolist()
+            greedy[(name, prompt)] = _argmax_tokens(model, tokenizer(prompt).input_ids, LORA_MAX_TOKENS)
     return SimpleNamespace(paths=paths, greedy=greedy)
+
+
+def _argmax_tokens(model, prompt_ids: list[int], n: int) -> list[int]:
+    """n tokens of plain argmax with transformers' K/V cache, EOS no end (as ignore_eos runs)."""
+    import torch
+
+    ids, past, tokens = torch.tensor([prompt_ids]), None, []
+    with torch.no_grad():
+        while len(tokens) < n:
+            out = model(ids, past_key_values=past, use_cache=True, logits_to_keep=1)
+            past = out.past_key_values
+            tokens.append(int(out.logits[0, -1].argmax()))
+            ids = torch.tensor([tokens[-1:]])
+    return tokens
 
 
 @pytest.fixture(scope="session")

@@ -49,7 +49,7 @@ def test_a_bad_speculative_config_is_refused_by_name(value, words):
 
 @pytest.mark.parametrize("min_p", [0.0, 0.2])
 def test_rejection_sampling_keeps_the_target_distribution(min_p):
-    """A 6-token vocabulary, two proposals (one likely, one not), 40,000 draws with a fixed
+    """A 6-token vocabulary, two proposals (one likely, one not), 20,000 draws with a fixed
     seed: the first two tokens emitted are distributed as the target's rows (independent
     here), total variation below 0.015; every proposal accepted at its probability. min_p cuts
     the rows short of 1: the target is what is left, scaled back up."""
@@ -67,7 +67,7 @@ def test_rejection_sampling_keeps_the_target_distribution(min_p):
     target = target / target.sum(-1, keepdim=True)
     first_counts, second_counts = torch.zeros(6), torch.zeros(6)
     accepted_first = 0
-    n = 40_000
+    n = 20_000
     for _ in range(n):
         accepted, token = sampler.verify(logits, state, drafts)
         first_counts[drafts[0] if accepted >= 1 else token] += 1
@@ -108,28 +108,37 @@ def same(a, b) -> None:
         assert (x.token_ids, x.text, x.finish_reason, x.error) == (y.token_ids, y.text, y.finish_reason, y.error)
 
 
-@pytest.mark.parametrize("proposer", ["speculating", "drafting"], ids=["ngram", "draft_model"])
-def test_greedy_output_is_the_output_without_speculation_at_every_end(reference, request, proposer):
-    """Each prompt ends by max_tokens, a stop token and a stop string at each of its first 12
-    tokens (one batch of 3 x 37 requests, speculating), and by EOS: every output, text and
-    finish reason equal to the engine's without speculation; proposals were accepted (every
-    one, when the model drafts for itself)."""
-    speculating = request.getfixturevalue(proposer)
-    base = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+@pytest.fixture(scope="module")
+def every_end(reference):
+    """Each prompt ending by max_tokens, a stop token and a stop string at each of its first 8
+    tokens (3 x 25 requests), and by EOS: the requests and the engine's outputs without
+    speculation. With 4 proposals a step, 8 tokens are the prefill's, one whole accepted run
+    and the start of the next: every place in a run an end can fall."""
+    base = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     full = [o.token_ids for o in reference.generate(PROMPTS, base)]
+    text = reference.engine.rules.tokenizer.decode
     prompts, params = [], []
     for prompt, tokens in zip(PROMPTS, full):
-        text = reference.engine.rules.tokenizer.decode
-        for j in range(1, 13):
+        for j in range(1, 9):
             prompts += [prompt] * 3
             params += [SamplingParams(max_tokens=j, temperature=0, ignore_eos=True),
-                       SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=[tokens[j - 1]]),
-                       SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                       SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, stop_token_ids=[tokens[j - 1]]),
+                       SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
                                       stop=[text(tokens[j - 1:j]).strip() or "\n"])]
         prompts.append(prompt)
         params.append(SamplingParams(max_tokens=40, temperature=0))  # EOS where the model says so
+    return prompts, params, reference.generate(prompts, params)
+
+
+@pytest.mark.parametrize("proposer", ["speculating", "drafting"], ids=["ngram", "draft_model"])
+def test_greedy_output_is_the_output_without_speculation_at_every_end(every_end, request, proposer):
+    """Every request of `every_end` in one batch, speculating: every output, text and finish
+    reason equal to the engine's without speculation; proposals were accepted (every one,
+    when the model drafts for itself)."""
+    speculating = request.getfixturevalue(proposer)
+    prompts, params, expected = every_end
     before = speculating.engine.stats.speculation.copy()
-    same(reference.generate(prompts, params), speculating.generate(prompts, params))
+    same(expected, speculating.generate(prompts, params))
     stats = speculating.engine.stats.speculation
     assert stats.num_accepted_tokens > before.num_accepted_tokens
     if proposer == "drafting":

@@ -249,13 +249,13 @@ def test_json_object_parses_when_it_ends(llm):
             assert o.text.lstrip().startswith("{")
 
 
-def test_a_json_schema_validates_in_50_of_50_seeded_samples_at_temperature_1(llm):
-    outs = llm.generate(["Describe a person as JSON."] * 50,
-                        [sampled({"json": SCHEMA}, seed, 1.0, max_tokens=200) for seed in range(50)])
+def test_a_json_schema_validates_in_20_of_20_seeded_samples_at_temperature_1(llm):
+    outs = llm.generate(["Describe a person as JSON."] * 20,
+                        [sampled({"json": SCHEMA}, seed, 1.0, max_tokens=200) for seed in range(20)])
     for o in outs:
         assert o.error is None and o.finish_reason == "stop", (o.error, o.text)
         jsonschema.validate(json.loads(o.text), SCHEMA)
-    assert len({o.text for o in outs}) > 40  # sampled, not one answer
+    assert len({o.text for o in outs}) > 16  # sampled, not one answer
 
 
 def test_max_tokens_cuts_a_json_value_as_it_stands(llm):
