@@ -69,16 +69,16 @@ def test_stop_token_ids_and_min_tokens(llm):
 
 def test_eos_stops_unless_ignored(llm):
     prompt = "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"
-    out = _gen(llm, prompt, max_tokens=64, **GREEDY)
+    # One batch: plain; special tokens kept in the text (a tool parser reads its marker token
+    # so), where the stop token's text is still left out; and that text shown on request.
+    out, kept, shown = llm.generate([prompt] * 3, [
+        SamplingParams(max_tokens=64, **GREEDY), SamplingParams(max_tokens=64, skip_special_tokens=False, **GREEDY),
+        SamplingParams(max_tokens=64, skip_special_tokens=False, include_stop_str_in_output=True, **GREEDY)])
     assert out.finish_reason == "stop" and out.token_ids[-1] == 2 and "<|im_end|>" not in out.text
+    assert kept.text == out.text and kept.token_ids == out.token_ids
+    assert shown.text == out.text + "<|im_end|>"
     ignored = _gen(llm, prompt, max_tokens=len(out.token_ids) + 3, ignore_eos=True, **GREEDY)
     assert ignored.finish_reason == "length" and ignored.token_ids[:len(out.token_ids)] == out.token_ids
-    # Special tokens kept in the text (a tool parser reads its marker token so): the stop token's
-    # text is still left out, unless include_stop_str_in_output.
-    kept = _gen(llm, prompt, max_tokens=64, skip_special_tokens=False, **GREEDY)
-    assert kept.text == out.text and kept.token_ids == out.token_ids
-    shown = _gen(llm, prompt, max_tokens=64, skip_special_tokens=False, include_stop_str_in_output=True, **GREEDY)
-    assert shown.text == out.text + "<|im_end|>"
 
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch(llm):

@@ -1,15 +1,17 @@
-"""`make test`: the whole suite as two pytest processes at once, the tests of a real tritonserver
-(marker `server`) in one and the rest in the other.
+"""`make test`: the whole suite as two pytest processes at once. The first runs the tests that
+wait on processes of their own: those of a real tritonserver (marker `server`), the GPU
+check's dry run and the compilers (`subprocess` without `engine`); the second runs the rest,
+which keep the cores busy. Side by side they take about the time of the longer group (11 and
+13 min here with the server tests alone in the first; the dry run and the compilers, 50 s,
+even them out).
 
-The server tests spend much of their time waiting on servers that work in other processes, the
-rest keep the cores busy: side by side they take about the time of the longer group. Every
-process of both groups runs torch on one thread (OMP_NUM_THREADS=1 unless set): with two
-threads each, the server group ran several times slower here, its servers' threads waiting
-on the cores the other group's threads held. Each
-group is one pytest process, so the session servers start once and make serve's fixed ports
-are never taken twice. (pytest-xdist's `loadgroup` would do this, but under pytest 9 it groups
-nothing: xdist 3.8 renames a test's `_nodeid`, which pytest 9 no longer reads.) The server group reports as it goes;
-the other's report follows it. Arguments go to both pytest processes.
+Every process of both groups runs torch on one thread (OMP_NUM_THREADS=1 unless set): with two
+threads each, the server tests ran several times slower here, their servers' threads waiting
+on the cores the other group's threads held. Each group is one pytest process, so the session
+servers start once and make serve's fixed ports are never taken twice. (pytest-xdist's
+`loadgroup` would do this, but under pytest 9 it groups nothing: xdist 3.8 renames a test's
+`_nodeid`, which pytest 9 no longer reads.) The first group reports as it goes; the second's
+report follows it. Arguments go to both pytest processes.
 
     python tests/two_groups.py [pytest options]
 """
@@ -21,6 +23,7 @@ import sys
 import tempfile
 
 NO_TESTS = 5  # pytest's exit status when its selection is empty
+FIRST = "server or (subprocess and not engine)"
 
 
 def pytest(marker: str, args: list[str], **kwargs) -> subprocess.Popen:
@@ -30,10 +33,11 @@ def pytest(marker: str, args: list[str], **kwargs) -> subprocess.Popen:
 
 def main(args: list[str]) -> int:
     with tempfile.TemporaryFile("w+") as rest_log:
-        rest = pytest("not server", args, stdout=rest_log, stderr=subprocess.STDOUT)
+        rest = pytest(f"not ({FIRST})", args, stdout=rest_log, stderr=subprocess.STDOUT)
         try:
-            print("tests of a real tritonserver (the others run meanwhile; their report follows):", flush=True)
-            server = pytest("server", args).wait()
+            print("tests of a real tritonserver, the GPU check's dry run and the compilers (the others run "
+                  "meanwhile; their report follows):", flush=True)
+            server = pytest(FIRST, args).wait()
             rest.wait()
         except BaseException:  # interrupted (Ctrl+C): the other group with it
             rest.kill()
