@@ -29,7 +29,8 @@ model: install
 serve: model
 	$(PY) -m orca_backend.serving.launch --model-repository model_repository $(SERVE_ARGS)
 
-# Two pytest processes at once: the tests of a real tritonserver, and the rest (tests/two_groups.py).
+# Two pytest processes at once: the tests that wait on other processes (tritonservers), and the
+# rest (tests/two_groups.py).
 test: model
 	$(PY) tests/two_groups.py
 

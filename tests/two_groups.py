@@ -1,17 +1,19 @@
 """`make test`: the whole suite as two pytest processes at once. The first runs the tests that
 wait on processes of their own: those of a real tritonserver (marker `server`), the GPU
 check's dry run and the compilers (`subprocess` without `engine`); the second runs the rest,
-which keep the cores busy. Side by side they take about the time of the longer group (11 and
-13 min here with the server tests alone in the first; the dry run and the compilers, 50 s,
-even them out).
+which keep the cores busy. Side by side they take about the time of the longer group.
 
-Every process of both groups runs torch on one thread (OMP_NUM_THREADS=1 unless set): with two
-threads each, the server tests ran several times slower here, their servers' threads waiting
-on the cores the other group's threads held. Each group is one pytest process, so the session
-servers start once and make serve's fixed ports are never taken twice. (pytest-xdist's
-`loadgroup` would do this, but under pytest 9 it groups nothing: xdist 3.8 renames a test's
-`_nodeid`, which pytest 9 no longer reads.) The first group reports as it goes; the second's
-report follows it. Arguments go to both pytest processes.
+Threads (unless set in the environment): the first group's processes, servers included, run
+torch on one thread (OMP_NUM_THREADS=1); the second runs it on two whose idle threads sleep
+rather than spin (OMP_WAIT_POLICY=PASSIVE), so it takes the core the first leaves while it
+waits. Measured here, the groups' minutes and the whole: one thread in both, 12.4 + 13.1 in
+13.2; this way, 11.2 + 11.5 in 11.5. With two spinning threads in both, the server tests ran
+several times slower, their servers' threads waiting on the cores the other group's held.
+
+Each group is one pytest process, so the session servers start once and make serve's fixed
+ports are never taken twice. (pytest-xdist's `loadgroup` would do this, but under pytest 9 it
+groups nothing: xdist 3.8 renames a test's `_nodeid`, which pytest 9 no longer reads.) The
+first group reports as it goes; the second's report follows it. Arguments go to both.
 
     python tests/two_groups.py [pytest options]
 """
@@ -26,18 +28,19 @@ NO_TESTS = 5  # pytest's exit status when its selection is empty
 FIRST = "server or (subprocess and not engine)"
 
 
-def pytest(marker: str, args: list[str], **kwargs) -> subprocess.Popen:
-    env = {"OMP_NUM_THREADS": "1", **os.environ}
+def pytest(marker: str, args: list[str], threads: dict[str, str], **kwargs) -> subprocess.Popen:
+    env = {**threads, **os.environ}
     return subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-m", marker, *args], env=env, **kwargs)
 
 
 def main(args: list[str]) -> int:
     with tempfile.TemporaryFile("w+") as rest_log:
-        rest = pytest(f"not ({FIRST})", args, stdout=rest_log, stderr=subprocess.STDOUT)
+        rest = pytest(f"not ({FIRST})", args, {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"},
+                      stdout=rest_log, stderr=subprocess.STDOUT)
         try:
             print("tests of a real tritonserver, the GPU check's dry run and the compilers (the others run "
                   "meanwhile; their report follows):", flush=True)
-            server = pytest(FIRST, args).wait()
+            server = pytest(FIRST, args, {"OMP_NUM_THREADS": "1"}).wait()
             rest.wait()
         except BaseException:  # interrupted (Ctrl+C): the other group with it
             rest.kill()
