@@ -178,15 +178,16 @@ def make_lora_adapters(model_folder: Path, root: Path, specs: dict[str, dict]) -
     return SimpleNamespace(paths=paths, greedy=greedy)
 
 
-def _argmax_tokens(model, prompt_ids: list[int], n: int) -> list[int]:
-    """n tokens of plain argmax with transformers' K/V cache, EOS no end (as ignore_eos runs)."""
+def _argmax_tokens(model, prompt_ids: list[int], num_tokens: int) -> list[int]:
+    """num_tokens tokens of plain argmax with transformers' K/V cache; EOS does not stop it (as
+    with ignore_eos)."""
     import torch
 
-    ids, past, tokens = torch.tensor([prompt_ids]), None, []
+    ids, cache, tokens = torch.tensor([prompt_ids]), None, []
     with torch.no_grad():
-        while len(tokens) < n:
-            out = model(ids, past_key_values=past, use_cache=True, logits_to_keep=1)
-            past = out.past_key_values
+        while len(tokens) < num_tokens:
+            out = model(ids, cache=cache, use_cache=True, logits_to_keep=1)
+            cache = out.cache
             tokens.append(int(out.logits[0, -1].argmax()))
             ids = torch.tensor([tokens[-1:]])
     return tokens

@@ -41,9 +41,13 @@ def test_concurrent_requests_are_batched_by_triton(server):
     results = _send_all(server, MODEL, requests)
     assert [r.error for r in results] == [None] * 9
     assert [r.responses[-1]["num_output_tokens"] for r in results] == [24] + [2] * 8
-    # Triton counts a request once its execution has returned, which can be after the client
-    # has the response.
-    wait_until(lambda: _stats(server)["requests"] - before["requests"] >= 9, what="9 requests counted")
+    # Triton counts a request, then its batch, once the execution has returned, which can be
+    # after the client has the response.
+    def counted(stats) -> tuple[int, int]:
+        batched = sum(size * (n - before["batches"].get(size, 0)) for size, n in stats["batches"].items())
+        return stats["requests"] - before["requests"], batched
+
+    wait_until(lambda: min(counted(_stats(server))) >= 9, what="9 requests counted in their batches")
     after = _stats(server)
     assert after["requests"] - before["requests"] == 9
     assert after["executions"] - before["executions"] <= 2  # 9 requests, at most 2 batches

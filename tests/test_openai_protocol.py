@@ -148,15 +148,17 @@ def test_launch_gives_the_frontend_the_header_of_tritonservers_restricted_protoc
                   "inference:h=pw"]) == "tritonserver --grpc-restricted-protocol=health:k=*** --http-restricted-api inference:h=***"
 
 
-def test_launch_starts_tritonserver_without_auto_complete_unless_asked(tmp_path):
-    from orca_backend.serving.launch import server_command
+def test_launch_starts_tritonserver_without_auto_complete_unless_asked(tmp_path, monkeypatch):
+    from orca_backend.serving import launch
+
+    monkeypatch.setattr(launch.shutil, "which", lambda name: f"/opt/bin/{name}")  # no backends to copy
 
     def argv(extra):
-        return server_command(tmp_path / "repo", tmp_path, 1, 2, 3, extra)[0]
+        return launch.server_command(tmp_path / "repo", tmp_path, 1, 2, 3, extra)[0]
 
     assert "--disable-auto-complete-config" in argv([])
-    asked = argv(["--strict-model-config=false"])
-    assert "--disable-auto-complete-config" not in asked and "--strict-model-config=false" in asked
+    for asked in (["--strict-model-config=false"], ["--strict-model", "false"]):
+        assert "--disable-auto-complete-config" not in argv(asked) and argv(asked)[-len(asked):] == asked
 
 
 def test_explicit_nulls_are_defaults_and_fan_out_is_bounded():

@@ -1,7 +1,8 @@
 """`make test`: the whole suite as two pytest processes at once. The first runs the tests that
-wait on processes of their own: those of a real tritonserver (marker `server`), the GPU
-check's dry run and the compilers (`subprocess` without `engine`); the second runs the rest,
-which keep the cores busy. Side by side they take about the time of the longer group.
+wait on processes of their own: those of a real tritonserver (marker `server`) and those of
+child processes that run no checkpoint (`subprocess` without `engine`: the GPU check's dry
+run, the compilers, tensor-parallel refusals); the second runs the rest, which keep the
+cores busy. Side by side they take about the time of the longer group.
 
 Threads (unless set in the environment): the first group's processes, servers included, run
 torch on one thread (OMP_NUM_THREADS=1); the second runs it on two whose idle threads sleep
@@ -28,8 +29,8 @@ NO_TESTS = 5  # pytest's exit status when its selection is empty
 FIRST = "server or (subprocess and not engine)"
 
 
-def pytest(marker: str, args: list[str], threads: dict[str, str], **kwargs) -> subprocess.Popen:
-    env = {**threads, **os.environ}
+def pytest(marker: str, args: list[str], env_defaults: dict[str, str], **kwargs) -> subprocess.Popen:
+    env = {**env_defaults, **os.environ}
     return subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-m", marker, *args], env=env, **kwargs)
 
 
@@ -38,16 +39,16 @@ def main(args: list[str]) -> int:
         rest = pytest(f"not ({FIRST})", args, {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"},
                       stdout=rest_log, stderr=subprocess.STDOUT)
         try:
-            print("tests of a real tritonserver, the GPU check's dry run and the compilers (the others run "
-                  "meanwhile; their report follows):", flush=True)
-            server = pytest(FIRST, args, {"OMP_NUM_THREADS": "1"}).wait()
+            print("tests of a real tritonserver and of child processes (the others run meanwhile; their "
+                  "report follows):", flush=True)
+            first = pytest(FIRST, args, {"OMP_NUM_THREADS": "1"}).wait()
             rest.wait()
         except BaseException:  # interrupted (Ctrl+C): the other group with it
             rest.kill()
             raise
         rest_log.seek(0)
         print("\nthe other tests:", rest_log.read(), sep="\n", flush=True)
-    codes = [code for code in (server, rest.returncode) if code != NO_TESTS]
+    codes = [code for code in (first, rest.returncode) if code != NO_TESTS]
     return max(codes, default=NO_TESTS)
 
 

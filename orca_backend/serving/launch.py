@@ -71,11 +71,12 @@ def server_command(model_repository: Path | list[Path], work_dir: Path, http_por
     repositories = [model_repository] if isinstance(model_repository, (str, os.PathLike)) else model_repository
     # Every model of ours has a complete config.pbtxt. With auto-complete on, the Python backend
     # starts a stub per model only to import model.py (and torch) and ask it for a config: 4 s
-    # of a 10.5 s start of model_repository/ here. `--strict-model-config=false` turns it on.
-    own = any(arg.startswith("--strict-model-config") for arg in extra_args)
+    # of a 10.5 s start of model_repository/ here. `--strict-model-config=false` turns it on
+    # (tritonserver takes a prefix of an option's name, so a prefix is looked for).
+    auto_complete_asked = any(arg.startswith("--strict-model") for arg in extra_args)
     args = [*(f"--model-repository={r}" for r in repositories), f"--http-port={http_port}",
             f"--grpc-port={grpc_port}", f"--metrics-port={metrics_port}",
-            *([] if own else ["--disable-auto-complete-config"]), *extra_args]
+            *([] if auto_complete_asked else ["--disable-auto-complete-config"]), *extra_args]
     binary = shutil.which("tritonserver")
     if binary is None:
         binary, backends = _prepare_backends(work_dir)
