@@ -32,6 +32,15 @@ def wait_until(predicate, timeout: float = 60.0, what: str = "condition") -> Non
         time.sleep(0.01)
 
 
+COUNTED = {"return_num_output_tokens": True}  # the flag streamed_tokens reads
+
+
+def streamed_tokens(result) -> int:
+    """A stream's tokens (asked for with COUNTED): a response each, or fewer responses when the
+    sender, behind, merged some."""
+    return sum(r["num_output_tokens"] for r in result.responses)
+
+
 def assert_no_leak(server, model: str = "orca", timeout: float = 10.0) -> None:
     """Every K/V block of `model` is back in the pool and nothing runs."""
     deadline = time.monotonic() + timeout

@@ -15,7 +15,7 @@ import pytest
 from client.triton_client import StreamingClient
 from orca_backend.serving.launch import REPO_ROOT, Frontend, Server
 
-from helpers import assert_no_leak, metric_lines, settled_metrics, wait_until
+from helpers import COUNTED, assert_no_leak, metric_lines, settled_metrics, streamed_tokens, wait_until
 
 pytestmark = pytest.mark.server  # slow group: a real tritonserver
 
@@ -121,14 +121,6 @@ def _runner_pids(server: Server) -> list[int]:
     return found
 
 
-COUNTED = {"return_num_output_tokens": True}
-
-
-def tokens(result) -> int:
-    """A stream's tokens, in a response each or fewer (the sender merges them when behind)."""
-    return sum(r["num_output_tokens"] for r in result.responses)
-
-
 def test_a_full_queue_refuses_at_once_and_harms_nothing_queued(hostile):
     model = "orca_small_queue"
     with StreamingClient(hostile.grpc_url, model=model) as c:
@@ -178,7 +170,7 @@ def test_a_crashed_engine_thread_ends_every_open_request_and_the_model_serves_on
     assert hostile.is_ready()
     with StreamingClient(hostile.grpc_url, model=model) as again:
         after = again.generate("Once upon a time", sampling={"max_tokens": 4, **GREEDY}, flags=COUNTED)
-    assert after.error is None and tokens(after) == 4
+    assert after.error is None and streamed_tokens(after) == 4
 
 
 @contextlib.contextmanager
@@ -201,7 +193,7 @@ def test_a_killed_runner_process_fails_its_requests_and_a_new_runner_serves_on(h
         reference = inline.generate(prompt, sampling=sampling, timeout=60, flags=COUNTED)
     with _stream(hostile, model) as c:
         first = c.generate(prompt, sampling=sampling, timeout=60)
-    assert reference.error is None and tokens(reference) == 12
+    assert reference.error is None and streamed_tokens(reference) == 12
     assert first.error is None and first.text == reference.text
 
     runners = _runner_pids(hostile)
@@ -237,7 +229,7 @@ def test_the_kernel_in_the_tensorrt_graph_serves_the_sdpa_text_end_to_end(hostil
         with _stream(hostile, name) as c:
             ids = [c.send(p, sampling=sampling, flags=COUNTED) for p in prompts]
             results = [c.wait(i, timeout=240) for i in ids]
-        assert all(r.error is None and tokens(r) == 2 for r in results), results
+        assert all(r.error is None and streamed_tokens(r) == 2 for r in results), results
         texts[name] = [r.text for r in results]
     assert texts["orca_tensorrt_graph"] == texts["orca_small_queue"]
     wait_until(lambda: hostile.metric("orca_iterations_total", "orca_tensorrt_graph") >= 2, 10, "iterations counted")

@@ -11,7 +11,7 @@ from client.triton_client import StreamingClient
 from orca_backend import LLM, SamplingParams
 from orca_backend.serving.launch import Server
 
-from helpers import assert_no_leak, settled_metrics, wait_until
+from helpers import COUNTED, assert_no_leak, settled_metrics, streamed_tokens, wait_until
 
 pytestmark = pytest.mark.server  # slow group: a real tritonserver
 
@@ -208,13 +208,12 @@ def test_a_cancelled_request_with_cached_blocks_returns_every_block(server, clie
 ])
 def test_bad_input_gets_a_named_error_and_harms_nothing(server, prompt, sampling, options, message):
     with StreamingClient(server.grpc_url) as c, StreamingClient(server.grpc_url) as other:
-        good = other.send(PROMPT, sampling=greedy(12, ignore_eos=True), flags={"return_num_output_tokens": True})
+        good = other.send(PROMPT, sampling=greedy(12, ignore_eos=True), flags=COUNTED)
         bad = c.generate(prompt, sampling=sampling, **options)
         assert bad.error is not None and message in bad.error
         assert bad.responses == []
         good_result = other.wait(good)
-    # all 12 tokens, in as many responses or fewer (the sender merges a stream's tokens when behind)
-    assert good_result.error is None and sum(r["num_output_tokens"] for r in good_result.responses) == 12
+    assert good_result.error is None and streamed_tokens(good_result) == 12
     assert server.is_ready()
     assert_no_leak(server)
 
