@@ -62,7 +62,7 @@ def server(tmp_path_factory, default_model):
     for stage, fail_at in FAIL_AT.items():  # the stage models of `pf`, wrapped in test faults
         stall = (1, STALL_SECONDS) if stage == 1 else None
         (repo / f"pf_stage_{stage}" / "1" / "model.py").write_text(faulty_stage_model_py(fail_at, stall))
-    with serving(Server(tmp_path_factory.mktemp("pipeline_triton"), repo, ["--exit-timeout-secs=20"])) as s:
+    with serving(Server(tmp_path_factory.mktemp("pipeline_triton"), repo, ["--exit-timeout-secs=10"])) as s:
         yield s
 
 

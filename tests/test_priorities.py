@@ -118,7 +118,8 @@ def test_priority_is_an_integer_in_range():
 
 
 # -- served: the `prio` model runs one request at a time, 20 ms a token (engine null) ----------
-LOW = {"max_tokens": 200, "ignore_eos": True, "priority": 1}
+# The first low request runs 4 s, time for the later ones to queue behind it; those run 1 s each.
+LOWS = [{"max_tokens": n, "ignore_eos": True, "priority": 1} for n in (200, 50, 50)]
 HIGH = {"max_tokens": 5, "ignore_eos": True, "priority": 0}
 COUNTED = {"return_num_output_tokens": True}
 
@@ -128,14 +129,14 @@ def test_served_a_late_better_request_finishes_before_those_waiting_and_they_all
     before the two that waited (in arrival order it would be last), and every one of them
     gets all its tokens."""
     with StreamingClient(feature_server.grpc_url, "prio") as c:
-        lows = [c.send("low", sampling=LOW, stream=True, flags=COUNTED) for _ in range(3)]
+        lows = [c.send("low", sampling=low, stream=True, flags=COUNTED) for low in LOWS]
         wait_until(lambda: c._results[lows[0]].responses, what="the first request's first token")
         high = c.send("high", sampling=HIGH, stream=True, flags=COUNTED)
         results = {rid: c.wait(rid) for rid in (*lows, high)}
     finals = sorted(results, key=lambda rid: results[rid].times[-1])  # in the order their ends arrived
     assert all(r.error is None for r in results.values())
     counts = {rid: sum(r["num_output_tokens"] for r in results[rid].responses) for rid in results}
-    assert counts == {**{rid: 200 for rid in lows}, high: 5}
+    assert counts == {**{rid: low["max_tokens"] for rid, low in zip(lows, LOWS)}, high: 5}
     assert finals.index(high) < finals.index(lows[1]) < finals.index(lows[2]), finals
     assert_no_leak(feature_server, "prio")
 
@@ -156,7 +157,7 @@ def test_openai_priority_puts_a_late_request_first_and_a_bad_one_is_refused(feat
                 started.set()
             finished.append(name)
 
-        threads = [threading.Thread(target=run, args=(f"low{i}", LOW)) for i in range(3)]
+        threads = [threading.Thread(target=run, args=(f"low{i}", low)) for i, low in enumerate(LOWS)]
         threads[0].start()
         assert started.wait(120)
         for t in threads[1:]:

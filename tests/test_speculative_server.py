@@ -23,11 +23,16 @@ def run(server, model: str) -> list:
         return [c.generate(p, sampling=GREEDY, **FLAGS) for p in PROMPTS]
 
 
+@pytest.fixture(scope="module")
+def reference(server) -> list:
+    return run(server, "orca")
+
+
 @pytest.mark.parametrize("model", ["spec", "draft"])
-def test_served_speculation_streams_the_same_text_with_exact_counts(feature_server, server, model):
+def test_served_speculation_streams_the_same_text_with_exact_counts(feature_server, reference, model):
     """`spec`: n-gram proposals; `draft`: the model drafting for itself (every proposal holds)."""
     before = settled_metrics(feature_server)
-    reference, speculating = run(server, "orca"), run(feature_server, model)
+    speculating = run(feature_server, model)
     for ref, spec in zip(reference, speculating):
         assert spec.error is None and spec.text == ref.text
         counts = [int(r["num_output_tokens"]) for r in spec.responses]

@@ -42,22 +42,29 @@ def test_tritonclient_streams_what_it_gets_whole_under_either_key(server):
     assert_no_leak(server)
 
 
+HEALTHY = {"temperature": 0, "max_tokens": 24, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def healthy_text(server) -> str:
+    with StreamingClient(server.grpc_url) as c:
+        return c.generate("Once upon a time", sampling=HEALTHY).text
+
+
 @pytest.mark.parametrize("structured, message", [
     ({"regex": "a(b"}, "structured_outputs 'regex' is not valid: "),
     ({"json": {"type": "colour"}}, "structured_outputs 'json' is not valid: "),
     ({"grammar": "root ::= nothing"}, "structured_outputs 'grammar' is not valid: "),
     ({"regex": "a", "choice": ["b"]}, "structured_outputs must name exactly one of"),
 ], ids=["regex", "schema", "grammar", "two-kinds"])
-def test_a_bad_spec_is_refused_by_name_beside_a_stream_that_does_not_notice(server, structured, message):
-    healthy = {"temperature": 0, "max_tokens": 24, "ignore_eos": True}
+def test_a_bad_spec_is_refused_by_name_beside_a_stream_that_does_not_notice(server, healthy_text, structured, message):
     # Two streams: tritonclient does not say which request of a stream an error belongs to.
     with StreamingClient(server.grpc_url) as c, StreamingClient(server.grpc_url) as other:
-        expected = c.generate("Once upon a time", sampling=healthy).text
-        good = other.send("Once upon a time", sampling=healthy)
+        good = other.send("Once upon a time", sampling=HEALTHY)
         bad = c.generate("Hi", sampling={"structured_outputs": structured})
         result = other.wait(good, timeout=120)
     assert bad.error is not None and message in bad.error and "Traceback" not in bad.error
-    assert result.error is None and result.text == expected
+    assert result.error is None and result.text == healthy_text
     assert_no_leak(server)
 
 
