@@ -173,44 +173,58 @@ def _run(engine: LLMEngine, requests: list[tuple[str, str, SamplingParams]], abo
 
 
 def _requests() -> list[tuple[str, str, SamplingParams]]:
-    greedy = dict(temperature=0, max_tokens=24)
+    greedy = dict(temperature=0, max_tokens=16)  # 16: still a preemption at 96 tokens, on and off
     return [
         ("plain", PROMPTS[0], SamplingParams(**greedy)),
         ("stop", PROMPTS[1], SamplingParams(**greedy, stop=[" Paris", "."])),
         ("eos", PROMPTS[2], SamplingParams(temperature=0, max_tokens=48)),
         ("penalties", PROMPTS[3], SamplingParams(**greedy, repetition_penalty=1.3, frequency_penalty=0.5,
                                                  presence_penalty=0.5)),
-        ("seeded", PROMPTS[4], SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=24)),
+        ("seeded", PROMPTS[4], SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=16)),
         ("shared", PROMPTS[0] + " there was", SamplingParams(**greedy)),  # its prefix cached from "plain"
         ("aborted", PROMPTS[5], SamplingParams(**greedy)),
     ]
 
 
-@pytest.mark.parametrize("pool", [4096, 96])  # 96 tokens: preemptions
-def test_greedy_and_seeded_output_is_the_same_with_async_scheduling_on_and_off(default_model, pool):
-    results = {}
-    for on in (False, True):
-        engine = LLMEngine(EngineConfig(model=str(default_model), kv_cache_tokens=pool, max_batch_size=8,
-                                        async_scheduling=on))
-        results[on] = _run(engine, _requests(), abort="aborted")
-        if pool == 96:
-            assert engine.scheduler.num_preemptions > 0
+def _run_engine(default_model, pool: int, **options) -> tuple[dict, int]:
+    """`_requests()` (one aborted) on the default model with a pool of `pool` tokens: the
+    outputs, and the number of preemptions."""
+    engine = LLMEngine(EngineConfig(model=str(default_model), kv_cache_tokens=pool, max_batch_size=8, **options))
+    try:
+        return _run(engine, _requests(), abort="aborted"), engine.scheduler.num_preemptions
+    finally:
         engine.shutdown()
-    assert results[True] == results[False]
-    assert results[True]["stop"][1] == "stop" and results[True]["eos"][1] == "stop"
+
+
+@pytest.fixture(scope="module")
+def async_off(default_model):
+    """`_run_engine` with async scheduling off (inline), by pool, run once: what the runs with
+    it on must give, inline and in a child process."""
+    runs = {}
+
+    def get(pool: int) -> tuple[dict, int]:
+        if pool not in runs:
+            runs[pool] = _run_engine(default_model, pool, async_scheduling=False)
+        return runs[pool]
+    return get
+
+
+@pytest.mark.parametrize("pool", [4096, 96])  # 96 tokens: preemptions
+def test_greedy_and_seeded_output_is_the_same_with_async_scheduling_on_and_off(default_model, async_off, pool):
+    off, off_preemptions = async_off(pool)
+    on, on_preemptions = _run_engine(default_model, pool, async_scheduling=True)
+    if pool == 96:
+        assert off_preemptions > 0 and on_preemptions > 0
+    assert on == off
+    assert on["stop"][1] == "stop" and on["eos"][1] == "stop"
 
 
 @pytest.mark.subprocess
-def test_the_same_in_a_child_process(default_model):
-    results = {}
-    for on in (False, True):
-        engine = LLMEngine(EngineConfig(model=str(default_model), kv_cache_tokens=4096, executor="process",
-                                        async_scheduling=on))
-        try:
-            results[on] = _run(engine, _requests()[:3])
-        finally:
-            engine.shutdown()
-    assert results[True] == results[False]
+def test_the_same_in_a_child_process(default_model, async_off):
+    """Async scheduling on, the runner in a child process (which fills in the placeholders):
+    the same outputs as with it off (the runner inline: the same code on the same weights)."""
+    on, _ = _run_engine(default_model, 4096, executor="process", async_scheduling=True)
+    assert on == async_off(4096)[0]
 
 
 def test_pipelines_refuse_async_scheduling_and_one_stage_has_it_by_default():

@@ -108,6 +108,12 @@ PREEMPTING = ("preempt", "process", "kernel-preempt", "pipeline-preempt", "tenso
 KINDS = {"kernel-preempt": ["llama"], "tensorrt-graph": ["llama"], "pipeline-tp2": ["llama"],
          "tp4": ["llama"],  # the kernel with one head per K/V head (GPT-2's): test_kernel.py
          "torch-linear": ["qwen2"]}  # F.linear with a bias; the default path covers all three
+# ... and on 3 of SHAPES, a sixth of the iterations: (1, 9), (64, 4), (9, 1). Still a 1-token
+# prompt and a 1-token answer, and the 64-token prompt in chunks over its cached blocks beside
+# decodes; under kv_cache_tokens=96 it is preempted, resumed from its cached blocks, and
+# decodes into a new block at position 64. (Every shape, kernel alone: test_kernel.py.)
+FEW_SHAPES = (3, 4, 6)
+ON_FEW_SHAPES = ("kernel-preempt", "tensorrt-graph", "tp4", "pipeline-tp2")
 NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -136,39 +142,53 @@ def references(tiny_models):
 @pytest.mark.parametrize("variant, kind", _variants())
 def test_tiny_models_match_transformers(kind, variant, tiny_models, references):
     prompts, refs = references(kind)
+    shapes = SHAPES
+    if variant in ON_FEW_SHAPES:
+        prompts, refs, shapes = ([x[i] for i in FEW_SHAPES] for x in (prompts, refs, SHAPES))
     engine = LLMEngine(EngineConfig(model=str(tiny_models[kind]), keep_logits=True,
                                     **ENGINE_VARIANTS[variant]))
     try:
-        _check(engine, prompts, refs)
+        _check(engine, prompts, refs, shapes)
     finally:
         engine.shutdown()
     assert (engine.scheduler.num_preemptions > 0) == (variant in PREEMPTING)
 
 
+# The default model (30 layers, each step of its reference a tenth of a second) on 4 of SHAPES:
+# (1, 9), (64, 4), (23, 15), (9, 1). Two prompts still go in chunks beside decodes, and
+# `preempt`'s 96 tokens still preempt; every shape: the tiny models.
+DEFAULT_MODEL_SHAPES = (3, 4, 5, 6)
+
+
 @pytest.fixture(scope="module")
 def default_references(default_model):
-    prompts = _prompts(49152)
-    return prompts, _reference(default_model, prompts)
+    prompts = [_prompts(49152)[i] for i in DEFAULT_MODEL_SHAPES]
+    shapes = [SHAPES[i] for i in DEFAULT_MODEL_SHAPES]
+    return prompts, shapes, _reference(default_model, prompts, shapes)
 
 
 @pytest.mark.parametrize("variant", ["chunked", "preempt"])
 def test_default_model_matches_transformers(variant, default_model, default_references):
-    prompts, refs = default_references
+    prompts, shapes, refs = default_references
     engine = LLMEngine(EngineConfig(model=str(default_model), keep_logits=True,
                                     **ENGINE_VARIANTS[variant]))
-    _check(engine, prompts, refs)
+    _check(engine, prompts, refs, shapes)
     assert (engine.scheduler.num_preemptions > 0) == (variant == "preempt")
 
 
 def test_kernel_backend_matches_sdpa_backend(tiny_models):
     """The two attention backends on the same engine settings: equal greedy tokens, and
-    logits closer to each other than either is to transformers' (fp32 on both)."""
-    prompts = _prompts(512)[:3]
+    logits closer to each other than either is to transformers' (fp32 on both). The 40- and
+    31-token prompts go in chunks beside decodes; then three decode together (a batch of 3,
+    padded to the CUDA-graph path's 4), the 31-token one into a new block at position 32; then
+    one alone (unpadded)."""
+    shapes = [(5, 8), (40, 6), (31, 4)]
+    prompts = [_prompts(512)[i][:n] for i, (n, _) in zip((0, 1, 7), shapes)]  # 7: 33 tokens
     runs = {}
     for attention in ("torch", "triton"):
         engine = LLMEngine(EngineConfig(model=str(tiny_models["llama"]), keep_logits=True,
                                         attention=attention, max_num_batched_tokens=24))
-        runs[attention] = _run_staggered(engine, prompts)
+        runs[attention] = _run_staggered(engine, prompts, shapes)
         engine.shutdown()
     (sdpa_tokens, sdpa_logits, _), (kernel_tokens, kernel_logits, _) = runs["torch"], runs["triton"]
     assert kernel_tokens == sdpa_tokens
@@ -195,6 +215,11 @@ PREFIX_VARIANTS = {
     "pipeline": dict(executor="pipeline", max_batch_size=3, max_num_batched_tokens=16),
     "kernel": dict(attention="triton", max_num_batched_tokens=16),
 }
+# The interpreter is slow: under the kernel, every request but 0 (whose answer is 6's prompt)
+# stops after its first KERNEL_MAX_TOKENS tokens. The same hits, 10 iterations instead of 14,
+# at most 5 requests in one (instead of 7); each hit still decodes twice over its cached
+# blocks, 6 into a new block at position 32.
+KERNEL_MAX_TOKENS = 3
 
 
 def _shared_prompts(folder) -> tuple[list[list[int]], list[tuple[int, int]]]:
@@ -208,12 +233,27 @@ def _shared_prompts(folder) -> tuple[list[list[int]], list[tuple[int, int]]]:
     return prompts, [(len(p), n) for p, n in zip(prompts, SHARED_MAX_TOKENS)]
 
 
+@pytest.fixture(scope="module")
+def shared_references(tiny_models):
+    """Each kind's shared-prefix prompts, their shapes and transformers' answers, made once."""
+    cache = {}
+
+    def get(kind):
+        if kind not in cache:
+            prompts, shapes = _shared_prompts(tiny_models[kind])
+            cache[kind] = prompts, shapes, _reference(tiny_models[kind], prompts, shapes)
+        return cache[kind]
+    return get
+
+
 @pytest.mark.parametrize("variant, kind", [pytest.param(v, k, id=f"{v}-{k}") for v in PREFIX_VARIANTS
                                            for k in (["llama"] if v == "kernel" else ["llama", "gpt2"])])
-def test_prefix_cache_hits_give_transformers_tokens_and_logits(variant, kind, tiny_models):
+def test_prefix_cache_hits_give_transformers_tokens_and_logits(variant, kind, tiny_models, shared_references):
     folder = tiny_models[kind]
-    prompts, shapes = _shared_prompts(folder)
-    refs = _reference(folder, prompts, shapes)
+    prompts, shapes, refs = shared_references(kind)
+    if variant == "kernel":  # transformers' first tokens and logits are its answer to the shorter request
+        shapes = [(n, min(m, KERNEL_MAX_TOKENS) if i else m) for i, (n, m) in enumerate(shapes)]
+        refs = [(tokens[:m], logits[:m]) for (tokens, logits), (_, m) in zip(refs, shapes)]
     engine = LLMEngine(EngineConfig(model=str(folder), keep_logits=True, block_size=4,
                                     **PREFIX_VARIANTS[variant]))
     cached: dict[int, int] = {}

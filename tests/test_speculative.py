@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import LORA_MAX_TOKENS, LORA_PROMPTS
 from orca_backend.core.errors import ConfigError
 from orca_backend.core.sampling_params import SamplingParams
 from orca_backend.core.speculative import NgramProposer, SpeculativeConfig
@@ -20,6 +21,8 @@ PROMPTS = ["Repeat this list exactly: apple, banana, cherry, date, elderberry, f
            "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n",
            "The capital of France is"]
 SPEC = {"num_speculative_tokens": 4, "max_batch_size": 64}
+# 24 blocks of 4 tokens, fewer than PROMPTS hold by their 24th output token (32): some are preempted.
+PREEMPTING = dict(kv_cache_tokens=96, block_size=4, max_num_batched_tokens=64)
 
 
 def test_the_proposer_looks_up_the_longest_recent_ngram():
@@ -65,15 +68,22 @@ def test_rejection_sampling_keeps_the_target_distribution(min_p):
     sampler = Sampler(torch.device("cpu"), 0, [])
     target = sampler._probs(logits, [state] * 3)
     target = target / target.sum(-1, keepdim=True)
-    first_counts, second_counts = torch.zeros(6), torch.zeros(6)
+    first, second = [0] * 6, [0] * 6  # counted in Python: a tensor's += costs as much as a draw
     accepted_first = 0
     n = 20_000
-    for _ in range(n):
-        accepted, token = sampler.verify(logits, state, drafts)
-        first_counts[drafts[0] if accepted >= 1 else token] += 1
-        if accepted >= 1:  # the second token: the second proposal, or the draw that replaced it
-            accepted_first += 1
-            second_counts[drafts[1] if accepted == 2 else token] += 1
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # rows of 6: a second thread only adds its wake-ups (same draws)
+    try:
+        with torch.inference_mode():  # as the runner calls it
+            for _ in range(n):
+                accepted, token = sampler.verify(logits, state, drafts)
+                first[drafts[0] if accepted >= 1 else token] += 1
+                if accepted >= 1:  # the second token: the second proposal, or the draw that replaced it
+                    accepted_first += 1
+                    second[drafts[1] if accepted == 2 else token] += 1
+    finally:
+        torch.set_num_threads(threads)
+    first_counts, second_counts = torch.tensor(first, dtype=torch.float), torch.tensor(second, dtype=torch.float)
     # the first token is distributed as the first row; the second (after the first proposal) as the second row
     assert (first_counts / n - target[0]).abs().sum() / 2 < 0.015
     assert (second_counts / second_counts.sum() - target[1]).abs().sum() / 2 < 0.015
@@ -84,6 +94,23 @@ def test_rejection_sampling_keeps_the_target_distribution(min_p):
 def reference(default_model):
     with LLM(str(default_model), kv_cache_tokens=4096) as llm:
         yield llm
+
+
+@pytest.fixture(scope="module")
+def plain(reference):
+    """`reference.generate` for greedy requests, each prompt's output with given parameters
+    computed once in the module (it does not change): several tests compare the same requests
+    with their output without speculation."""
+    outputs = {}
+
+    def generate(prompts: str | list[str], params: SamplingParams) -> list:
+        prompts = [prompts] if isinstance(prompts, str) else prompts
+        assert params.greedy
+        new = list(dict.fromkeys(p for p in prompts if (p, repr(params)) not in outputs))
+        for prompt, out in zip(new, reference.generate(new, params) if new else []):
+            outputs[(prompt, repr(params))] = out
+        return [outputs[(p, repr(params))] for p in prompts]
+    return generate
 
 
 @pytest.fixture(scope="module")
@@ -111,11 +138,12 @@ def same(a, b) -> None:
 @pytest.fixture(scope="module")
 def every_end(reference):
     """Each prompt ending by max_tokens, a stop token and a stop string at each of its first 8
-    tokens (3 x 25 requests), and by EOS: the requests and the engine's outputs without
-    speculation. With 4 proposals a step, 8 tokens are the prefill's, one whole accepted run
-    and the start of the next: every place in a run an end can fall. The stops may run to 12
-    tokens, so proposals are not cut to the room left: the first prompt's third step, under
-    n-grams, has 2 of 4 accepted and ends inside them."""
+    tokens (3 x 25 requests), and by EOS (the third prompt's, its 30th token; the others end at
+    32 by length): the requests and the engine's outputs without speculation. With 4 proposals
+    a step, 8 tokens are the prefill's, one whole accepted run and the start of the next: every
+    place in a run an end can fall. The stops may run to 12 tokens, so proposals are not cut to
+    the room left: the first prompt's third step, under n-grams, has 2 of 4 accepted and ends
+    inside them."""
     base = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     full = [o.token_ids for o in reference.generate(PROMPTS, base)]
     text = reference.engine.rules.tokenizer.decode
@@ -128,17 +156,21 @@ def every_end(reference):
                        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
                                       stop=[text(tokens[j - 1:j]).strip() or "\n"])]
         prompts.append(prompt)
-        params.append(SamplingParams(max_tokens=40, temperature=0))  # EOS where the model says so
-    return prompts, params, reference.generate(prompts, params)
+        params.append(SamplingParams(max_tokens=32, temperature=0))  # EOS where the model says so
+    outputs = reference.generate(prompts, params)
+    assert outputs[-1].finish_reason == "stop"  # an EOS end is among them
+    return prompts, params, outputs
 
 
 @pytest.mark.parametrize("proposer", ["speculating", "drafting"], ids=["ngram", "draft_model"])
 def test_greedy_output_is_the_output_without_speculation_at_every_end(every_end, request, proposer):
-    """Every request of `every_end` in one generate call, speculating: every output, text and
+    """Every request of `every_end` in one generate call, speculating (the prompts' full
+    blocks in the prefix cache first, as they are in the reference's): every output, text and
     finish reason equal to the engine's without speculation; proposals were accepted (every
     one, when the model drafts for itself; under n-grams some were rejected)."""
     speculating = request.getfixturevalue(proposer)
     prompts, params, expected = every_end
+    speculating.generate(PROMPTS, SamplingParams(max_tokens=1, temperature=0))  # hits for the 78 prompts below
     before = speculating.engine.stats.speculation.copy()
     same(expected, speculating.generate(prompts, params))
     stats = speculating.engine.stats.speculation
@@ -153,23 +185,22 @@ def test_greedy_output_is_the_output_without_speculation_at_every_end(every_end,
 
 
 @pytest.mark.parametrize("options", [dict(executor="process"), dict(executor="pipeline", pipeline_stages=2),
-                                     dict(kv_cache_tokens=160, block_size=4, max_num_batched_tokens=64)],
-                         ids=["process", "pipeline", "preempting"])
-def test_greedy_output_is_the_same_through_other_executors_and_preemption(default_model, reference, options):
+                                     PREEMPTING], ids=["process", "pipeline", "preempting"])
+def test_greedy_output_is_the_same_through_other_executors_and_preemption(default_model, plain, options):
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    prompts = PROMPTS * 2
+    prompts = PROMPTS if options is PREEMPTING else PROMPTS * 2
     with LLM(str(default_model), speculative_config=SPEC, **{"kv_cache_tokens": 4096, **options}) as llm:
         outs = llm.generate(prompts, params)
         stats = llm.engine.stats.speculation
         preemptions = llm.engine.scheduler.num_preemptions
-    same(reference.generate(prompts, params), outs)
+    same(plain(prompts, params), outs)
     assert stats.num_accepted_tokens > 0
-    if "block_size" in options:
+    if options is PREEMPTING:
         assert preemptions > 0
 
 
 @pytest.mark.parametrize("proposer", ["speculating", "drafting"], ids=["ngram", "draft_model"])
-def test_prefix_caching_names_only_accepted_tokens(request, proposer, reference):
+def test_prefix_caching_names_only_accepted_tokens(request, proposer, plain):
     """A request whose prompt is an earlier request's prompt and output hits the cache, and
     its output is right: the cached blocks hold accepted tokens' K/V only (a draft model
     computes its own K/V of the cached tokens, and still proposes right)."""
@@ -179,16 +210,16 @@ def test_prefix_caching_names_only_accepted_tokens(request, proposer, reference)
     follow = PROMPTS[0] + first.text + " Again:"
     again, = speculating.generate(follow, params)
     assert again.num_cached_tokens >= 32
-    same(reference.generate(follow, params), [again])
+    same(plain(follow, params), [again])
 
 
 def test_sampling_with_speculation_ends_right_and_seeded_requests_do_not_speculate(speculating, reference):
     """Unseeded sampled requests speculate and end at max_tokens; a seeded one decodes one
     token at a time, so its output is the same with speculation on, whatever the load."""
     before = speculating.engine.stats.speculation.num_drafts
-    free = speculating.generate(PROMPTS[:2], SamplingParams(max_tokens=24, temperature=0.7, ignore_eos=True))
-    assert [len(o.token_ids) for o in free] == [24, 24] and speculating.engine.stats.speculation.num_drafts > before
-    seeded = [SamplingParams(max_tokens=24, temperature=0.7, seed=s) for s in (1, 2)]
+    free = speculating.generate(PROMPTS[:2], SamplingParams(max_tokens=12, temperature=0.7, ignore_eos=True))
+    assert [len(o.token_ids) for o in free] == [12, 12] and speculating.engine.stats.speculation.num_drafts > before
+    seeded = [SamplingParams(max_tokens=12, temperature=0.7, seed=s) for s in (1, 2)]
     same(reference.generate(PROMPTS[:2], seeded), speculating.generate(PROMPTS[:2], seeded))
 
 
@@ -213,14 +244,21 @@ class _Oracle:
         pass
 
 
-def test_a_draft_model_over_two_tensor_parallel_ranks(tiny_vocab_llama):
-    """Rank 0 runs the draft model (whole) and its proposals reach the other rank with the
-    message: the tiny Llama drafting for itself, split over two ranks, equal to one rank
-    without speculation, every proposal accepted."""
+@pytest.fixture(scope="module")
+def one_rank(tiny_vocab_llama):
+    """Two prompts, 16 greedy tokens each, of the tiny Llama on one rank without speculation:
+    what the tests over two ranks must write."""
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     prompts = [PROMPTS[2], PROMPTS[0]]
     with LLM(str(tiny_vocab_llama), kv_cache_tokens=512) as llm:
-        want = llm.generate(prompts, params)
+        return prompts, params, llm.generate(prompts, params)
+
+
+def test_a_draft_model_over_two_tensor_parallel_ranks(tiny_vocab_llama, one_rank):
+    """Rank 0 runs the draft model (whole) and its proposals reach the other rank with the
+    message: the tiny Llama drafting for itself, split over two ranks, equal to one rank
+    without speculation, every proposal accepted."""
+    prompts, params, want = one_rank
     with LLM(str(tiny_vocab_llama), kv_cache_tokens=512, tensor_parallel_size=2,
              speculative_config=self_draft(tiny_vocab_llama)) as llm:
         got = llm.generate(prompts, params)
@@ -244,14 +282,11 @@ def test_an_unfit_draft_model_is_refused_by_name(default_model, tiny_models, tin
         LLM(str(default_model), kv_cache_tokens=512, **options)
 
 
-def test_speculation_over_two_tensor_parallel_ranks(tiny_vocab_llama):
+def test_speculation_over_two_tensor_parallel_ranks(tiny_vocab_llama, one_rank):
     """The proposals reach every rank with the message; rank 0 checks them. A tiny Llama that
     two ranks split (its random output never repeats, so an oracle proposes): greedy tokens
     equal one rank without speculation, some proposals accepted and some rejected."""
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    prompts = [PROMPTS[2], PROMPTS[0]]
-    with LLM(str(tiny_vocab_llama), kv_cache_tokens=512) as llm:
-        want = llm.generate(prompts, params)
+    prompts, params, want = one_rank
     sequences = [o.prompt_token_ids + o.token_ids for o in want]
     with LLM(str(tiny_vocab_llama), kv_cache_tokens=512, tensor_parallel_size=2, speculative_config={}) as llm:
         llm.engine.scheduler.proposer = _Oracle(sequences)
@@ -261,48 +296,48 @@ def test_speculation_over_two_tensor_parallel_ranks(tiny_vocab_llama):
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
-@pytest.mark.parametrize("options", [dict(executor="process"),
-                                     dict(kv_cache_tokens=160, block_size=4, max_num_batched_tokens=64)],
-                         ids=["process", "preempting"])
-def test_a_draft_model_in_a_child_process_and_under_preemption(default_model, reference, options):
+@pytest.mark.parametrize("options", [dict(executor="process"), PREEMPTING], ids=["process", "preempting"])
+def test_a_draft_model_in_a_child_process_and_under_preemption(default_model, plain, options):
     """The model drafting for itself in the process executor's child, and with a pool so small
     that requests are preempted (the draft's K/V is recomputed on resume): output equal to the
     engine's without speculation, every proposal accepted."""
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    prompts = PROMPTS * 2
+    prompts = PROMPTS if options is PREEMPTING else PROMPTS * 2
     with LLM(str(default_model), speculative_config=self_draft(default_model),
              **{"kv_cache_tokens": 4096, **options}) as llm:
         outs = llm.generate(prompts, params)
         stats = llm.engine.stats.speculation
         preemptions = llm.engine.scheduler.num_preemptions
-    same(reference.generate(prompts, params), outs)
+    same(plain(prompts, params), outs)
     assert 0 < stats.num_accepted_tokens == stats.num_draft_tokens
-    if "block_size" in options:
+    if options is PREEMPTING:
         assert preemptions > 0
 
 
-def test_a_draft_model_for_an_adapter_is_checked_row_by_row(default_model, reference, lora_adapters):
-    """The base model drafting for a LoRA adapter, in one batch with base-model requests: the
-    adapter's requests accept some proposals and reject others (so the draft's K/V is kept for
-    accepted ones and written over after), the base model's accept all; greedy output equal to
-    the engine's without speculation."""
+def test_a_draft_model_for_an_adapter_is_checked_row_by_row(default_model, lora_adapters):
+    """The base model drafting for LoRA adapters (b on every projection, c on o, gate and
+    down), in one batch with base-model requests: the adapters' requests accept some proposals
+    and reject others (so the draft's K/V is kept for accepted ones and written over after),
+    the base model's accept all; greedy tokens equal to PEFT's merged model's
+    (`lora_adapters.greedy`, what the engine without speculation writes: test_lora_engine.py),
+    text and finish reason those of the tokens."""
     from orca_backend.lora import LoRARequest
 
-    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0], PROMPTS[1]]
-    adapter = LoRARequest("b", 1, str(lora_adapters.paths["b"]))
-    loras = [adapter, adapter, None, None]
-    options = dict(kv_cache_tokens=4096, enable_lora=True)
-    with LLM(str(default_model), **options) as llm:
-        want = llm.generate(prompts, params, lora_request=loras)
-    with LLM(str(default_model), speculative_config=self_draft(default_model), **options) as llm:
+    params = SamplingParams(max_tokens=LORA_MAX_TOKENS, temperature=0, ignore_eos=True)
+    names = ["b", "b", "c", "c", None, None]
+    prompts = list(LORA_PROMPTS) * 3
+    loras = [None if n is None else LoRARequest(n, 0, str(lora_adapters.paths[n])) for n in names]
+    with LLM(str(default_model), speculative_config=self_draft(default_model), kv_cache_tokens=4096,
+             enable_lora=True, max_loras=2) as llm:
         got = llm.generate(prompts, params, lora_request=loras)
         stats = llm.engine.stats.speculation
-    same(want, got)
+        decode = llm.engine.rules.tokenizer.decode
+    assert [o.token_ids for o in got] == [lora_adapters.greedy[(n, p)] for n, p in zip(names, prompts)]
+    assert [(o.text, o.finish_reason, o.error) for o in got] == [(decode(o.token_ids), "length", None) for o in got]
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
-def test_a_failing_draft_model_costs_its_proposals_only(drafting, reference):
+def test_a_failing_draft_model_costs_its_proposals_only(drafting, plain):
     """The draft model raises every other call: those rows are checked with stand-in
     proposals, the iteration goes on, and the output is the output without speculation."""
     drafter = drafting.engine.executor.runner.drafter
@@ -315,12 +350,12 @@ def test_a_failing_draft_model_costs_its_proposals_only(drafting, reference):
         return propose(items)
 
     drafter.propose = flaky
-    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)  # `plain` has its output
     try:
         got = drafting.generate(PROMPTS, params)
     finally:
         del drafter.propose
-    same(reference.generate(PROMPTS, params), got)
+    same(plain(PROMPTS, params), got)
     assert len(calls) >= 4 and drafting.engine.kv.num_used_blocks == 0
 
 

@@ -1,6 +1,7 @@
 """Structured outputs without a server: the spec, the compiler (cache, errors, time limit), and
 the engine with the default model: choice, regex, grammars, JSON schemas and objects, length
-cuts, preemption, the compile that waits and the one that times out, every executor."""
+cuts, preemption; with a tiny Llama of its vocabulary: the compile that waits and the one that
+times out, every executor."""
 from __future__ import annotations
 
 import json
@@ -100,12 +101,10 @@ def test_the_compiler_caches_by_spec_and_names_what_the_library_refuses(default_
 
 
 class HeldBackend:
-    """Compiles for real, but only once `release` is set."""
+    """Compiles for real (with `real`, the library's backend), but only once `release` is set."""
 
-    def __init__(self, default_model):
-        from orca_backend.grammar.backend import GuidanceBackend
-
-        self.real = GuidanceBackend(default_model, 49152, [2])
+    def __init__(self, real):
+        self.real = real
         self.release = threading.Event()
 
     def compile(self, spec):
@@ -113,12 +112,22 @@ class HeldBackend:
         return self.real.compile(spec)
 
 
+@pytest.fixture(scope="module")
+def guidance(default_model):
+    """The grammar library's backend for the default model's tokenizer (made once: a second)."""
+    from orca_backend.grammar.backend import GuidanceBackend
+
+    return GuidanceBackend(default_model, 49152, [2])
+
+
 @pytest.fixture
-def held(default_model):
-    """An engine whose grammars compile only when the test says so."""
-    engine = LLMEngine(EngineConfig(model=str(default_model), kv_cache_tokens=2048,
+def held(default_model, tiny_vocab_llama, guidance):
+    """An engine whose grammars compile only when the test says so: a tiny Llama with the
+    default model's vocabulary (its tokenizer's grammars), as what waits is the point, not
+    what the model writes."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_vocab_llama), kv_cache_tokens=2048,
                                     grammar_compile_timeout_seconds=30))
-    backend = HeldBackend(default_model)
+    backend = HeldBackend(guidance)
     engine.grammars = GrammarCompiler(default_model, 49152, [2], backend=backend)
     yield engine, backend
     backend.release.set()
@@ -249,19 +258,24 @@ def test_json_object_parses_when_it_ends(llm):
             assert o.text.lstrip().startswith("{")
 
 
-def test_a_json_schema_validates_in_20_of_20_seeded_samples_at_temperature_1(llm):
-    outs = llm.generate(["Describe a person as JSON."] * 20,
-                        [sampled({"json": SCHEMA}, seed, 1.0, max_tokens=200) for seed in range(20)])
-    for o in outs:
+@pytest.fixture(scope="module")
+def json_samples(llm) -> list:
+    """16 samples of SCHEMA at temperature 1, seeds 0 to 15 (a seeded sample's output does not
+    depend on its batch)."""
+    return llm.generate(["Describe a person as JSON."] * 16,
+                        [sampled({"json": SCHEMA}, seed, 1.0, max_tokens=200) for seed in range(16)])
+
+
+def test_a_json_schema_validates_in_16_of_16_seeded_samples_at_temperature_1(json_samples):
+    for o in json_samples:
         assert o.error is None and o.finish_reason == "stop", (o.error, o.text)
         jsonschema.validate(json.loads(o.text), SCHEMA)
-    assert len({o.text for o in outs}) > 16  # sampled, not one answer
+    assert len({o.text for o in json_samples}) > 13  # sampled, not one answer
 
 
-def test_max_tokens_cuts_a_json_value_as_it_stands(llm):
-    whole, cut = llm.generate(["Describe a person as JSON."] * 2,
-                              [sampled({"json": SCHEMA}, 7, 1.0, max_tokens=200),
-                               sampled({"json": SCHEMA}, 7, 1.0, max_tokens=9)])
+def test_max_tokens_cuts_a_json_value_as_it_stands(llm, json_samples):
+    whole = json_samples[7]  # seed 7, up to 200 tokens
+    cut, = llm.generate(["Describe a person as JSON."], [sampled({"json": SCHEMA}, 7, 1.0, max_tokens=9)])
     assert cut.finish_reason == "length" and len(cut.token_ids) == 9
     assert whole.token_ids[:9] == cut.token_ids and whole.text.startswith(cut.text)
 
@@ -273,11 +287,13 @@ def test_ignore_eos_still_ends_where_the_grammar_ends(llm):
 
 def test_preemption_in_the_middle_of_json_values_keeps_each_matcher_where_it_was(default_model, llm):
     prompts = [f"Describe person number {i} as JSON." for i in range(6)]
-    params = [sampled({"json": SCHEMA}, max_tokens=120) for _ in prompts]
+    # No whitespace outside strings: ~36 output tokens each, not ~60.
+    params = [sampled({"json": SCHEMA, "disable_any_whitespace": True}, max_tokens=120) for _ in prompts]
     roomy = llm.generate(prompts, params)
-    # 6 requests of ~25 prompt and up to 120 output tokens in 320 tokens of K/V: preempted
-    # mid-generation, recomputed, and on from where they were.
-    with LLM(str(default_model), kv_cache_tokens=320, block_size=16) as small:
+    # 6 requests of 8 prompt and ~36 output tokens (6 blocks of 8 each) in 28 blocks: preempted
+    # mid-generation (one between two values, one inside the zip string), recomputed, and on
+    # from where they were.
+    with LLM(str(default_model), kv_cache_tokens=224, block_size=8) as small:
         tight = small.generate(prompts, params)
         assert small.engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in tight] == [o.token_ids for o in roomy]
@@ -286,22 +302,33 @@ def test_preemption_in_the_middle_of_json_values_keeps_each_matcher_where_it_was
 
 
 # -- every executor: the stage that samples follows the grammar -------------------------------
+# A random model: whatever it would say, the grammar shapes it.
+EXECUTOR_SPECS = [{"regex": r"[a-z]{2,8}@[a-z]{2,8}\.com"}, {"choice": CHOICES},
+                  {"json": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                                    "maximum": 99}},
+                            "required": ["n"], "additionalProperties": False}, "disable_any_whitespace": True}]
+EXECUTOR_PROMPTS = ["Write an address", "Pick one", "Give a number"]
+TINY_POOL = {"kv_cache_tokens": 1024}  # not the default 1 GiB (2 million tokens of the tiny model)
+
+
+@pytest.fixture(scope="module")
+def inline_writes(tiny_vocab_llama) -> list[str]:
+    """What the inline runner writes for EXECUTOR_PROMPTS under EXECUTOR_SPECS (once for every
+    executor below)."""
+    params = [sampled(spec, max_tokens=40) for spec in EXECUTOR_SPECS]
+    with LLM(str(tiny_vocab_llama), **TINY_POOL) as inline:
+        return [o.text for o in inline.generate(EXECUTOR_PROMPTS, params)]
+
+
 @pytest.mark.parametrize("options", [{"executor": "process"}, {"executor": "pipeline"},
                                      {"tensor_parallel_size": 2}], ids=["process", "pipeline", "tp2"])
-def test_every_executor_writes_what_the_inline_runner_writes(tiny_vocab_llama, options):
-    # A random model: whatever it would say, the grammar shapes it.
-    specs = [{"regex": r"[a-z]{2,8}@[a-z]{2,8}\.com"}, {"choice": CHOICES},
-             {"json": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
-                                                               "maximum": 99}},
-                       "required": ["n"], "additionalProperties": False}, "disable_any_whitespace": True}]
-    prompts = ["Write an address", "Pick one", "Give a number"]
-    params = [sampled(spec, max_tokens=40) for spec in specs]
-    with LLM(str(tiny_vocab_llama)) as inline:
-        expected = [o.text for o in inline.generate(prompts, params)]
-    assert re.fullmatch(specs[0]["regex"], expected[0]) and expected[1] in CHOICES
+def test_every_executor_writes_what_the_inline_runner_writes(tiny_vocab_llama, inline_writes, options):
+    expected = inline_writes
+    assert re.fullmatch(EXECUTOR_SPECS[0]["regex"], expected[0]) and expected[1] in CHOICES
     assert 0 <= json.loads(expected[2])["n"] <= 99
-    with LLM(str(tiny_vocab_llama), **options) as other:
-        assert [o.text for o in other.generate(prompts, params)] == expected
+    params = [sampled(spec, max_tokens=40) for spec in EXECUTOR_SPECS]
+    with LLM(str(tiny_vocab_llama), **TINY_POOL, **options) as other:
+        assert [o.text for o in other.generate(EXECUTOR_PROMPTS, params)] == expected
 
 
 def test_the_runner_shares_the_engines_compiled_grammars_in_one_process(llm, default_model):
