@@ -11,6 +11,11 @@ pytestmark = pytest.mark.numerics  # slow group: against transformers
 
 # (prompt length, max_tokens): different lengths, some longer than the token budget.
 SHAPES = [(5, 12), (40, 6), (17, 20), (1, 9), (64, 4), (23, 15), (9, 1), (33, 11)]
+# The K/V pool of every engine here that does not size its own: all of a test's requests fit
+# at once (nothing is preempted or evicted but where a variant means it). The default, 1 GiB a
+# rank, costs each engine 0.7 s of system time to zero, and with blocks of 4 (half a million
+# of them) 0.1 s a step in `check_integrity`.
+POOL_TOKENS = 1024
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -146,7 +151,7 @@ def test_tiny_models_match_transformers(kind, variant, tiny_models, references):
     if variant in ON_FEW_SHAPES:
         prompts, refs, shapes = ([x[i] for i in FEW_SHAPES] for x in (prompts, refs, SHAPES))
     engine = LLMEngine(EngineConfig(model=str(tiny_models[kind]), keep_logits=True,
-                                    **ENGINE_VARIANTS[variant]))
+                                    **{"kv_cache_tokens": POOL_TOKENS, **ENGINE_VARIANTS[variant]}))
     try:
         _check(engine, prompts, refs, shapes)
     finally:
@@ -171,7 +176,7 @@ def default_references(default_model):
 def test_default_model_matches_transformers(variant, default_model, default_references):
     prompts, shapes, refs = default_references
     engine = LLMEngine(EngineConfig(model=str(default_model), keep_logits=True,
-                                    **ENGINE_VARIANTS[variant]))
+                                    **{"kv_cache_tokens": POOL_TOKENS, **ENGINE_VARIANTS[variant]}))
     _check(engine, prompts, refs, shapes)
     assert (engine.scheduler.num_preemptions > 0) == (variant == "preempt")
 
@@ -186,8 +191,8 @@ def test_kernel_backend_matches_sdpa_backend(tiny_models):
     prompts = [_prompts(512)[i][:n] for i, (n, _) in zip((0, 1, 7), shapes)]  # 7: 33 tokens
     runs = {}
     for attention in ("torch", "triton"):
-        engine = LLMEngine(EngineConfig(model=str(tiny_models["llama"]), keep_logits=True,
-                                        attention=attention, max_num_batched_tokens=24))
+        engine = LLMEngine(EngineConfig(model=str(tiny_models["llama"]), keep_logits=True, attention=attention,
+                                        max_num_batched_tokens=24, kv_cache_tokens=POOL_TOKENS))
         runs[attention] = _run_staggered(engine, prompts, shapes)
         engine.shutdown()
     (sdpa_tokens, sdpa_logits, _), (kernel_tokens, kernel_logits, _) = runs["torch"], runs["triton"]
@@ -255,7 +260,7 @@ def test_prefix_cache_hits_give_transformers_tokens_and_logits(variant, kind, ti
         shapes = [(n, min(m, KERNEL_MAX_TOKENS) if i else m) for i, (n, m) in enumerate(shapes)]
         refs = [(tokens[:m], logits[:m]) for (tokens, logits), (_, m) in zip(refs, shapes)]
     engine = LLMEngine(EngineConfig(model=str(folder), keep_logits=True, block_size=4,
-                                    **PREFIX_VARIANTS[variant]))
+                                    **{"kv_cache_tokens": POOL_TOKENS, **PREFIX_VARIANTS[variant]}))
     cached: dict[int, int] = {}
     try:
         _check(engine, prompts, refs, shapes, cached)
@@ -278,7 +283,8 @@ def test_default_model_at_three_ranks_equals_one(default_model):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
     runs = []
     for size in (1, 3):
-        llm = LLM(str(default_model), tensor_parallel_size=size, max_num_batched_tokens=16)
+        llm = LLM(str(default_model), tensor_parallel_size=size, max_num_batched_tokens=16,
+                  kv_cache_tokens=POOL_TOKENS)
         runs.append(llm.generate(prompts, params))
         llm.engine.shutdown()
     for one, three in zip(*runs):

@@ -22,6 +22,7 @@ from orca_backend.runner.models.parallel import Shard
 
 pytestmark = pytest.mark.subprocess  # slow group: ranks are child processes
 FAULTS = Path(__file__).parent / "tp_faults"  # its sitecustomize injects rank faults
+POOL_TOKENS = 1024  # each engine's K/V pool: ample, where each rank would zero the default 1 GiB
 
 
 def _config(**raw) -> ModelConfig:
@@ -89,7 +90,7 @@ def test_seeded_sampling_at_two_ranks_equals_one(tiny_models):
     results = []
     for size in (1, 2):
         engine = LLMEngine(EngineConfig(model=str(tiny_models["qwen2"]), tensor_parallel_size=size,
-                                        seed=3, max_num_batched_tokens=16))
+                                        seed=3, max_num_batched_tokens=16, kv_cache_tokens=POOL_TOKENS))
         for i in range(3):
             engine.add_request(str(i), list(range(4 + i, 24 + 2 * i)), SamplingParams(
                 temperature=0.9, top_p=0.95, seed=100 + i if i < 2 else None, max_tokens=10,
@@ -125,6 +126,7 @@ def faulty(monkeypatch, tmp_path):
     def make(fault: str, folder, **options) -> LLMEngine:
         monkeypatch.setenv("ORCA_TEST_TP_FAULT", fault)
         options.setdefault("iteration_timeout_seconds", 30)
+        options.setdefault("kv_cache_tokens", POOL_TOKENS)
         engine = LLMEngine(EngineConfig(model=str(folder), tensor_parallel_size=2, **options))
         monkeypatch.delenv("ORCA_TEST_TP_FAULT")  # the restarted group runs clean
         engines.append(engine)
@@ -143,7 +145,7 @@ def _ranks(engine) -> list:
 @pytest.fixture(scope="module")
 def one_rank_later(tiny_models):
     """One rank's greedy tokens for the request "later" of the fault tests, computed once."""
-    reference = LLMEngine(EngineConfig(model=str(tiny_models["llama"])))
+    reference = LLMEngine(EngineConfig(model=str(tiny_models["llama"]), kv_cache_tokens=POOL_TOKENS))
     try:
         reference.add_request("later", list(range(5, 25)), _greedy(6))
         return _drain(reference)[0]
@@ -216,7 +218,8 @@ def test_shutdown_is_bounded_and_leaves_no_rank(tiny_models, monkeypatch):
     from orca_backend.runner import tensor_parallel
 
     monkeypatch.setattr(tensor_parallel, "STOP_TIMEOUT_SECONDS", 1)  # 10 in the product
-    engine = LLMEngine(EngineConfig(model=str(tiny_models["llama"]), tensor_parallel_size=2))
+    engine = LLMEngine(EngineConfig(model=str(tiny_models["llama"]), tensor_parallel_size=2,
+                                    kv_cache_tokens=POOL_TOKENS))
     engine.add_request("a", list(range(5, 15)), _greedy(3))
     _drain(engine)
     ranks = _ranks(engine)
