@@ -149,22 +149,33 @@ def test_under_kv_pressure_rows_ahead_wait_and_preemption_still_recomputes_right
 
 # -- the engine on the default model ---------------------------------------------------------
 CHAT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"  # ends in EOS
-PROMPTS = ["Once upon a time", "The capital of France is", CHAT, "List three colors:", "Water boils at",
+STORY = ("Once upon a time, in a small village at the edge of a great forest, there lived an old woodcutter "
+         "and his three daughters")  # over one 16-token block: "shared" finds it cached
+PROMPTS = [STORY, "The capital of France is", CHAT, "List three colors:", "Water boils at",
            "The quick brown fox"]
 
 
-def _run(engine: LLMEngine, requests: list[tuple[str, str, SamplingParams]], abort: str | None = None) -> dict:
+def _run(engine: LLMEngine, requests: list[tuple[str, str, SamplingParams]], abort: str | None = None,
+         later: str | None = None) -> dict:
+    """The requests' tokens and finish reasons; `later` is added after 3 steps (once the others'
+    prompts are computed), `abort` aborted after 4. Records in `engine.cached` each request's
+    prompt tokens that came from the prefix cache."""
     for request_id, prompt, params in requests:
-        engine.add_request(request_id, prompt, params)
+        if request_id != later:
+            engine.add_request(request_id, prompt, params)
     tokens: dict[str, list[int]] = {rid: [] for rid, _, _ in requests}
     reasons: dict[str, str | None] = {}
+    engine.cached = {}
     steps = 0
     while engine.has_unfinished_requests():
         for d in engine.step():
             tokens[d.request_id] += d.token_ids
+            engine.cached[d.request_id] = d.num_cached_tokens
             if d.finished:
                 reasons[d.request_id] = d.finish_reason
         steps += 1
+        if later is not None and steps == 3:
+            engine.add_request(*next(r for r in requests if r[0] == later))
         if abort is not None and steps == 4:
             engine.abort_request(abort)
     engine.kv.check_integrity()
@@ -181,17 +192,21 @@ def _requests() -> list[tuple[str, str, SamplingParams]]:
         ("penalties", PROMPTS[3], SamplingParams(**greedy, repetition_penalty=1.3, frequency_penalty=0.5,
                                                  presence_penalty=0.5)),
         ("seeded", PROMPTS[4], SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=16)),
-        ("shared", PROMPTS[0] + " there was", SamplingParams(**greedy)),  # its prefix cached from "plain"
+        ("shared", PROMPTS[0] + " and a dog", SamplingParams(**greedy)),  # added later: its prefix cached
         ("aborted", PROMPTS[5], SamplingParams(**greedy)),
     ]
 
 
 def _run_engine(default_model, pool: int, **options) -> tuple[dict, int]:
-    """`_requests()` (one aborted) on the default model with a pool of `pool` tokens: the
-    outputs, and the number of preemptions."""
+    """`_requests()` (one aborted, "shared" added later) on the default model with a pool of
+    `pool` tokens: the outputs, and the number of preemptions. With the pool large enough to
+    keep "plain"'s blocks, "shared" must find its prefix cached."""
     engine = LLMEngine(EngineConfig(model=str(default_model), kv_cache_tokens=pool, max_batch_size=8, **options))
     try:
-        return _run(engine, _requests(), abort="aborted"), engine.scheduler.num_preemptions
+        outputs = _run(engine, _requests(), abort="aborted", later="shared")
+        if pool >= 4096:
+            assert engine.cached["shared"] >= 16 and engine.cached["plain"] == 0
+        return outputs, engine.scheduler.num_preemptions
     finally:
         engine.shutdown()
 

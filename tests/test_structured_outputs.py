@@ -221,10 +221,11 @@ def test_a_request_cancelled_while_its_grammar_compiles_ends_once_and_leaves_not
         after = FakeSink()
         loop.submit(_request(max_tokens=3), after)
         _finished([after])
-        assert not engine.unfinished_request_ids()
+        assert after.error is None and after.num_output_tokens == 3  # the engine serves on
+        assert waiting.num_finals == 1 and not waiting.responses and not engine.unfinished_request_ids()
     finally:
         loop.shutdown()
-    assert engine.kv.num_used_blocks == 0
+    assert engine.kv.num_used_blocks == 0 and engine.stats.num_structured_requests == 0  # it never ran
 
 
 # -- what the model writes under a grammar ----------------------------------------------------
