@@ -155,32 +155,32 @@ PROMPTS = [STORY, "The capital of France is", CHAT, "List three colors:", "Water
            "The quick brown fox"]
 
 
-def _run(engine: LLMEngine, requests: list[tuple[str, str, SamplingParams]], abort: str | None = None,
-         later: str | None = None) -> dict:
-    """The requests' tokens and finish reasons; `later` is added after 3 steps (once the others'
-    prompts are computed), `abort` aborted after 4. Records in `engine.cached` each request's
-    prompt tokens that came from the prefix cache."""
+def _run(engine: LLMEngine, requests: list[tuple[str, str, SamplingParams]], abort: str,
+         later: str) -> tuple[dict, dict]:
+    """The requests' tokens and finish reasons, and each one's prompt tokens that came from the
+    prefix cache; `later` is added after 3 steps (once the others' prompts are computed),
+    `abort` aborted after 4."""
     for request_id, prompt, params in requests:
         if request_id != later:
             engine.add_request(request_id, prompt, params)
     tokens: dict[str, list[int]] = {rid: [] for rid, _, _ in requests}
     reasons: dict[str, str | None] = {}
-    engine.cached = {}
+    cached: dict[str, int] = {}
     steps = 0
     while engine.has_unfinished_requests():
         for d in engine.step():
             tokens[d.request_id] += d.token_ids
-            engine.cached[d.request_id] = d.num_cached_tokens
+            cached[d.request_id] = d.num_cached_tokens
             if d.finished:
                 reasons[d.request_id] = d.finish_reason
         steps += 1
-        if later is not None and steps == 3:
+        if steps == 3:
             engine.add_request(*next(r for r in requests if r[0] == later))
-        if abort is not None and steps == 4:
+        if steps == 4:
             engine.abort_request(abort)
     engine.kv.check_integrity()
     assert engine.kv.num_used_blocks == 0
-    return {rid: (tokens[rid], reasons.get(rid)) for rid in tokens if rid != abort}
+    return {rid: (tokens[rid], reasons.get(rid)) for rid in tokens if rid != abort}, cached
 
 
 def _requests() -> list[tuple[str, str, SamplingParams]]:
@@ -203,9 +203,9 @@ def _run_engine(default_model, pool: int, **options) -> tuple[dict, int]:
     keep "plain"'s blocks, "shared" must find its prefix cached."""
     engine = LLMEngine(EngineConfig(model=str(default_model), kv_cache_tokens=pool, max_batch_size=8, **options))
     try:
-        outputs = _run(engine, _requests(), abort="aborted", later="shared")
+        outputs, cached = _run(engine, _requests(), abort="aborted", later="shared")
         if pool >= 4096:
-            assert engine.cached["shared"] >= 16 and engine.cached["plain"] == 0
+            assert cached["shared"] >= 16 and cached["plain"] == 0
         return outputs, engine.scheduler.num_preemptions
     finally:
         engine.shutdown()
