@@ -213,12 +213,32 @@ def test_prefix_caching_names_only_accepted_tokens(request, proposer, plain):
     same(plain(follow, params), [again])
 
 
-def test_sampling_with_speculation_ends_right_and_seeded_requests_do_not_speculate(speculating, reference):
-    """Unseeded sampled requests speculate and end at max_tokens; a seeded one decodes one
-    token at a time, so its output is the same with speculation on, whatever the load."""
+class _Watching:
+    """A proposer's calls, recorded: (request id, tokens so far, the most it may propose)."""
+
+    def __init__(self, proposer) -> None:
+        self.proposer, self.calls = proposer, []
+
+    def propose(self, request_id: str, tokens: list[int], limit: int) -> list[int]:
+        self.calls.append((request_id, len(tokens), limit))
+        return self.proposer.propose(request_id, tokens, limit)
+
+    def forget(self, request_id: str) -> None:
+        self.proposer.forget(request_id)
+
+
+def test_sampling_with_speculation_ends_right_and_seeded_requests_do_not_speculate(speculating, reference,
+                                                                                   monkeypatch):
+    """Unseeded sampled requests speculate, never asked for proposals past max_tokens (the
+    runner adds a token of its own), and end at max_tokens; a seeded one decodes one token at a
+    time, so its output is the same with speculation on, whatever the load."""
     before = speculating.engine.stats.speculation.num_drafts
+    watching = _Watching(speculating.engine.scheduler.proposer)
+    monkeypatch.setattr(speculating.engine.scheduler, "proposer", watching)
     free = speculating.generate(PROMPTS[:2], SamplingParams(max_tokens=12, temperature=0.7, ignore_eos=True))
     assert [len(o.token_ids) for o in free] == [12, 12] and speculating.engine.stats.speculation.num_drafts > before
+    prompt = {o.request_id: len(o.prompt_token_ids) for o in free}
+    assert watching.calls and all(n - prompt[rid] + limit <= 11 for rid, n, limit in watching.calls)
     seeded = [SamplingParams(max_tokens=12, temperature=0.7, seed=s) for s in (1, 2)]
     same(reference.generate(PROMPTS[:2], seeded), speculating.generate(PROMPTS[:2], seeded))
 
