@@ -1,7 +1,8 @@
 """Other tools on our workloads: our load generator, perf_analyzer and genai-perf on one workload
 (perf.md, raw outputs in perf/), and what the OpenAI-compatible frontend adds to latency with
 the model (openai.md: genai-perf in chat mode beside genai-perf over Triton's protocol; its cost
-with a model that costs nothing is `make bench-host`'s). docs/benchmarks.md describes both; the tools come from benchmarks/install_perf_tools.sh (`make perf`).
+with a model that costs nothing is `make bench-host`'s). docs/benchmarks.md describes both; the
+tools come from benchmarks/install_perf_tools.sh (`make perf`).
 
     python -m benchmarks.bench_perf --tools build/perf-tools
 """
@@ -16,7 +17,6 @@ import shutil
 import statistics
 import subprocess
 from pathlib import Path
-
 
 from benchmarks.common import REPORTS, Report, log, options, serving, work_dir
 from client.bench import run_trace, summarize, write_json

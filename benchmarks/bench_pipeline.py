@@ -1,11 +1,8 @@
-"""Pipeline stages on the CPU: one process vs two stage processes with 1 or 2 iterations in flight.
-
-Sweeps the request rate (ORCA's lengths, as bench_serving) over three configurations of `orca`,
-each with its own tritonserver in turn: `1 stage` (inline executor, OMP_NUM_THREADS=2) and the
-two-stage repository of `orca_backend.serving.stages.repository` (one torch thread a stage) with
-max_inflight 1 or 2. /metrics and /proc around each run give each stage's busy and bubble seconds
-and each process's CPU seconds (docs/benchmarks.md). Writes pipeline.md, pipeline.csv,
-pipeline_requests.csv and pipeline_latency.png into `--out`.
+"""Pipeline stages on the CPU: one process (inline executor, 2 torch threads) against the two-stage
+repository of `orca_backend.serving.stages.repository` (a torch thread a stage) with 1 or 2
+iterations in flight, each in its own tritonserver in turn, ORCA's lengths swept over request
+rates; /metrics and /proc around each run give each stage's busy and bubble seconds and each
+process's CPU seconds. Files written and how to read them: docs/benchmarks.md.
 
     python -m benchmarks.bench_pipeline --quick      # under 15 minutes on 2 CPU cores
     python -m benchmarks.bench_pipeline --smoke --out /tmp/pipeline   # a minute: does it run?

@@ -12,13 +12,12 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from benchmarks.bench_serving import NOT_STREAMING, headline
-from benchmarks.common import (REPORTS, Point, Report, add_sweep_options, apply_preset, copy_model, log,
-                               metric_total, ms, options, rate_trace, run_point, serving, sweep, work_dir,
-                               write_csv)
+from benchmarks.bench_serving import headline, headline_lines
+from benchmarks.common import (REPORTS, VERDICT, Point, Report, add_sweep_options, apply_preset, calibrate,
+                               copy_model, log, metric_total, ms, options, rate_trace, run_point, serving, sweep,
+                               work_dir, write_csv)
 from benchmarks.headline import record
 from benchmarks.plots import plot_curves
-from client.bench import Summary, run_trace, summarize
 from client.trace import SharedPrefixes, load_tokenizer
 from orca_backend.simulate.sweep import describe, describe_ratio, verdict
 
@@ -32,7 +31,6 @@ GOAL_THROUGHPUT = 2.5  # system: orca / uncached at equal median normalized late
 GOAL_TTFT = 5.0  # system: uncached / orca median TTFT where the uncached reaches its bound
 CALIBRATION_REQUESTS = 8
 COUNTERS = ("orca_prefix_cache_queries_total", "orca_prefix_cache_hits_total", "orca_kv_block_evictions_total")
-VERDICT = {True: "**met**", False: "**not met**", None: "**undecided** (the sweep did not cross the bound)"}
 
 
 def parse_args():
@@ -48,34 +46,15 @@ def parse_args():
     return args
 
 
-def calibrate(server, tokenizer, args, workload: str) -> dict[str, Summary]:
-    """Each model unloaded, one request at a time (warm: the first run of each is discarded)."""
-    out = {}
-    for model in MODELS:
-        for seed in (args.seed + 1000, args.seed + 2000):
-            trace = args.workloads[workload].trace(CALIBRATION_REQUESTS, None, seed, tokenizer)
-            out[model] = summarize(run_trace(server.grpc_url, model, trace, 1, stream=model not in NOT_STREAMING))
-        if out[model].errors:
-            raise SystemExit(f"calibration requests to {model} failed; see {server.log_path}")
-    return out
-
-
 def run_at(server, args, tokenizer, workload: str, model: str, rate: float, i: int, bound: float) -> Point:
     """One model at one rate, with the prompt tokens the server counted. A new seed per rate, so
     that no run hits blocks an earlier rate's run left cached (beyond the system prompt)."""
     make = lambda n, r, seed: args.workloads[workload].trace(n, r, seed, tokenizer)
-    point = run_point(server.grpc_url, model, rate, rate_trace(make, args, rate, args.seed + i), bound,
-                      stream=model not in NOT_STREAMING)
+    point = run_point(server.grpc_url, model, rate, rate_trace(make, args, rate, args.seed + i), bound)
     done = [r for r in point.records if r.error is None and r.num_input_tokens is not None]
     prompt, cached = sum(r.num_input_tokens for r in done), sum(r.num_cached_tokens or 0 for r in done)
     point.extra = {"prompt_tokens": prompt, "cached_tokens": cached, "computed_prompt_tokens": prompt - cached}
     return point
-
-
-def headline_lines(rates: dict, metric: str, limit: str) -> list[str]:
-    return [f"Highest throughput (completed requests/s) with {metric} under {limit}:", "",
-            *(f"- `{m}` ({MODELS[m]}): {describe(*rates[m])} req/s" for m in MODELS),
-            *(f"- `orca` / `{m}`: **{describe_ratio(*rates[f'orca/{m}'])}**" for m in list(MODELS)[1:]), ""]
 
 
 def goal_lines(heads: dict, ttfts: dict[str, float]) -> list[str]:
@@ -100,7 +79,9 @@ def row(p: Point) -> list:
 def run_workload(r: Report, server, args, tokenizer, workload: str) -> list[dict]:
     """Calibrate, sweep, plot and report one workload; its CSV rows."""
     log(f"{workload}: calibrating ...")
-    alone = calibrate(server, tokenizer, args, workload)
+    warm, quiet = (args.workloads[workload].trace(CALIBRATION_REQUESTS, None, seed, tokenizer)
+                   for seed in (args.seed + 1000, args.seed + 2000))
+    alone = calibrate(server, list(MODELS), warm, quiet)
     unloaded = alone[UNCACHED]
     bound, ttft_bound = (args.bound_factor * x for x in (unloaded.normalized_latency_p50, unloaded.ttft_p50))
     log(f"{workload}: bounds {ms(bound)} ms/token, {ms(ttft_bound)} ms TTFT; sweeping ...")
@@ -117,9 +98,10 @@ def run_workload(r: Report, server, args, tokenizer, workload: str) -> list[dict
              "answers" if workload == "system" else f"conversations of {w.turns} turns, each the whole history and a "
              f"new {w.question_tokens}-token question, {w.answer_tokens}-token answers, each turn sent when the "
              "previous answer is in")
-    lines = [*headline_lines(heads["normalized"], "median normalized latency",
-                             f"{ms(bound)} ms per output token"),
-             *headline_lines(heads["ttft"], "median time to first token", f"{ms(ttft_bound)} ms")]
+    baselines = dict.fromkeys(list(MODELS)[1:])
+    lines = [*headline_lines(heads["normalized"], "median normalized latency", f"{ms(bound)} ms per output token",
+                             MODELS, baselines),
+             *headline_lines(heads["ttft"], "median time to first token", f"{ms(ttft_bound)} ms", MODELS, baselines)]
     if "orca" in ttfts:
         lines += [f"Median time to first token at {rate:g} req/s, the highest rate where `{UNCACHED}` stays under "
                   "its latency bound: " + ", ".join(f"`{m}` {ms(t)} ms" for m, t in ttfts.items())

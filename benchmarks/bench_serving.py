@@ -1,54 +1,36 @@
-"""ORCA's claim, side by side: iteration-level batching against request-level batching, as
-users deploy it today and as our own engine does it, under Poisson load.
+"""ORCA's claim, side by side: iteration-level batching (`orca`) against request-level batching as
+users deploy it today (`hf_dynamic_batching`: Triton's dynamic batcher in front of transformers
+generate; it does not stream, so its time to first token is its latency) and as our own engine
+does it (`orca_request_level`: scheduling alone), in one tritonserver under Poisson load.
 
-Starts one real tritonserver hosting `orca` (iteration-level), `hf_dynamic_batching` (Triton's
-dynamic batcher in front of transformers generate: what users run today) and
-`orca_request_level` (our engine with request-level batching: scheduling alone), replays the
-same seeded trace at a sweep of request rates against each with the load generator
-(`client.bench`; `hf_dynamic_batching` does not stream, so its time to first token is its
-end-to-end latency), and writes into `--out`, with `<name>` serving (quick) or serving_full:
-
-- <name>.md: the report (settings, headlines, costs, table, plots)
-- <name>.csv: one row per (model, rate); <name>_requests.csv: one row per request;
-  <name>_iterations.csv: one row per iteration of the engine models
-- <name>_latency.png / <name>_ttft.png: median normalized latency / time to first token vs
-  throughput, one curve per model
-- <name>_scheduler.png (scheduler_trace.png for the quick run): the engine models'
-  per-iteration trace during their runs at one rate
-
-The headline follows the paper: the highest request rate each model sustains while the median
-normalized latency (end-to-end latency / output tokens) stays under a bound, and the ratios
-orca / hf_dynamic_batching and orca / orca_request_level; and the same with median time to
-first token. The bounds are fixed before the sweep: `--bound-ms` and `--ttft-bound-ms`, or by
-default `--bound-factor` times `orca`'s unloaded medians, measured first with one request at a
-time. The models take turns at each rate. A model's sweep stops after two rates in a row over
-the bound, or one over twice the bound.
+The same seeded trace is swept over request rates, the models taking turns at each; the headline
+is the highest rate each sustains with the median normalized latency (and, second, the median
+time to first token) under a bound fixed before the sweep (default `--bound-factor` x `orca`'s
+unloaded medians), and orca's ratios. Files written: docs/benchmarks.md (`make bench`).
 
     python -m benchmarks.bench_serving --quick      # under 8 minutes on 2 CPU cores
     python -m benchmarks.bench_serving              # the paper's lengths, about 30 minutes
 """
 from __future__ import annotations
 
-import csv
 import dataclasses
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.common import (REPORTS, Point, Report, add_sweep_options, apply_preset, log, ms, options,
-                               run_point, serving, sweep, work_dir)
+from benchmarks.common import (REPORTS, VERDICT, Point, Report, add_sweep_options, apply_preset, calibrate, log, ms,
+                               options, run_point, serving, sweep, work_dir, write_csv)
 from benchmarks.common import rate_trace as common_rate_trace
 from benchmarks.headline import record
 from benchmarks.plots import load_iterations, plot_curves, plot_scheduler
-from client.bench import CSV_FIELDS, Summary, run_trace, summarize
+from client.bench import CSV_FIELDS, Summary
 from client.trace import LengthDist, TraceRequest, load_tokenizer, make_trace
 from orca_backend.simulate.sweep import describe, describe_ratio, ratio, sustained_rate, verdict
 
 MODELS = {"orca": "iteration-level", "hf_dynamic_batching": "Triton's dynamic batcher + generate",
           "orca_request_level": "request-level, same engine"}
 BASELINES = {"hf_dynamic_batching": "what users run today", "orca_request_level": "scheduling alone"}
-NOT_STREAMING = {"hf_dynamic_batching"}  # one response per request
 ENGINE_MODELS = ("orca", "orca_request_level")  # they write per-iteration traces
 QUICK = dict(rates="0.5,1,2,3,4,6", duration=20.0, min_requests=10, scale=0.25)
 FULL = dict(rates="0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8", duration=90.0, min_requests=12, scale=1.0)
@@ -91,11 +73,6 @@ def parse_args():
     return args
 
 
-def send(server, model: str, trace: list[TraceRequest], concurrency: int | None = None):
-    """`trace` to `model`, streamed unless the model does not stream."""
-    return run_trace(server.grpc_url, model, trace, concurrency, stream=model not in NOT_STREAMING)
-
-
 def rate_trace(args, rate: float, tokenizer) -> list[TraceRequest]:
     """ORCA's lengths (scaled) at `rate`; the simulator draws the same."""
     dist = LengthDist(kind="orca", scale=args.scale)
@@ -105,8 +82,7 @@ def rate_trace(args, rate: float, tokenizer) -> list[TraceRequest]:
 def run_at(server, args, tokenizer, model: str, rate: float) -> Point:
     """One model at one rate, with Triton's queue time per request (its model statistics)."""
     before = triton_queue(server, model)
-    point = run_point(server.grpc_url, model, rate, rate_trace(args, rate, tokenizer), args.bound_ms / 1e3,
-                      stream=model not in NOT_STREAMING)
+    point = run_point(server.grpc_url, model, rate, rate_trace(args, rate, tokenizer), args.bound_ms / 1e3)
     (count, ns), (count0, ns0) = triton_queue(server, model), before
     point.extra["queue_seconds"] = (ns - ns0) / 1e9 / (count - count0) if count > count0 else math.nan
     return point
@@ -129,21 +105,6 @@ def triton_queue(server, model: str) -> tuple[int, int]:
         return 0, 0
     queue = json.loads(text)["model_stats"][0]["inference_stats"]["queue"]
     return int(queue["count"]), int(queue["ns"])
-
-
-def warm_up_and_calibrate(server, tokenizer, args) -> dict[str, Summary]:
-    """First requests pay one-time costs (allocator, kernels); then every model unloaded: the
-    same requests, one at a time. The default bounds are multiples of orca's medians."""
-    dist = LengthDist(kind="orca", scale=args.scale)
-    warm = make_trace(dist, 8, None, args.seed + 1, tokenizer)
-    alone = make_trace(dist, CALIBRATION_REQUESTS, None, args.seed + 2, tokenizer)
-    out = {}
-    for model in args.models:
-        send(server, model, warm, concurrency=4)
-        out[model] = summarize(send(server, model, alone, concurrency=1))
-        if out[model].errors:
-            raise SystemExit(f"calibration requests to {model} failed; see {server.log_path}")
-    return out
 
 
 def engine_costs(rows: list[dict], num_requests: int) -> Costs | None:
@@ -178,47 +139,36 @@ def add_costs(points: list[Point], trace_dir: Path) -> None:
                             else batch_costs(rows, p.extra.get("queue_seconds", math.nan)))
 
 
-def write_csvs(out: Path, name: str, points: list[Point]) -> None:
-    cost_fields = [f.name for f in dataclasses.fields(Costs)]
-    with open(out / f"{name}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["model", "batching", "offered_rate",
-                                               *(f.name for f in dataclasses.fields(Summary)), *cost_fields])
-        writer.writeheader()
-        for p in points:
-            costs = p.extra.get("costs")
-            writer.writerow({"model": p.model, "batching": MODELS[p.model], "offered_rate": p.rate,
-                             **dataclasses.asdict(p.summary),
-                             **(dataclasses.asdict(costs) if costs else dict.fromkeys(cost_fields))})
-    with open(out / f"{name}_requests.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["model", "offered_rate", *CSV_FIELDS], extrasaction="ignore")
-        writer.writeheader()
-        for p in points:
-            writer.writerows({"model": p.model, "offered_rate": p.rate, **r.as_row()} for r in p.records)
-
-
-ITERATION_FIELDS = ("model", "offered_rate", "time", "seconds", "num_requests", "num_tokens",
+ITERATION_FIELDS = ["model", "offered_rate", "time", "seconds", "num_requests", "num_tokens",
                     "num_context_tokens", "num_sampled", "num_prefill_requests", "num_decode_requests",
-                    "num_used_blocks", "num_waiting")
+                    "num_used_blocks", "num_waiting"]
 
 
-def write_iterations(out: Path, name: str, points: list[Point], trace_dir: Path) -> None:
-    """<name>_iterations.csv: every iteration the engine models ran during the sweep, times in
-    seconds from the run's start (what the simulator's per-iteration check reads)."""
-    with open(out / f"{name}_iterations.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=ITERATION_FIELDS, extrasaction="ignore")
-        writer.writeheader()
-        for p in points:
-            if p.model in ENGINE_MODELS:
-                for r in load_iterations(trace_dir / f"iterations-{p.model}.jsonl", p.wall_start, p.wall_end):
-                    writer.writerow({**r, "model": p.model, "offered_rate": p.rate,
-                                     "time": round(r["time"] - p.wall_start, 4), "seconds": round(r["seconds"], 5)})
+def write_csvs(out: Path, name: str, points: list[Point], trace_dir: Path) -> None:
+    """<name>.csv (a row a run), <name>_requests.csv (a row a request) and <name>_iterations.csv:
+    every iteration the engine models ran during the sweep, times in seconds from the run's
+    start (what the simulator's per-iteration check reads)."""
+    blank = dict.fromkeys(f.name for f in dataclasses.fields(Costs))
+    write_csv(out / f"{name}.csv", [{"model": p.model, "batching": MODELS[p.model], "offered_rate": p.rate,
+                                     **dataclasses.asdict(p.summary), **(dataclasses.asdict(c) if (
+                                         c := p.extra.get("costs")) else blank)} for p in points])
+    write_csv(out / f"{name}_requests.csv", [{"model": p.model, "offered_rate": p.rate, **r.as_row()} for p in points
+                                             for r in p.records], ["model", "offered_rate", *CSV_FIELDS])
+    write_csv(out / f"{name}_iterations.csv", [
+        {**r, "model": p.model, "offered_rate": p.rate, "time": round(r["time"] - p.wall_start, 4),
+         "seconds": round(r["seconds"], 5)} for p in points if p.model in ENGINE_MODELS
+        for r in load_iterations(trace_dir / f"iterations-{p.model}.jsonl", p.wall_start, p.wall_end)],
+        ITERATION_FIELDS)
 
 
-def headline_lines(rates: dict, metric: str, bound: str) -> list[str]:
+def headline_lines(rates: dict, metric: str, bound: str, models: dict = MODELS,
+                   baselines: dict = BASELINES) -> list[str]:
+    """The sustained rates of `models` (name -> what it is) and orca's ratios over `baselines`
+    (name -> why it is compared, or None)."""
     lines = [f"Highest throughput (completed requests/s) sustained with {metric} under {bound}:", ""]
-    lines += [f"- `{m}` ({MODELS[m]}): {describe(*rates[m])} req/s" for m in MODELS if m in rates]
-    lines += [f"- `orca` / `{m}` ({why}): **{describe_ratio(*rates[f'orca/{m}'])}**"
-              for m, why in BASELINES.items() if f"orca/{m}" in rates]
+    lines += [f"- `{m}` ({what}): {describe(*rates[m])} req/s" for m, what in models.items() if m in rates]
+    lines += [f"- `orca` / `{m}`{f' ({why})' if why else ''}: **{describe_ratio(*rates[f'orca/{m}'])}**"
+              for m, why in baselines.items() if f"orca/{m}" in rates]
     return lines + [""]
 
 
@@ -233,8 +183,7 @@ def goal_lines(args, headlines: dict) -> list[str]:
     if args.scale != 1.0 or "orca/hf_dynamic_batching" not in headlines["normalized"]:
         return []
     value, kind = headlines["normalized"]["orca/hf_dynamic_batching"]
-    word = {True: "**met**", False: "**not met**",
-            None: "**undecided** (the sweep did not cross the bound)"}[verdict(value, kind, GOAL_VS_HF)]
+    word = VERDICT[verdict(value, kind, GOAL_VS_HF)]
     return [f"Goal at the paper's lengths: `orca` sustains at least {GOAL_VS_HF:g}x the request "
             f"rate of `hf_dynamic_batching` under the normalized-latency bound: {word} "
             f"({describe_ratio(value, kind)}).", ""]
@@ -345,7 +294,9 @@ def main() -> None:
     tokenizer = load_tokenizer()
     with work_dir() as work, serving(work, *args.models,
                                      env={"ORCA_ITERATION_TRACE": str(work / "iterations-{model}.jsonl")}) as (server, _):
-        alone = warm_up_and_calibrate(server, tokenizer, args)
+        dist = LengthDist(kind="orca", scale=args.scale)
+        alone = calibrate(server, args.models, make_trace(dist, 8, None, args.seed + 1, tokenizer),
+                         make_trace(dist, CALIBRATION_REQUESTS, None, args.seed + 2, tokenizer))
         args.bound_given, args.ttft_bound_given = args.bound_ms is not None, args.ttft_bound_ms is not None
         if args.bound_ms is None:
             args.bound_ms = args.bound_factor * alone["orca"].normalized_latency_p50 * 1e3
@@ -354,11 +305,10 @@ def main() -> None:
         log(f"bounds: {args.bound_ms:.0f} ms per output token, {args.ttft_bound_ms:.0f} ms to the first token")
         points = sweep(args.rates, args.models, lambda model, rate, _: run_at(server, args, tokenizer, model, rate))
         add_costs(points, work)
-        write_iterations(args.out, args.name, points, work)
+        write_csvs(args.out, args.name, points, work)
         trace_rate = trace_pair(args, points, work)
     headlines = {"normalized": headline(points, "normalized_latency_p50", args.bound_ms / 1e3),
                  "ttft": headline(points, "ttft_p50", args.ttft_bound_ms / 1e3)}
-    write_csvs(args.out, args.name, points)
     plot_curves(args.out, points, {m: MODELS[m] for m in args.models}, args.bound_ms / 1e3,
                 args.ttft_bound_ms / 1e3, prefix=args.name)
     report(args, points, headlines, alone, trace_rate, r).write(args.out / f"{args.name}.md")

@@ -32,6 +32,8 @@ from orca_backend.serving.stages.repository import set_parameters
 from orca_backend.simulate.sweep import is_over
 
 REPORTS = REPO_ROOT / "docs" / "benchmarks"
+NOT_STREAMING = {"hf_dynamic_batching"}  # Triton's dynamic batcher in front of generate: one response a request
+VERDICT = {True: "**met**", False: "**not met**", None: "**undecided** (the sweep did not cross the bound)"}
 
 
 # Options ------------------------------------------------------------------------------------
@@ -202,11 +204,24 @@ def rate_trace(make: Callable[[int, float, int], list[TraceRequest]], args, rate
     return exact_rate(make(n, rate, args.seed if seed is None else seed), rate)
 
 
-def run_point(url: str, model: str, rate: float, trace: list[TraceRequest], bound: float,
-              stream: bool = True) -> Point:
-    """`trace` replayed against `model` at `url` (gRPC), as one point of a sweep."""
+def calibrate(server: Server, models: list[str], warm: list[TraceRequest],
+              alone: list[TraceRequest]) -> dict[str, Summary]:
+    """Each model unloaded: `warm` first (one-time costs: allocator, kernels; not counted), then
+    `alone`, one request at a time; the script stops if any of those fails."""
+    out = {}
+    for model in models:
+        run_trace(server.grpc_url, model, warm, 4, stream=model not in NOT_STREAMING)
+        out[model] = summarize(run_trace(server.grpc_url, model, alone, 1, stream=model not in NOT_STREAMING))
+        if out[model].errors:
+            raise SystemExit(f"calibration requests to {model} failed; see {server.log_path}")
+    return out
+
+
+def run_point(url: str, model: str, rate: float, trace: list[TraceRequest], bound: float) -> Point:
+    """`trace` replayed against `model` at `url` (gRPC, streamed unless the model does not
+    stream), as one point of a sweep."""
     start = time.time()
-    records = run_trace(url, model, trace, None, stream=stream)
+    records = run_trace(url, model, trace, None, stream=model not in NOT_STREAMING)
     point = Point(model, rate, summarize(records), records, start, time.time(), bound)
     s = point.summary
     log(f"  {model} at {rate:g} req/s: {len(trace)} requests, {s.request_throughput:.2f} req/s done, "
@@ -298,10 +313,10 @@ class Report:
         print(text)
 
 
-def write_csv(path: Path, rows: list[dict]) -> None:
-    """`rows` as CSV, the columns those of the first row."""
+def write_csv(path: Path, rows: list[dict], fields: list[str] | None = None) -> None:
+    """`rows` as CSV, the columns `fields` (default: those of the first row)."""
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else [], extrasaction="ignore")
+        writer = csv.DictWriter(f, fieldnames=fields or (list(rows[0]) if rows else []), extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
 
