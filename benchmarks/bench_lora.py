@@ -22,7 +22,6 @@ from orca_backend.checkpoint.store import prepare_default_model
 from orca_backend.core.sampling_params import SamplingParams
 from orca_backend.engine.llm import LLM
 from orca_backend.lora import LoRABatch
-from orca_backend.lora.adapter import _projection_shapes
 
 BATCH, RANK, MOST = 32, 16, 8
 MIXES = (1, 4, MOST)
@@ -35,7 +34,7 @@ def write_adapter(folder: Path, model: ModelConfig, seed: int, targets: tuple[st
     """A PEFT-format adapter of rank RANK on `targets` of every layer (random, small B)."""
     g, tensors = torch.Generator().manual_seed(seed), {}
     for layer in range(model.num_layers):
-        for proj, (out, inp) in _projection_shapes(model).items():
+        for proj, (out, inp) in model.projection_shapes().items():
             if proj in targets:
                 key = f"base_model.model.model.layers.{layer}.{'mlp' if proj in ALL[4:] else 'self_attn'}.{proj}"
                 tensors[f"{key}.lora_A.weight"] = torch.randn(RANK, inp, generator=g) / inp ** 0.5

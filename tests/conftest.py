@@ -219,14 +219,30 @@ def write_model(repo: Path, name: str, parameters: dict, files: dict[str, str] |
 
 
 @pytest.fixture(scope="session")
-def feature_server(tmp_path_factory, default_model, lora_adapters):
+def served_family(tmp_path_factory, default_model) -> Path:
+    """A tiny random Qwen3 (q/k norms) whose every layer slides over 16 tokens, with the
+    default model's vocabulary, tokenizer and ChatML template: the family the servers' tests
+    serve."""
+    from tools.model_zoo import save_family
+
+    folder = save_family("qwen3", tmp_path_factory.mktemp("served_family"), default_model / "tokenizer.json",
+                         vocab_size=49152, use_sliding_window=True, sliding_window=16, max_window_layers=0,
+                         max_position_embeddings=512)
+    for name in ("tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(default_model / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def feature_server(tmp_path_factory, default_model, lora_adapters, served_family):
     """One tritonserver for the features that need models of their own configuration:
     `lora`: LoRA options in config.pbtxt, adapters a and b from multi_lora.json, run-time
     loading on; `lora_json`: LoRA on through model.json (as Triton's vLLM backend reads it, a
     vLLM option it does not have included), adapter c from a folder relative to the version;
     `spec`: speculative decoding (n-gram, 4 tokens) from config.pbtxt; `draft`: the default
     model drafting for itself; `prio`: no model (engine null, 20 ms a step), one request at a
-    time, for priorities; `embed`: mean pooling for embeddings, prompts in chunks of 8 tokens."""
+    time, for priorities; `embed`: mean pooling for embeddings, prompts in chunks of 8 tokens;
+    `family`: `served_family`, in blocks of 4 (the window releases them), chunks of 16."""
     import json
 
     from helpers import serving
@@ -249,5 +265,7 @@ def feature_server(tmp_path_factory, default_model, lora_adapters):
     write_model(repo, "prio", {"engine": "null", "null_step_seconds": "0.02", "max_batch_size": "1",
                                "kv_cache_tokens": "4096"})
     write_model(repo, "embed", {"pooling_type": "mean", "kv_cache_tokens": "2048", "max_num_batched_tokens": "8"})
+    write_model(repo, "family", {"model": str(served_family), "kv_cache_tokens": "1024", "block_size": "4",
+                                 "max_num_batched_tokens": "16"})
     with serving(Server(tmp_path_factory.mktemp("feature_triton"), repo, ["--exit-timeout-secs=20"])) as server:
         yield server

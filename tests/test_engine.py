@@ -277,7 +277,7 @@ def test_abort_frees_blocks_and_spares_the_others(llm):
 def test_unsupported_architecture_lists_the_supported(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MambaForCausalLM"]}))
     (tmp_path / "tokenizer.json").write_text("{}")
-    with pytest.raises(ConfigError, match="MambaForCausalLM.*LlamaForCausalLM, Qwen2ForCausalLM, GPT2LMHeadModel"):
+    with pytest.raises(ConfigError, match="MambaForCausalLM.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM.*GPT2LMHeadModel"):
         LLM(str(tmp_path))
 
 

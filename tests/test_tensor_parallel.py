@@ -81,8 +81,8 @@ def test_a_rank_reads_only_its_slices(tiny_models, monkeypatch):
     monkeypatch.setattr(weights, "safe_open", lambda *a, **k: Spy(safetensors.safe_open(*a, **k)))
     model = load_model(tiny_models["llama"], torch.float32, torch.device("cpu"), shard=Shard(1, 2))
     layer = model.layers[0]
-    assert layer.qkv.shape == ((2 + 1 + 1) * 16, 64)  # 2 of 4 query heads, 1 of 2 K/V heads
-    assert layer.down.shape == (64, 64) and model.embed.shape == (256, 64)
+    assert layer.attn.qkv.shape == ((2 + 1 + 1) * 16, 64)  # 2 of 4 query heads, 1 of 2 K/V heads
+    assert layer.mlp.down.shape == (64, 64) and model.embed.shape == (256, 64)
     assert whole and all(name.endswith("norm.weight") for name in whole), whole
 
 

@@ -120,7 +120,7 @@ def test_bad_options_are_named(options, match):
 
 
 def test_gpt2_is_refused_by_name(tiny_models):
-    with pytest.raises(ConfigError, match="builds LlamaForCausalLM, Qwen2ForCausalLM; this model is GPT2LMHeadModel"):
+    with pytest.raises(ConfigError, match="builds the RoPE decoders, not GPT2LMHeadModel"):
         LLMEngine(EngineConfig(model=str(tiny_models["gpt2"]), **GRAPH))
 
 

@@ -36,14 +36,14 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from trt_plugins.kernel import (INDEX_ARGS, PLUGIN_KERNEL, build_kernel, dot_precision,
-                                plugin_constexprs, tile_config)
+                                head_dim_pad, plugin_constexprs, tile_config)
 
 PTX_PARAMS = (
     ("q", "u64"), ("k", "u64"), ("v", "u64"), ("k_cache", "u64"), ("v_cache", "u64"),
     ("out", "u64"), ("cu_seqlens_q", "u64"), ("seq_lens", "u64"), ("block_tables", "u64"),
     ("scale", "f32"), ("num_seqs", "u32"), ("stride_q", "u32"), ("stride_k", "u32"),
     ("stride_v", "u32"), ("stride_out", "u32"), ("stride_cache_block", "u32"),
-    ("stride_cache_slot", "u32"), ("stride_block_table", "u32"),
+    ("stride_cache_slot", "u32"), ("stride_block_table", "u32"), ("window", "u32"),
     ("global_scratch", "u64"), ("profile_scratch", "u64"),
 )
 # The plugin entry (trt_plugins.plugin) as TensorRT launches it: tensor inputs, the scalars it
@@ -129,15 +129,17 @@ def ptxas_stats(ptx: str, arch: str = "sm_90a", ptxas: str | None = None) -> dic
 
 def compile_ptx(dtype: str = "bfloat16", head_dim: int = 128, num_queries_per_kv: int = 4,
                 block_size: int = 16, decode: bool = False, arch: int = 90,
-                ptxas: str | None = None) -> CompiledPtx:
-    """Compile the kernel for sm_{arch}a (decode or prefill tiles) and run ptxas -v on it."""
+                ptxas: str | None = None, window: bool = False, softcap: float = 0.0) -> CompiledPtx:
+    """Compile the kernel for sm_{arch}a (decode or prefill tiles; with a sliding window, a
+    soft cap) and run ptxas -v on it."""
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     type_name, torch_dtype = _DTYPES[dtype]
     # Prefill tiles are those the wrapper picks for any long query; decode's for max_query_len 1.
     tiles = tile_config(1 if decode else 1 << 16, num_queries_per_kv, head_dim, torch_dtype.itemsize)
-    constexprs = dict(HEAD_DIM=head_dim, NUM_QUERIES_PER_KV=num_queries_per_kv, G_PAD=tiles.g_pad,
-                      BLOCK_SIZE=block_size, BLOCK_Q=tiles.block_q, BLOCK_N=tiles.block_n,
+    constexprs = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim),
+                      NUM_QUERIES_PER_KV=num_queries_per_kv, G_PAD=tiles.g_pad, BLOCK_SIZE=block_size,
+                      BLOCK_Q=tiles.block_q, BLOCK_N=tiles.block_n, USE_WINDOW=window, SOFTCAP=float(softcap),
                       UPCAST=False, DOT_PRECISION=dot_precision(torch_dtype))
     kernel = build_kernel(interpret=False)
     signature, attrs = _signature(kernel.arg_names, type_name, constexprs)

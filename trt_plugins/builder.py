@@ -1,6 +1,6 @@
 """The TensorRT engine of a Llama-family model: its graph, optimisation profile and build.
 
-The graph is one iteration of selective batching, as `orca_backend.runner.models.llama` runs it:
+The graph is one iteration of selective batching, as `orca_backend.runner.models.decoder` runs it:
 every op on the flattened [num_tokens, hidden] rows, except attention, which is our plugin
 (`orca::paged_attention`) reading and writing the paged K/V pool. It is written against the
 narrow `Network` interface (`trt_plugins.network`), so the same code builds a TensorRT network
@@ -30,13 +30,38 @@ from trt_plugins.plugin import PLUGIN_ID, import_tensorrt, plugin_fields, regist
 ENGINE_INPUTS = ("input_ids", "positions", "cu_seqlens_q", "seq_lens", "block_tables",
                  "kv_cache_ptrs", "logit_rows")
 ENGINE_OUTPUT = "logits"
-SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+# What the graph builds: Llama-shaped layers (pre-norm RMSNorm, q/k/v with or without biases,
+# gated SiLU MLP) and a RoPE whose frequencies do not change with the length.
+_STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 # Sources whose change changes what an engine computes: part of the cache key.
 _SOURCES = ("kernel.py", "aot.py", "plugin.py", "network.py", "builder.py")
 
 
 class EngineBuildError(RuntimeError):
     """No engine could be built (no TensorRT builder here, or TensorRT refused the network)."""
+
+
+def unsupported_by_tensorrt(config) -> str | None:
+    """What of a model (`ModelConfig`) the TensorRT graph does not build, named; None if it
+    builds all of it (engine 'torch' runs every supported model)."""
+    if config.positions != "rope":
+        return f"engine 'tensorrt' builds the RoPE decoders, not {config.architecture} (use engine 'torch')"
+    ropes = [config.rope_of(i) for i in range(config.num_layers)]
+    checks = [
+        (any(config.window_of(i) for i in range(config.num_layers)), "sliding-window attention"),
+        (config.attn_softcap, "attention logit soft-capping"),
+        (config.final_softcap, "final logit soft-capping"),
+        (config.qk_norm != "none", "query/key norms"),
+        (config.norm != "rms" or config.norm_layout != "pre", f"{config.norm} norms ({config.norm_layout})"),
+        (config.mlp_bias or config.activation != "silu" or not config.gated_mlp, "an MLP other than gated SiLU"),
+        (None in ropes or len(set(ropes)) > 1, "layers without RoPE or with RoPEs of their own"),
+        (any(r is not None and (r.kind not in _STATIC_ROPE or r.rotary_dim != config.head_dim) for r in ropes),
+         "a RoPE that changes with the sequence's length or rotates part of each head"),
+        (config.embedding_multiplier != 1 or config.residual_multiplier != 1 or config.logits_divisor != 1,
+         "embedding, residual or logit multipliers"),
+    ]
+    found = [what for failed, what in checks if failed]
+    return f"engine 'tensorrt' does not build {'; '.join(found)} (use engine 'torch')" if found else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,9 +139,13 @@ class _Graph:
         y = y if self.dtype == "float32" else net.cast(y, self.dtype)
         return net.elementwise("prod", self.row(weight), y)
 
-    def rope_factor(self, fn: str, angles, head_dim: int):
-        """cos or sin of the [T, D] angles in the model's dtype, as [T, 1, D] (one per head)."""
+    def rope_factor(self, fn: str, angles, head_dim: int, attention_factor: float = 1.0):
+        """cos or sin of the [T, D] angles (times YaRN's `attention_factor`) in the model's
+        dtype, as [T, 1, D] (one per head)."""
         y = self.net.unary(fn, angles)
+        if attention_factor != 1.0:
+            y = self.net.elementwise("prod", y, self.const(
+                torch.full((1, 1), attention_factor, dtype=torch.float32, device=self.device)))
         y = y if self.dtype == "float32" else self.net.cast(y, self.dtype)
         return self.net.reshape(y, (0, 1, head_dim))
 
@@ -143,11 +172,11 @@ def _half_turn(head_dim: int, dtype: torch.dtype, device: torch.device) -> torch
 
 
 def define_llama(net: Network, model, shapes: EngineShapes, block_size: int) -> None:
-    """Add one iteration of a loaded `LlamaModel` (a whole model) to `net`."""
+    """Add one iteration of a loaded `DecoderModel` (a whole model) to `net`."""
     cfg = model.config
-    if cfg.architecture not in SUPPORTED:
-        raise EngineBuildError(f"engine 'tensorrt' builds {', '.join(SUPPORTED)}; this model is "
-                               f"{cfg.architecture}")
+    refusal = unsupported_by_tensorrt(cfg)
+    if refusal:
+        raise EngineBuildError(f"{cfg.architecture}: {refusal}")
     if len(model.layer_range) != cfg.num_layers or shapes.num_layers != cfg.num_layers:
         raise EngineBuildError("engine 'tensorrt' builds whole models, not pipeline stages")
     torch_dtype, device = model.embed.dtype, model.embed.device
@@ -156,32 +185,35 @@ def define_llama(net: Network, model, shapes: EngineShapes, block_size: int) -> 
 
     h = net.gather(g.const(model.embed), inputs["input_ids"], axis=0)  # [T, hidden]
     positions = net.reshape(net.cast(inputs["positions"], "float32"), (-1, 1))  # [T, 1]
-    inv_freq = torch.cat((model.inv_freq, model.inv_freq)).float()  # [D], as cat(freqs, freqs)
+    rotary = model.layer_rotary[0]  # every layer's (checked above)
+    inv_freq = torch.cat((rotary.inv_freq, rotary.inv_freq)).float()  # [D], as cat(freqs, freqs)
     angles = net.elementwise("prod", positions, g.row(inv_freq))  # [T, D]
     head_dim = cfg.head_dim
-    rope = (*(g.rope_factor(f, angles, head_dim) for f in ("cos", "sin")),
+    rope = (*(g.rope_factor(f, angles, head_dim, rotary.spec.attention_factor) for f in ("cos", "sin")),
             g.const(_half_turn(head_dim, torch_dtype, device)))
     metadata = [inputs[n] for n in ("kv_cache_ptrs", "cu_seqlens_q", "seq_lens", "block_tables")]
     q_size, kv_size = cfg.num_heads * head_dim, cfg.num_kv_heads * head_dim
     for i in model.layer_range:
         layer = model.layers[i]
-        x = g.rms_norm(h, layer.in_norm, layer.eps)
-        weights = layer.qkv.weight.split([q_size, kv_size, kv_size])
-        biases = layer.qkv.bias.split([q_size, kv_size, kv_size]) if layer.qkv.bias is not None else (None,) * 3
+        attn_norm, _, mlp_norm, _ = layer.norms
+        x = g.rms_norm(h, attn_norm.weight, attn_norm.eps)
+        qkv = layer.attn.qkv
+        weights = qkv.weight.split([q_size, kv_size, kv_size])
+        biases = qkv.bias.split([q_size, kv_size, kv_size]) if qkv.bias is not None else (None,) * 3
         q, k, v = (g.linear(x, w, b) for w, b in zip(weights, biases))
         q = g.rotate(q, cfg.num_heads, head_dim, rope)
         k = g.rotate(k, cfg.num_kv_heads, head_dim, rope)
         fields = plugin_fields(cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, head_dim,
-                               block_size, i, layer.scale)
+                               block_size, i, layer.attn.scale)
         attn = net.plugin(PLUGIN_ID, [q, k, v, *metadata], fields)  # [T, Hq * D]
-        h = net.elementwise("sum", h, g.linear(attn, layer.o.weight, layer.o_bias))
-        x = g.rms_norm(h, layer.post_norm, layer.eps)
-        gate_w, up_w = layer.gate_up.weight.chunk(2)
+        h = net.elementwise("sum", h, g.linear(attn, layer.attn.o.weight, layer.attn.o_bias))
+        x = g.rms_norm(h, mlp_norm.weight, mlp_norm.eps)
+        gate_w, up_w = layer.mlp.gate_up.weight.chunk(2)
         gate, up = g.linear(x, gate_w), g.linear(x, up_w)
         act = net.elementwise("prod", net.elementwise("prod", gate, net.sigmoid(gate)), up)  # silu(gate) * up
-        h = net.elementwise("sum", h, g.linear(act, layer.down.weight))
+        h = net.elementwise("sum", h, g.linear(act, layer.mlp.down.weight))
     last = net.gather(h, inputs["logit_rows"], axis=0)  # [S, hidden]: the LM head on sampled rows only
-    logits = g.linear(g.rms_norm(last, model.norm, cfg.norm_eps), model.lm_head.weight)
+    logits = g.linear(g.rms_norm(last, model.norm.weight, cfg.norm_eps), model.lm_head.weight)
     net.output(ENGINE_OUTPUT, logits if g.dtype == "float32" else net.cast(logits, "float32"))
 
 

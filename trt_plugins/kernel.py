@@ -13,6 +13,12 @@ It reads keys before the request's context length from the paged cache, and this
 straight from the `k`/`v` inputs, and writes to the cache only its own tokens for its own K/V
 head: no program reads a cache slot that another program of the same launch writes.
 
+A layer with a sliding window (USE_WINDOW, WINDOW keys: the query's own and the WINDOW - 1
+before it) starts its key loops at the tile's first visible key, so it neither reads nor
+needs the blocks before it (the K/V manager frees them). SOFTCAP > 0 caps the scores
+(SOFTCAP * tanh(s / SOFTCAP), Gemma 2's). A head size that is not a power of two (Phi-3's
+96) runs on HEAD_DIM_PAD lanes, the extra ones masked.
+
 Out of scope: a split-K (flash-decoding) variant; long-context decode with few requests would
 want one, since a decode program walks its whole context alone.
 """
@@ -43,70 +49,78 @@ def _find_request(cu_seqlens_q_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 
 def _write_new_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, block_table, q_begin, q_start, q_len,
                   ctx_len, kv_head, stride_k, stride_v, stride_cache_block, stride_cache_slot,
-                  HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                  BLOCK_Q: tl.constexpr):
     tok = q_start + tl.arange(0, BLOCK_Q)  # [BLOCK_Q] query index within the request
     valid = tok < q_len
-    dim = tl.arange(0, HEAD_DIM)
+    dim = tl.arange(0, HEAD_DIM_PAD)
+    mask = valid[:, None] & (dim < HEAD_DIM)[None, :]
     pos = ctx_len + tok
     block = tl.load(block_table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     slot = block * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_slot + kv_head * HEAD_DIM
     row = q_begin + tok
     head = kv_head * HEAD_DIM + dim[None, :]
-    k_new = tl.load(k_ptr + row[:, None] * stride_k + head, mask=valid[:, None])  # [BLOCK_Q, D]
-    v_new = tl.load(v_ptr + row[:, None] * stride_v + head, mask=valid[:, None])
-    tl.store(k_cache_ptr + slot[:, None] + dim[None, :], k_new, mask=valid[:, None])
-    tl.store(v_cache_ptr + slot[:, None] + dim[None, :], v_new, mask=valid[:, None])
+    k_new = tl.load(k_ptr + row[:, None] * stride_k + head, mask=mask)  # [BLOCK_Q, D]
+    v_new = tl.load(v_ptr + row[:, None] * stride_v + head, mask=mask)
+    tl.store(k_cache_ptr + slot[:, None] + dim[None, :], k_new, mask=mask)
+    tl.store(v_cache_ptr + slot[:, None] + dim[None, :], v_new, mask=mask)
 
 
 def _load_cached_kv(k_cache_ptr, v_cache_ptr, block_table, kv_head, n0, ctx_len,
                     stride_cache_block, stride_cache_slot, HEAD_DIM: tl.constexpr,
-                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+                    HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                    UPCAST: tl.constexpr):
     pos = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions in the cached prefix
     valid = pos < ctx_len
-    dim = tl.arange(0, HEAD_DIM)
+    dim = tl.arange(0, HEAD_DIM_PAD)
+    in_head = dim < HEAD_DIM
     block = tl.load(block_table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     slot = block * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_slot + kv_head * HEAD_DIM
-    k_t = tl.load(k_cache_ptr + slot[None, :] + dim[:, None], mask=valid[None, :], other=0.0)
-    v = tl.load(v_cache_ptr + slot[:, None] + dim[None, :], mask=valid[:, None], other=0.0)
+    k_t = tl.load(k_cache_ptr + slot[None, :] + dim[:, None], mask=valid[None, :] & in_head[:, None], other=0.0)
+    v = tl.load(v_cache_ptr + slot[:, None] + dim[None, :], mask=valid[:, None] & in_head[None, :], other=0.0)
     if UPCAST:
         k_t = k_t.to(tl.float32)
         v = v.to(tl.float32)
-    return k_t, v, valid  # [D, BLOCK_N], [BLOCK_N, D], [BLOCK_N]
+    return k_t, v, pos, valid  # [D, BLOCK_N], [BLOCK_N, D], [BLOCK_N], [BLOCK_N]
 
 
 def _load_new_kv(k_ptr, v_ptr, q_begin, kv_head, n0, n_end, stride_k, stride_v,
-                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                 UPCAST: tl.constexpr):
     tok = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] this step's tokens, index within the request
     valid = tok < n_end
     row = q_begin + tok
-    head = kv_head * HEAD_DIM + tl.arange(0, HEAD_DIM)
-    k_t = tl.load(k_ptr + row[None, :] * stride_k + head[:, None], mask=valid[None, :], other=0.0)
-    v = tl.load(v_ptr + row[:, None] * stride_v + head[None, :], mask=valid[:, None], other=0.0)
+    dim = tl.arange(0, HEAD_DIM_PAD)
+    in_head = dim < HEAD_DIM
+    head = kv_head * HEAD_DIM + dim
+    k_t = tl.load(k_ptr + row[None, :] * stride_k + head[:, None], mask=valid[None, :] & in_head[:, None], other=0.0)
+    v = tl.load(v_ptr + row[:, None] * stride_v + head[None, :], mask=valid[:, None] & in_head[None, :], other=0.0)
     if UPCAST:
         k_t = k_t.to(tl.float32)
         v = v.to(tl.float32)
     return k_t, v, tok  # [D, BLOCK_N], [BLOCK_N, D], [BLOCK_N]
 
 
-def _row_offsets(q_begin, tok, head, stride_row, HEAD_DIM: tl.constexpr):
+def _row_offsets(q_begin, tok, head, stride_row, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
     # [BLOCK_M, D] element offsets of (token, head) rows in a [T, H * D] tensor.
     offs = (q_begin + tok)[:, None] * stride_row + (head * HEAD_DIM)[:, None]
-    return offs + tl.arange(0, HEAD_DIM)[None, :]
+    return offs + tl.arange(0, HEAD_DIM_PAD)[None, :]
 
 
 def _load_queries(q_ptr, q_begin, q_start, q_len, kv_head, stride_q, HEAD_DIM: tl.constexpr,
-                  NUM_QUERIES_PER_KV: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-                  UPCAST: tl.constexpr):
+                  HEAD_DIM_PAD: tl.constexpr, NUM_QUERIES_PER_KV: tl.constexpr, G_PAD: tl.constexpr,
+                  BLOCK_Q: tl.constexpr, UPCAST: tl.constexpr):
     # Row r of the tile is query token q_start + r // G_PAD, head kv_head * G + r % G_PAD.
     rows = tl.arange(0, BLOCK_Q * G_PAD)
     tok = q_start + rows // G_PAD  # [BLOCK_M]
     head = kv_head * NUM_QUERIES_PER_KV + rows % G_PAD
     row_valid = (tok < q_len) & (rows % G_PAD < NUM_QUERIES_PER_KV)
-    q_offs = _row_offsets(q_begin, tok, head, stride_q, HEAD_DIM)
-    q = tl.load(q_ptr + q_offs, mask=row_valid[:, None], other=0.0)  # [BLOCK_M, D]
+    q_offs = _row_offsets(q_begin, tok, head, stride_q, HEAD_DIM, HEAD_DIM_PAD)
+    mask = row_valid[:, None] & (tl.arange(0, HEAD_DIM_PAD) < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + q_offs, mask=mask, other=0.0)  # [BLOCK_M, D]
     if UPCAST:
         q = q.to(tl.float32)
-    return q, tok, head, row_valid
+    return q, tok, head, mask
 
 
 # The kernel calls only builtins and the functions below, never the library's @jit helpers
@@ -120,11 +134,16 @@ def _sum_combine(a, b):
     return a + b
 
 
-def _attend(q, k_t, v, mask, m_i, l_i, acc, qk_scale, UPCAST: tl.constexpr,
+def _attend(q, k_t, v, mask, m_i, l_i, acc, scale, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
             DOT_PRECISION: tl.constexpr):
     # Online softmax in base 2. m_i starts finite, so a row masked out of a whole tile gets
     # exp2(-inf - finite) = 0 and alpha = 1 instead of NaN.
-    s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+    s = tl.dot(q, k_t, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+    # log2(e) = 1.4426950408889634: the softmax runs on exp2
+    if SOFTCAP > 0.0:  # SOFTCAP * tanh(scale * s / SOFTCAP), tanh from exp (no library helper)
+        s = (SOFTCAP * 1.4426950408889634) * (2.0 / (1.0 + tl.exp((-2.0 / SOFTCAP) * scale * s)) - 1.0)
+    else:
+        s = s * (scale * 1.4426950408889634)
     s = tl.where(mask, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_combine))
     alpha = tl.math.exp2(m_i - m_new)
@@ -140,10 +159,11 @@ def _paged_attention_kernel(
         q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
         cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr, scale, num_seqs,
         stride_q, stride_k, stride_v, stride_out,
-        stride_cache_block, stride_cache_slot, stride_block_table,
-        HEAD_DIM: tl.constexpr, NUM_QUERIES_PER_KV: tl.constexpr, G_PAD: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-        UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        stride_cache_block, stride_cache_slot, stride_block_table, window,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_QUERIES_PER_KV: tl.constexpr,
+        G_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+        USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
+        DOT_PRECISION: tl.constexpr):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = _find_request(cu_seqlens_q_ptr, num_seqs, tile, BLOCK_Q)
@@ -156,42 +176,52 @@ def _paged_attention_kernel(
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_block_table
     _write_new_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, block_table, q_begin, q_start, q_len,
                   ctx_len, kv_head, stride_k, stride_v, stride_cache_block, stride_cache_slot,
-                  HEAD_DIM, BLOCK_SIZE, BLOCK_Q)
+                  HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_Q)
 
-    q, tok, head, row_valid = _load_queries(q_ptr, q_begin, q_start, q_len, kv_head, stride_q, HEAD_DIM,
-                                            NUM_QUERIES_PER_KV, G_PAD, BLOCK_Q, UPCAST)
-    qk_scale = scale * 1.4426950408889634  # log2(e): the softmax runs on exp2
+    q, tok, head, out_mask = _load_queries(q_ptr, q_begin, q_start, q_len, kv_head, stride_q, HEAD_DIM,
+                                           HEAD_DIM_PAD, NUM_QUERIES_PER_KV, G_PAD, BLOCK_Q, UPCAST)
     m_i = tl.full([BLOCK_Q * G_PAD], -1.0e30, dtype=tl.float32)
     l_i = tl.full([BLOCK_Q * G_PAD], 0.0, dtype=tl.float32)
-    acc = tl.full([BLOCK_Q * G_PAD, HEAD_DIM], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_Q * G_PAD, HEAD_DIM_PAD], 0.0, dtype=tl.float32)
 
-    # Phase 1: the cached prefix; every query sees all of it.
-    for n0 in range(0, ctx_len, BLOCK_N):
-        k_t, v, valid = _load_cached_kv(k_cache_ptr, v_cache_ptr, block_table, kv_head, n0, ctx_len,
-                                        stride_cache_block, stride_cache_slot, HEAD_DIM,
-                                        BLOCK_SIZE, BLOCK_N, UPCAST)
-        m_i, l_i, acc = _attend(q, k_t, v, valid[None, :], m_i, l_i, acc, qk_scale,
-                                UPCAST, DOT_PRECISION)
+    # Phase 1: the cached prefix; every query sees all of it (with a window, its last
+    # `window` positions: key position p is visible to query t when p > ctx_len + t - window).
+    first = 0
+    if USE_WINDOW:
+        first = (tl.maximum(ctx_len + q_start - window + 1, 0) // BLOCK_N) * BLOCK_N
+    for n0 in range(first, ctx_len, BLOCK_N):
+        k_t, v, pos, valid = _load_cached_kv(k_cache_ptr, v_cache_ptr, block_table, kv_head, n0, ctx_len,
+                                             stride_cache_block, stride_cache_slot, HEAD_DIM, HEAD_DIM_PAD,
+                                             BLOCK_SIZE, BLOCK_N, UPCAST)
+        visible = valid[None, :]
+        if USE_WINDOW:
+            visible = visible & (pos[None, :] + window > ctx_len + tok[:, None])
+        m_i, l_i, acc = _attend(q, k_t, v, visible, m_i, l_i, acc, scale, SOFTCAP, UPCAST, DOT_PRECISION)
     # Phase 2: this step's tokens up to the tile's last query, causally masked.
     n_end = tl.minimum(q_len, q_start + BLOCK_Q)
-    for n0 in range(0, n_end, BLOCK_N):
+    first = 0
+    if USE_WINDOW:
+        first = (tl.maximum(q_start - window + 1, 0) // BLOCK_N) * BLOCK_N
+    for n0 in range(first, n_end, BLOCK_N):
         k_t, v, key_tok = _load_new_kv(k_ptr, v_ptr, q_begin, kv_head, n0, n_end, stride_k,
-                                       stride_v, HEAD_DIM, BLOCK_N, UPCAST)
-        causal = key_tok[None, :] <= tok[:, None]
-        m_i, l_i, acc = _attend(q, k_t, v, causal, m_i, l_i, acc, qk_scale, UPCAST, DOT_PRECISION)
+                                       stride_v, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, UPCAST)
+        visible = key_tok[None, :] <= tok[:, None]
+        if USE_WINDOW:
+            visible = visible & (key_tok[None, :] + window > tok[:, None])
+        m_i, l_i, acc = _attend(q, k_t, v, visible, m_i, l_i, acc, scale, SOFTCAP, UPCAST, DOT_PRECISION)
 
     # Rows past the request's queries never store; the guard only keeps them finite.
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    o_offs = _row_offsets(q_begin, tok, head, stride_out, HEAD_DIM)
-    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+    o_offs = _row_offsets(q_begin, tok, head, stride_out, HEAD_DIM, HEAD_DIM_PAD)
+    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def _paged_attention_plugin_kernel(
         q_ptr, k_ptr, v_ptr, kv_cache_ptrs_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
         num_seqs, stride_block_table, layer, out_ptr,
         SCALE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-        HEAD_DIM: tl.constexpr, NUM_QUERIES_PER_KV: tl.constexpr, G_PAD: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_QUERIES_PER_KV: tl.constexpr,
+        G_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
         UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # The entry TensorRT launches (see trt_plugins/plugin.py): tensor inputs, then the scalars
     # TensorRT passes (two from shapes, the layer), then the output. Rows are contiguous, so
@@ -209,11 +239,12 @@ def _paged_attention_plugin_kernel(
     q_width = NUM_KV_HEADS * NUM_QUERIES_PER_KV * HEAD_DIM
     kv_width = NUM_KV_HEADS * HEAD_DIM
     # The other entry's whole program, inlined.
+    # No window, no soft cap: the TensorRT builder refuses models that have them.
     _paged_attention_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_seqlens_q_ptr,
                             seq_lens_ptr, block_tables_ptr, SCALE, num_seqs, q_width, kv_width, kv_width,
-                            q_width, BLOCK_SIZE * kv_width, kv_width, stride_block_table, HEAD_DIM,
-                            NUM_QUERIES_PER_KV, G_PAD, BLOCK_SIZE, BLOCK_Q, BLOCK_N, UPCAST,
-                            DOT_PRECISION)
+                            q_width, BLOCK_SIZE * kv_width, kv_width, stride_block_table, 0, HEAD_DIM,
+                            HEAD_DIM_PAD, NUM_QUERIES_PER_KV, G_PAD, BLOCK_SIZE, BLOCK_Q, BLOCK_N, False,
+                            0.0, UPCAST, DOT_PRECISION)
 
 
 # Row 0 of the plugin's address table: "ORCAPAGE" in ASCII. The kernel spells it as a literal.
@@ -231,7 +262,7 @@ _DEVICE_FUNCTIONS = (_max_combine, _sum_combine, _find_request, _write_new_kv, _
 # or divisible by 16 (the batch size, the block-table width that changes every iteration) and
 # the alignment of the metadata pointers (views into one packed buffer), and compile again.
 INDEX_ARGS = ("cu_seqlens_q_ptr", "seq_lens_ptr", "block_tables_ptr")
-_JIT_OPTIONS = {"do_not_specialize": ["num_seqs", "stride_block_table"],
+_JIT_OPTIONS = {"do_not_specialize": ["num_seqs", "stride_block_table", "window"],
                 "do_not_specialize_on_alignment": list(INDEX_ARGS)}
 
 
@@ -282,17 +313,24 @@ class TileConfig:
         return self.block_q * self.g_pad
 
 
+def head_dim_pad(head_dim: int) -> int:
+    """The lanes a head runs on: a power of two, at least 16 (what tl.dot takes)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
 def tile_config(max_query_len: int, num_queries_per_kv: int, head_dim: int,
                 element_size: int = 2) -> TileConfig:
-    """Decode (max_query_len 1) gets 16-row tiles, the smallest tl.dot takes; prefill 64.
+    """Decode (max_query_len 1) gets 16-row tiles, the smallest tl.dot takes; prefill 64, or
+    32 for heads of 256 lanes (Gemma's), whose accumulator is twice as wide.
 
     Key tiles stay at 32 where 64 would take prefill's shared memory past 48 KiB (which a
     launch must opt into) or make ptxas spill a few bytes in decode (seen at head_dim 64).
     fp32 (element_size 4) takes 16 x 16 tiles everywhere: larger ones spill at head_dim 128.
     """
+    head_dim = head_dim_pad(head_dim)
     g_pad = triton.next_power_of_2(num_queries_per_kv)
     min_block_q = max(1, 16 // g_pad)
-    max_rows = 16 if max_query_len <= 1 or element_size > 2 else 64
+    max_rows = 16 if max_query_len <= 1 or element_size > 2 else (64 if head_dim <= 128 else 32)
     max_block_q = max(min_block_q, max_rows // g_pad)
     block_q = max(min_block_q, min(max_block_q, triton.next_power_of_2(max(1, max_query_len))))
     if element_size > 2:
@@ -312,7 +350,7 @@ def plugin_constexprs(dtype: torch.dtype, num_kv_heads: int, num_queries_per_kv:
     decode's than on prefill's."""
     tiles = tile_config(1 if decode_tiles else 1 << 16, num_queries_per_kv, head_dim, dtype.itemsize)
     constexprs = dict(SCALE=float(scale), NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-                      NUM_QUERIES_PER_KV=num_queries_per_kv, G_PAD=tiles.g_pad,
+                      HEAD_DIM_PAD=head_dim_pad(head_dim), NUM_QUERIES_PER_KV=num_queries_per_kv, G_PAD=tiles.g_pad,
                       BLOCK_SIZE=block_size, BLOCK_Q=tiles.block_q, BLOCK_N=tiles.block_n,
                       UPCAST=interpret, DOT_PRECISION=dot_precision(dtype))
     return constexprs, tiles

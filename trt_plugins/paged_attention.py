@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from trt_plugins.kernel import (KV_TABLE_GUARD, PLUGIN_KERNEL, build_kernel, dot_precision,
-                                plugin_constexprs, tile_config)
+                                head_dim_pad, plugin_constexprs, tile_config)
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -60,8 +60,8 @@ def _check_caches(q, k_cache, v_cache) -> None:
     block_size, head_dim = k_cache.shape[1], k_cache.shape[3]
     _require(block_size >= 1 and block_size & (block_size - 1) == 0, "k_cache",
              f"block_size (dim 1) must be a power of two, got {block_size}")
-    _require(head_dim >= 16 and head_dim & (head_dim - 1) == 0, "k_cache",
-             f"head_dim (dim 3) must be a power of two >= 16, got {head_dim}")
+    _require(head_dim >= 1 and head_dim % 8 == 0, "k_cache",
+             f"head_dim (dim 3) must be a positive multiple of 8, got {head_dim}")
     _require(v_cache.shape == k_cache.shape, "v_cache", f"shape {tuple(v_cache.shape)} differs "
              f"from k_cache's {tuple(k_cache.shape)}")
 
@@ -101,7 +101,8 @@ def _check_inputs(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table
 
 
 def paged_attention(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
-                    *, max_query_len: int | None = None, out=None):
+                    *, max_query_len: int | None = None, out=None, window: int | None = None,
+                    softcap: float | None = None):
     """Causal GQA attention for one iteration over a paged K/V cache, in one kernel launch.
 
     q [T, Hq*D], k and v [T, Hkv*D] (or [T, H, D]), already rotated: request i owns rows
@@ -110,7 +111,10 @@ def paged_attention(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tab
     cached context is ctx = seq_lens[i] - q_len. k_cache, v_cache [num_blocks, block_size,
     Hkv, D] receive this step's K/V in place at positions ctx + t, through block_tables
     (int32 [B, max_blocks]). Query t sees key positions 0..ctx + t; query head h uses K/V head
-    h // (Hq // Hkv). max_query_len is a host-side hint that picks tile sizes only, any value
+    h // (Hq // Hkv). With a `window` (a positive int), query t sees only the last `window`
+    of those positions (itself included), and keys before them are never read; `softcap`
+    (a positive float) caps the scaled scores at softcap * tanh(s / softcap) before the
+    softmax. max_query_len is a host-side hint that picks tile sizes only, any value
     gives the same result (None: 1 when T == B, else T). The wrapper never reads device
     tensors, so launches can be graph-captured. scale is a Python float. Returns out
     [T, Hq*D] in q's dtype (or writes into the given out).
@@ -123,6 +127,10 @@ def paged_attention(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tab
              f"must be None or >= 0, got {max_query_len}")
     _require(isinstance(scale, (int, float)), "scale",
              f"must be a Python number (a tensor would need a device sync), got {type(scale).__name__}")
+    _require(window is None or (isinstance(window, int) and window >= 1), "window",
+             f"must be None or a positive int, got {window!r}")
+    _require(softcap is None or (isinstance(softcap, (int, float)) and softcap > 0), "softcap",
+             f"must be None or a positive number, got {softcap!r}")
     num_tokens, num_seqs = x.q.shape[0], x.seq_lens.shape[0]
     if max_query_len is None:
         max_query_len = 1 if num_tokens == num_seqs else num_tokens
@@ -135,10 +143,11 @@ def paged_attention(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tab
     build_kernel(interpret)[grid](
         x.q, x.k, x.v, k_cache, v_cache, x.out_rows, x.cu_seqlens_q, x.seq_lens, x.block_tables,
         float(scale), num_seqs, x.q.stride(0), x.k.stride(0), x.v.stride(0), x.out_rows.stride(0),
-        k_cache.stride(0), k_cache.stride(1), x.block_tables.stride(0),
-        HEAD_DIM=x.head_dim, NUM_QUERIES_PER_KV=x.num_queries_per_kv, G_PAD=cfg.g_pad,
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
-        UPCAST=interpret, DOT_PRECISION=dot_precision(x.q.dtype), **options)
+        k_cache.stride(0), k_cache.stride(1), x.block_tables.stride(0), window or 0,
+        HEAD_DIM=x.head_dim, HEAD_DIM_PAD=head_dim_pad(x.head_dim), NUM_QUERIES_PER_KV=x.num_queries_per_kv,
+        G_PAD=cfg.g_pad, BLOCK_SIZE=k_cache.shape[1], BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
+        USE_WINDOW=window is not None, SOFTCAP=float(softcap or 0.0), UPCAST=interpret,
+        DOT_PRECISION=dot_precision(x.q.dtype), **options)
     return x.out
 
 

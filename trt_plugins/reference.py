@@ -109,13 +109,14 @@ def make_paged_batch(query_lens, context_lens, num_heads=4, num_kv_heads=2, head
 
 
 def reference_paged_attention(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
-                              scale: float) -> Expected:
+                              scale: float, window: int | None = None, softcap: float | None = None) -> Expected:
     """`paged_attention` in float64, one request at a time; reads its arguments only.
 
     Request i's new K/V go into (copies of) the caches at positions ctx .. seq_len - 1
     through its block table (ctx = seq_len - q_len); its queries then attend to all seq_len
     keys gathered back from the cache, lower-right causally (query t sees positions
-    0 .. ctx + t), with each K/V head repeated for its Hq // Hkv query heads.
+    0 .. ctx + t, or with a window only those after ctx + t - window), with each K/V head
+    repeated for its Hq // Hkv query heads; scores soft-capped when `softcap` is set.
     """
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     k_cache, v_cache = (c.clone(memory_format=torch.contiguous_format) for c in (k_cache, v_cache))
@@ -134,8 +135,13 @@ def reference_paged_attention(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens,
         keys = k_cache.view(-1, num_kv_heads, head_dim)[slots].double().repeat_interleave(group, 1)
         values = v_cache.view(-1, num_kv_heads, head_dim)[slots].double().repeat_interleave(group, 1)
         scores = torch.einsum("nhd,lhd->hnl", queries[rows].double(), keys) * scale  # [Hq, n, L]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         positions = torch.arange(seq_len, device=q.device)
-        visible = positions[None, :] <= (seq_len - n + torch.arange(n, device=q.device))[:, None]
+        query_positions = (seq_len - n + torch.arange(n, device=q.device))[:, None]
+        visible = positions[None, :] <= query_positions
+        if window is not None:
+            visible &= positions[None, :] > query_positions - window
         scores = scores.masked_fill(~visible, float("-inf"))
         out[rows] = torch.einsum("hnl,lhd->nhd", scores.softmax(-1), values)
     return Expected(out.flatten(1), k_cache, v_cache)

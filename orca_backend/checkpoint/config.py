@@ -1,4 +1,9 @@
-"""What the engine needs to know of a checkpoint, read from its config.json."""
+"""What the engine needs to know of a checkpoint, read from its config.json.
+
+`ModelConfig` describes the math of every supported family with the same fields (norm kind
+and placement, RoPE per layer type, sliding windows, soft caps, multipliers); the family's
+parser in `families/` fills them from the checkpoint's own field names.
+"""
 from __future__ import annotations
 
 import json
@@ -6,8 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..core.errors import ConfigError
+from .families import PARSERS, SUPPORTED_ARCHITECTURES, ConfigFields
+from .families.rope import RopeSpec
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel")
+__all__ = ["ModelConfig", "RopeSpec", "SUPPORTED_ARCHITECTURES"]
 
 
 @dataclass(slots=True)
@@ -24,9 +31,29 @@ class ModelConfig:
     norm_eps: float
     tie_word_embeddings: bool
     eos_token_ids: list[int] = field(default_factory=list)
-    rope_theta: float = 10000.0
+    family: str = "llama"
+    rope_theta: float = 10000.0  # where `ropes` is empty: plain RoPE over the whole head
+    ropes: dict[str, RopeSpec] = field(default_factory=dict)  # by layer type
+    layer_types: tuple[str, ...] = ()  # "full_attention" or "sliding_attention" per layer; () all full
+    sliding_window: int | None = None  # tokens a sliding layer's query sees, itself included
+    no_rope_layers: tuple[int, ...] = ()  # layers that skip RoPE (SmolLM3)
     qkv_bias: bool = False
-    activation: str = "silu"
+    o_bias: bool = False
+    mlp_bias: bool = False
+    activation: str = "silu"  # silu, gelu_tanh or gelu
+    gated_mlp: bool = True  # down(act(gate) * up); False: GPT-2's down(act(fc))
+    norm: str = "rms"  # rms, rms_unit_offset (Gemma's 1 + w), rms_fp32_weight (OLMo 2), layer
+    norm_layout: str = "pre"  # pre, sandwich (Gemma 2/3: also after each branch), post (OLMo 2)
+    qk_norm: str = "none"  # none, head (each head, Qwen3 / Gemma 3) or all (all heads at once, OLMo 2)
+    positions: str = "rope"  # rope, or learned (GPT-2's table)
+    fused_projections: bool = False  # the checkpoint's own modules are qkv_proj and gate_up_proj (Phi-3)
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_scale: float | None = None  # None: head_dim ** -0.5
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    logits_divisor: float = 1.0
+    unknown_fields: tuple[str, ...] = ()  # in config.json, not the family's: logged when the weights load
 
     @classmethod
     def from_folder(cls, folder: Path) -> ModelConfig:
@@ -35,16 +62,62 @@ class ModelConfig:
             raise ConfigError(f"model folder {folder} has no config.json")
         raw = json.loads(path.read_text())
         arch = (raw.get("architectures") or ["?"])[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
+        parse = PARSERS.get(arch)
+        if parse is None:
             raise ConfigError(f"unsupported architecture {arch!r} in {path}; "
                               f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        try:
-            config = _gpt2(raw) if arch == "GPT2LMHeadModel" else _llama(raw, arch)
-        except KeyError as e:
-            raise ConfigError(f"{path} has no {e.args[0]!r}, which {arch} needs") from None
+        if raw.get("quantization_config") is not None:
+            method = raw["quantization_config"].get("quant_method", "?") if isinstance(
+                raw["quantization_config"], dict) else "?"
+            raise ConfigError(f"{path}: quantization_config (quant_method {method!r}) is not supported: this "
+                              "engine loads full-precision checkpoints")
+        if raw.get("is_encoder_decoder"):
+            raise ConfigError(f"{path}: is_encoder_decoder is set; this engine serves decoder-only models")
+        fields = ConfigFields(raw, arch, str(path))
+        fields.no_math("is_encoder_decoder", "quantization_config", "eos_token_id")  # checked here
+        config = cls(**parse(fields))
+        config.unknown_fields = fields.unknown()
         config.eos_token_ids = _eos_ids(raw, Path(folder))
         return config
 
+    # -- layers ---------------------------------------------------------------------------
+    def layer_type(self, layer: int) -> str:
+        return self.layer_types[layer] if self.layer_types else "full_attention"
+
+    def window_of(self, layer: int) -> int | None:
+        """The layer's sliding window in tokens, or None (full attention)."""
+        return self.sliding_window if self.layer_type(layer) == "sliding_attention" else None
+
+    def rope_of(self, layer: int) -> RopeSpec | None:
+        """The layer's rotary embedding; None where it has none (learned positions, NoPE layers)."""
+        if self.positions != "rope" or layer in self.no_rope_layers:
+            return None
+        return self.ropes.get(self.layer_type(layer)) or RopeSpec(theta=self.rope_theta, rotary_dim=self.head_dim,
+                                                                  max_len=self.max_model_len)
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window when every layer slides over the same one (K/V blocks that leave it can
+        be freed); None when any layer attends to the whole context."""
+        windows = {self.window_of(i) for i in range(self.num_layers)}
+        return windows.pop() if len(windows) == 1 else None
+
+    @property
+    def scale(self) -> float:
+        """What q.k is multiplied by before the softmax."""
+        return self.attention_scale if self.attention_scale is not None else self.head_dim ** -0.5
+
+    def projection_shapes(self) -> dict[str, tuple[int, int]]:
+        """[out, in] of each projection of one layer, by the checkpoint's module names (those
+        a LoRA adapter targets)."""
+        h, q, kv, i = (self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                       self.intermediate_size)
+        if self.fused_projections:
+            return {"qkv_proj": (q + 2 * kv, h), "o_proj": (h, q), "gate_up_proj": (2 * i, h), "down_proj": (h, i)}
+        return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+                "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+
+    # -- tensor parallelism ---------------------------------------------------------------
     def kv_elements_per_rank_token(self, tensor_parallel_size: int = 1) -> int:
         """K and V elements per token over all layers (multiply by the dtype's size) that each
         of T ranks holds: its K/V heads only."""
@@ -61,6 +134,9 @@ class ModelConfig:
         t = tensor_parallel_size
         if not isinstance(t, int) or isinstance(t, bool) or t < 1:
             raise ConfigError(f"tensor_parallel_size must be an integer >= 1, got {t!r}")
+        if t > 1 and self.qk_norm == "all":
+            raise ConfigError(f"tensor_parallel_size {t}: {self.architecture} normalizes all query heads "
+                              "together (and all key heads), which ranks holding a share of the heads cannot")
         shapes = [("attention heads", self.num_heads), ("intermediate size", self.intermediate_size),
                   ("vocabulary size", self.vocab_size)]
         if self.num_kv_heads >= t:
@@ -73,55 +149,6 @@ class ModelConfig:
             if size % t:
                 raise ConfigError(f"tensor_parallel_size {t} does not divide the model's {what} "
                                   f"{size}")
-
-
-def _llama(raw: dict, arch: str) -> ModelConfig:
-    scaling = raw.get("rope_scaling")
-    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-        raise ConfigError(f"rope_scaling {scaling!r} is not supported (only plain RoPE)")
-    heads = raw["num_attention_heads"]
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise ConfigError(f"hidden_act {act!r} is not supported for {arch} (only silu)")
-    return ModelConfig(
-        architecture=arch,
-        vocab_size=raw["vocab_size"],
-        hidden_size=raw["hidden_size"],
-        num_layers=raw["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=raw.get("num_key_value_heads") or heads,
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-        intermediate_size=raw["intermediate_size"],
-        max_model_len=raw.get("max_position_embeddings", 2048),
-        norm_eps=raw.get("rms_norm_eps", 1e-6),
-        tie_word_embeddings=raw.get("tie_word_embeddings", False),
-        rope_theta=(raw.get("rope_parameters") or {}).get("rope_theta", raw.get("rope_theta", 10000.0)),
-        qkv_bias=arch == "Qwen2ForCausalLM" or raw.get("attention_bias", False),
-    )
-
-
-def _gpt2(raw: dict) -> ModelConfig:
-    if raw.get("scale_attn_by_inverse_layer_idx") or raw.get("reorder_and_upcast_attn"):
-        raise ConfigError("GPT-2 options scale_attn_by_inverse_layer_idx and "
-                          "reorder_and_upcast_attn are not supported")
-    act = raw.get("activation_function", "gelu_new")
-    if act not in ("gelu_new", "gelu_pytorch_tanh", "gelu"):
-        raise ConfigError(f"activation_function {act!r} is not supported for GPT-2")
-    hidden, heads = raw["n_embd"], raw["n_head"]
-    return ModelConfig(
-        architecture="GPT2LMHeadModel",
-        vocab_size=raw["vocab_size"],
-        hidden_size=hidden,
-        num_layers=raw["n_layer"],
-        num_heads=heads,
-        num_kv_heads=heads,
-        head_dim=hidden // heads,
-        intermediate_size=raw.get("n_inner") or 4 * hidden,
-        max_model_len=raw.get("n_positions", 1024),
-        norm_eps=raw.get("layer_norm_epsilon", 1e-5),
-        tie_word_embeddings=raw.get("tie_word_embeddings", True),
-        activation=act,
-    )
 
 
 def _eos_ids(raw: dict, folder: Path) -> list[int]:

@@ -12,6 +12,13 @@ that contains it; when nobody holds it, it keeps its contents and hash and waits
 eviction queue, least recently released first, until a new block is needed and no truly
 free block is left.
 
+Sliding windows. When every layer of the model attends to the last `window` tokens only (a
+Mistral-style model), a block none of a request's future queries can see is released
+(`release_out_of_window`): its table keeps the block's id at its position, so that positions
+still map to blocks, but the block is no longer held (and, if cached, waits for a hit like any
+unreferenced block). Such a request holds about window / block_size + 1 blocks, not its whole
+context. Models with any full-attention layer keep every block.
+
 The hash is SHA-256: a 64-bit hash such as Python's `hash()` of a tuple of ints is not
 randomized for ints, so a tenant could craft two prompts that collide and read another's
 K/V. A hit also compares the block's parent hash and token ids with the request's, so a
@@ -59,8 +66,9 @@ def root_hash(namespace: str, cache_salt: str | None, lora_id: int | None = None
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 namespace: str = "", stats: PrefixCacheStats | None = None) -> None:
-        """`stats`: the counters to add to (an engine's, which outlive its pools)."""
+                 namespace: str = "", stats: PrefixCacheStats | None = None, window: int | None = None) -> None:
+        """`stats`: the counters to add to (an engine's, which outlive its pools); `window`:
+        the tokens every layer's query sees (itself included), when all layers slide."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -69,6 +77,9 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.namespace = namespace
+        if window is not None and window < 1:
+            raise ValueError(f"window must be None or >= 1, got {window}")
+        self.window = window
         self.block_tables: dict[str, list[int]] = {}
         self.stats = stats if stats is not None else PrefixCacheStats()
         self._free_block_ids: deque[int] = deque(range(num_blocks))  # no contents worth keeping
@@ -78,6 +89,7 @@ class BlockManager:
         self._hashes: dict[int, bytes] = {}  # blocks in the cache
         self._cache: dict[bytes, CachedBlock] = {}
         self._num_committed_blocks: dict[str, int] = {}  # per table: leading blocks already offered to the cache
+        self._num_released: dict[str, int] = {}  # per table: leading blocks released (out of the window)
 
     # -- counts ---------------------------------------------------------------------------
     @property
@@ -99,9 +111,13 @@ class BlockManager:
         """Blocks that freeing these requests would make free: those no other request holds."""
         held: dict[int, int] = {}
         for request_id in request_ids:
-            for block_id in self.block_tables.get(request_id, ()):
+            for block_id in self.held_blocks(request_id):
                 held[block_id] = held.get(block_id, 0) + 1
         return sum(1 for block_id, n in held.items() if n == self._ref_counts[block_id])
+
+    def held_blocks(self, request_id: str) -> list[int]:
+        """The blocks of a request's table it still holds (all but those released out of a window)."""
+        return self.block_tables.get(request_id, [])[self._num_released.get(request_id, 0):]
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -197,6 +213,33 @@ class BlockManager:
             table.append(block_id)
         return table
 
+    def release_out_of_window(self, request_id: str, num_computed_tokens: int) -> int:
+        """With a window: release the leading blocks of the request's table that no query at
+        position num_computed_tokens or later can see (those before its first visible key,
+        num_computed_tokens - window + 1); returns how many were released now."""
+        if self.window is None or request_id not in self.block_tables:
+            return 0
+        start = self._num_released.get(request_id, 0)
+        table = self.block_tables[request_id]
+        end = min(max(0, num_computed_tokens - self.window + 1) // self.block_size, len(table))
+        if end <= start:
+            return 0
+        self._release(table[start:end])
+        self._num_released[request_id] = end
+        return end - start
+
+    def _release(self, block_ids) -> None:
+        """Drop one reference to each block: a cached block nobody holds any more joins the
+        eviction queue, any other goes back to the free pool."""
+        for block_id in block_ids:
+            self._ref_counts[block_id] -= 1
+            if self._ref_counts[block_id] == 0:
+                del self._ref_counts[block_id]
+                if block_id in self._hashes:
+                    self._evictable[block_id] = None
+                else:
+                    self._free_block_ids.append(block_id)
+
     def _take_block(self) -> int:
         if self._free_block_ids:
             return self._free_block_ids.popleft()
@@ -209,24 +252,20 @@ class BlockManager:
         """Release the request's blocks; returns how many it held. A cached block nobody
         holds any more joins the eviction queue, the sequence's tail before its head (the
         head is the likelier to be shared); any other goes back to the free pool."""
-        table = self.block_tables.pop(request_id, [])
+        held = self.held_blocks(request_id)
+        self.block_tables.pop(request_id, None)
         self._num_committed_blocks.pop(request_id, None)
-        for block_id in (reversed(table) if self.enable_prefix_caching else table):
-            self._ref_counts[block_id] -= 1
-            if self._ref_counts[block_id] == 0:
-                del self._ref_counts[block_id]
-                if block_id in self._hashes:
-                    self._evictable[block_id] = None
-                else:
-                    self._free_block_ids.append(block_id)
-        return len(table)
+        self._num_released.pop(request_id, None)
+        self._release(reversed(held) if self.enable_prefix_caching else held)
+        return len(held)
 
     def check_integrity(self) -> None:
         """Every block is free, cached and unreferenced, or referenced by exactly as many
         tables as its count says; every hash names one block, whose parent hash and tokens
         give that hash. Raises AssertionError if not."""
         held: Counter[int] = Counter()
-        for request_id, table in self.block_tables.items():
+        for request_id in self.block_tables:
+            table = self.held_blocks(request_id)
             _require(len(set(table)) == len(table), f"{request_id!r}'s table repeats a block: {table}")
             held.update(table)
         for block_id in held.keys() | self._ref_counts.keys():

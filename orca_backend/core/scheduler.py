@@ -194,6 +194,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0 and len(scheduled) < self.config.max_batch_size:
             req = self.running[i]
             i += 1
+            # Blocks that left the window of every layer (when all layers slide): no query of
+            # this request reads them again, in flight or not (its computed tokens exclude
+            # what is in flight, so what an unreturned iteration reads stays held).
+            self.kv.release_out_of_window(req.request_id, req.num_computed_tokens)
             if req.in_flight:
                 n = self._ahead(req, budget)
                 if n:
@@ -287,7 +291,7 @@ class Scheduler:
             if not self._adapter_fits(req, loras):
                 i += 1  # its adapter waits for a slot; requests behind it whose adapter has one may go
                 continue
-            if not self._admit(req, i):
+            if not self._admit(req, i, budget):
                 break  # FCFS: the first that may run waits for room, nobody overtakes it
             if loras is not None and req.lora is not None:
                 loras[req.lora.lora_id] = req.lora
@@ -305,14 +309,16 @@ class Scheduler:
         """The adapters of the running requests, by id."""
         return {r.lora.lora_id: r.lora for r in self.running if r.lora is not None}
 
-    def _admit(self, req: Request, position: int = 0) -> bool:
+    def _admit(self, req: Request, position: int = 0, budget: int | None = None) -> bool:
         """Move waiting[position] to running if its blocks fit; its leading blocks found in
         the prefix cache count as computed."""
-        need, hits = self._need(req), self._hits(req)
+        hits = self._hits(req)
+        need = self._need(req, len(hits) * self.kv.block_size, budget)
         if not self.kv.can_allocate(req.request_id, need, hits):
             return False
         self.kv.allocate(req.request_id, need, hits)
         req.num_computed_tokens = len(hits) * self.kv.block_size
+        self.kv.release_out_of_window(req.request_id, req.num_computed_tokens)
         if req.num_cached_tokens is None:  # counted once: a recompute after preemption is not news
             req.num_cached_tokens = req.num_computed_tokens
             if self.kv.enable_prefix_caching:
@@ -326,9 +332,15 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         return True
 
-    def _need(self, req: Request) -> int:
-        """Tokens whose blocks a waiting request needs to be admitted."""
-        return req.max_num_tokens if self.config.policy == "reserve" else req.num_tokens
+    def _need(self, req: Request, num_hit_tokens: int = 0, budget: int | None = None) -> int:
+        """Tokens whose blocks a waiting request needs to be admitted: its whole prompt, or
+        when every layer slides (blocks are released as the window moves on) only its first
+        chunk, after `num_hit_tokens` from the prefix cache, within the token `budget`."""
+        if self.config.policy == "reserve":
+            return req.max_num_tokens
+        if self.kv.window is not None and budget is not None:
+            return min(req.num_tokens, num_hit_tokens + max(budget, 1))
+        return req.num_tokens
 
     def _hits(self, req: Request) -> list[int]:
         """Its leading blocks found in the prefix cache. A request that scores or pools its

@@ -64,8 +64,8 @@ class LLMEngine:
         self.executor: Executor = self.executor_factory(self.runner_spec)
         model = self.rules.model_config
         self.grammars = compiler_for(self.rules.model_path, model.vocab_size, model.eos_token_ids)
-        if config.scheduler.enable_lora and model.architecture == "GPT2LMHeadModel":
-            raise ConfigError("enable_lora: LoRA adapters apply to Llama-family models (q/k/v/o and "
+        if config.scheduler.enable_lora and model.family == "gpt2":
+            raise ConfigError("enable_lora: LoRA adapters apply to the RoPE decoder families (their q/k/v/o and "
                               f"gate/up/down projections); this model is {model.architecture}")
         self.loras = LoRARegistry(model, config.scheduler.enable_lora, config.runner.max_lora_rank)
         self.stats = EngineStats()
@@ -86,15 +86,24 @@ class LLMEngine:
                               f"than the model's max_model_len {self.rules.max_model_len} (set max_model_len)")
         return draft.kv_elements_per_rank_token(1)
 
+    def _kv_window(self) -> int | None:
+        """The window whose blocks the pool releases: the model's when all its layers slide,
+        unless a draft model, which reads the same tables, needs more of them."""
+        window = self.rules.model_config.kv_window
+        path = self.config.draft_model_path
+        if window is not None and path:
+            draft = ModelConfig.from_folder(Path(path)).kv_window
+            window = None if draft is None else max(window, draft)
+        return window
+
     def _engine_cache_dir(self) -> str:
         if self.config.runner.engine != "tensorrt":
             return ""
-        from trt_plugins.builder import SUPPORTED
+        from trt_plugins.builder import unsupported_by_tensorrt
 
-        architecture = self.rules.model_config.architecture
-        if architecture not in SUPPORTED:
-            raise ConfigError(f"engine 'tensorrt' builds {', '.join(SUPPORTED)}; this model is "
-                              f"{architecture} (use engine 'torch')")
+        refusal = unsupported_by_tensorrt(self.rules.model_config)
+        if refusal:
+            raise ConfigError(f"{self.rules.model_config.architecture}: {refusal}")
         return self.config.runner.engine_cache_dir or str(cache_root() / "engines")
 
     def reset(self) -> None:
@@ -121,7 +130,8 @@ class LLMEngine:
         cache = self.config.cache
         # A new pool starts with an empty prefix cache: a new runner has no K/V to share.
         self.kv = BlockManager(self.runner_spec.num_blocks, cache.block_size, cache.enable_prefix_caching,
-                               namespace=str(self.rules.model_path), stats=self.stats.prefix_cache)
+                               namespace=str(self.rules.model_path), stats=self.stats.prefix_cache,
+                               window=self._kv_window())
         self.scheduler = Scheduler(self.config.scheduler, self.kv, self.stats.scheduler)
         self._tracked: dict[str, _Tracked] = {}
         # Requests whose structured_outputs grammar is compiling: tracked, not yet scheduled.

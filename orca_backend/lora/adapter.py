@@ -21,8 +21,11 @@ from ..core.errors import ConfigError
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-# The projections of a Llama-family layer an adapter may target, as PEFT names them.
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The projections of a layer an adapter may target, as PEFT names them: separate (most
+# families) or fused (Phi-3's qkv_proj and gate_up_proj); `ModelConfig.projection_shapes`
+# says which a model has.
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
+               "gate_up_proj")
 _KEY = re.compile(r"(?P<module>(?:.*\.)?layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<proj>\w+))"
                   r"\.lora_(?P<ab>[AB])(?:\.\w+)?\.weight$")
 # Options whose other values change the math in ways this engine does not compute.
@@ -62,12 +65,15 @@ def inspect_adapter(name: str, folder: str | Path, max_rank: int, model: ModelCo
     """Check the adapter in `folder` against `model` (layers, projection shapes) and
     `max_rank`, reading only its config and tensor shapes; returns its rank. Raises
     ConfigError naming what is missing, does not fit, or is not supported."""
-    shapes = _projection_shapes(model)
+    shapes = model.projection_shapes()
     ranks = []
     for (layer, proj), ab in _scan(name, Path(folder), max_rank, lambda f, key: f.get_slice(key).get_shape()).items():
         if layer >= model.num_layers:
             raise ConfigError(f"LoRA adapter '{name}' has weights for layer {layer}; the model has "
                               f"{model.num_layers} layers")
+        if proj not in shapes:
+            raise ConfigError(f"LoRA adapter '{name}' targets {proj}, which {model.architecture} does not have "
+                              f"(its projections: {', '.join(shapes)})")
         out, inp = shapes[proj]
         rank = ab["A"][0]
         if tuple(ab["A"]) != (rank, inp) or tuple(ab["B"]) != (out, rank):
@@ -131,14 +137,6 @@ def _scan(name: str, folder: Path, max_rank: int, read, config: dict | None = No
         if a[0] > max_rank:
             raise ConfigError(f"LoRA adapter '{name}' has rank {a[0]}, more than max_lora_rank {max_rank}")
     return dict(sorted(pairs.items()))
-
-
-def _projection_shapes(model: ModelConfig) -> dict[str, tuple[int, int]]:
-    """[out, in] of each projection of one layer."""
-    h, q, kv, i = model.hidden_size, model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim, \
-        model.intermediate_size
-    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
-            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
 
 
 def _read_config(name: str, folder: Path) -> dict:

@@ -41,11 +41,13 @@ class DecodeGraphs:
         self.lora_stacks = lora_stacks
         self.sizes = capture_sizes(max_batch_size)
         self.max_blocks = max_blocks
+        self.rope_lens = getattr(model, "needs_rope_lens", False)
         n = self.sizes[-1]
         # Everything a graph reads, int32, in one device buffer filled from a pinned host twin
         # by one copy per iteration (the block tables last, so a smaller batch copies less).
         shapes = {"input_ids": (n,), "positions": (n,), "cu_seqlens_q": (n + 1,), "seq_lens": (n,),
-                  **({"row_slots": (n,)} if lora_stacks is not None else {}), "block_tables": (n, max_blocks)}
+                  **({"row_slots": (n,)} if lora_stacks is not None else {}),
+                  **({"rope_lens": (n,)} if self.rope_lens else {}), "block_tables": (n, max_blocks)}
         total = sum(math.prod(shape) for shape in shapes.values())
         self.device_buffer = torch.zeros(total, dtype=torch.int32, device=device)
         self.host_buffer = torch.zeros(total, dtype=torch.int32, pin_memory=device.type == "cuda")
@@ -74,9 +76,11 @@ class DecodeGraphs:
         each request's LoRA slot (-1: none), for graphs made with `lora_stacks`."""
         num_requests = len(token_ids)
         size = next(s for s in self.sizes if s >= num_requests)
-        positions, cu_seqlens_q, seq_lens, block_tables = kernel_metadata(
-            layout, num_rows=size, num_requests=size)
+        positions, cu_seqlens_q, seq_lens, block_tables, *lens = kernel_metadata(
+            layout, num_rows=size, num_requests=size, with_rope_lens=self.rope_lens)
         host = self.host_views
+        if lens:
+            host["rope_lens"][:size] = lens[0]
         host["input_ids"][:num_requests] = token_ids
         host["input_ids"][num_requests:size] = 0
         host["positions"][:size] = positions
@@ -100,7 +104,7 @@ class DecodeGraphs:
     def _forward(self, size: int) -> torch.Tensor:
         v = self.device_views
         plan = KernelPlan(v["positions"][:size], v["cu_seqlens_q"][:size + 1], v["seq_lens"][:size],
-                          v["block_tables"][:size], 1, self.kernel)
+                          v["block_tables"][:size], 1, self.kernel, v["rope_lens"][:size] if self.rope_lens else None)
         h = self.model.embed_tokens(v["input_ids"][:size], plan)  # [size, hidden]
         if self.lora_stacks is None:
             return self.model.run_layers(h, plan, self.kv_caches, self.model.layer_range)

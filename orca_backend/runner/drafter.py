@@ -28,6 +28,7 @@ class DraftModel:
         self.model = model
         self.max_chunk = max_chunk
         self.attention = attention
+        attention.rope_lens = attention.rope_lens or getattr(model, "needs_rope_lens", False)
         self.device = device
         caches = attention.allocate_kv_cache(cfg.num_layers, num_blocks, cfg.num_local_kv_heads(1),
                                              cfg.head_dim, dtype)

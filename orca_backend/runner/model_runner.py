@@ -46,6 +46,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device, self.dtype = device, dtype
         self.attention = attention or TorchPagedAttention(block_size, device)
+        self.attention.rope_lens = getattr(model, "needs_rope_lens", False)
         layers = model.layer_range
         caches = self.attention.allocate_kv_cache(len(layers), num_blocks,
                                                   cfg.num_local_kv_heads(self.shard.size), cfg.head_dim, dtype)
@@ -344,6 +345,7 @@ class ModelRunner:
             layout.num_computed_tokens.append(s.num_computed_tokens)
             layout.num_scheduled_tokens.append(s.num_scheduled_tokens)
             layout.block_tables.append(state.block_ids)
+            layout.num_prompt_tokens.append(state.num_prompt_tokens)
             if state.params.embed:
                 self._pool_rows(pooling, s, state, len(token_ids) - own, own)
             elif s.sample and not s.draft_token_ids:

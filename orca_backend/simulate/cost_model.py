@@ -79,7 +79,7 @@ class CostModel:
         kv_read = sum(r.num_computed_tokens + r.num_scheduled_tokens for r in rows)
         attention = OpCost(4 * hq * d * positions,  # q.k and p.v over every attended position
                            (2 * hkv * d * (kv_read + tokens) + 2 * hq * d * tokens) * b)
-        gated = m.architecture != "GPT2LMHeadModel"
+        gated = m.gated_mlp
         return {"qkv": gemm(h, (hq + 2 * hkv) * d), "attention": attention, "o": gemm(hq * d, h),
                 "mlp_in": gemm(h, (2 if gated else 1) * inter), "mlp_out": gemm(inter, h)}
 

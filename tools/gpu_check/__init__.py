@@ -21,6 +21,9 @@ Sections, run in order (`--sections` picks some):
 5. kernel_vs_sdpa: our kernel against dense flash SDPA on prefill and decode shapes.
 6. lora: the multi-LoRA kernels against float64 on a fused q|k|v projection with 8 slots, and
    their time beside the batched products the CPU path uses.
+7. families: every model family of the registry (tools/model_zoo.py) through the engine on the
+   GPU, the kernel compiled with its windows, soft caps and head sizes, decode CUDA graphs on,
+   against transformers' greedy `generate` on the same GPU.
 
 Each section runs in a process of its own, so that a crash or a poisoned CUDA context costs
 that section only; a failure is recorded with its traceback and the next section runs. A
@@ -34,5 +37,6 @@ except the CUDA-only calls, and says which those were.
 Usage: bash tools/gpu_check.sh [--smoke] [--sections a,b] [--budget-seconds 450] [--layers 32]
 (or `python -m tools.gpu_check ...` from the repository root). cli.py parses the arguments and
 runs the sections; report.py keeps the report; kernel_sections.py, engine_sections.py,
-pipeline_section.py and throughput.py hold the sections, checkpoints.py the random models they load.
+pipeline_section.py, throughput.py and families_section.py hold the sections, checkpoints.py the
+random models they load.
 """

@@ -13,6 +13,10 @@ from tools.gpu_check.report import Context, attempt, cpu_skip, say, sync
 from tools.gpu_check.sizes import FULL, Sizes
 
 NUMERICS_CASES = ("decode", "decode_shuffled", "prefill", "mixed", "mixed_shuffled")
+# The model families' attention on mixed batches: (Hq, Hkv, D), window, soft cap. Mistral's
+# window, Gemma 2's 256-lane heads with a window and its cap, Phi-3's 96-lane heads.
+VARIANTS = (((32, 8, 128), 256, None), ((8, 4, 256), 512, 50.0), ((32, 32, 96), None, None))
+SMOKE_VARIANTS = (((4, 2, 24), 8, 5.0),)
 
 
 # -- 1. kernel numerics ------------------------------------------------------------------------
@@ -40,6 +44,9 @@ def kernel_numerics(ctx: Context, rec: dict) -> None:
             for seed, kind in enumerate(NUMERICS_CASES):
                 name = f"{dtype_name}/{'-'.join(map(str, heads))}/{kind}"
                 attempt(ctx, rec, name, numerics_case, ctx, rec, name, dtype_name, heads, kind, seed)
+        for heads, window, softcap in (VARIANTS if ctx.cuda else SMOKE_VARIANTS):
+            name = f"{dtype_name}/{'-'.join(map(str, heads))}/mixed/window={window}/softcap={softcap}"
+            attempt(ctx, rec, name, numerics_case, ctx, rec, name, dtype_name, heads, "mixed", 7, window, softcap)
         ctx.report.save()
     rec["notes"].append("pass: every |error| <= tolerance * (1 + |reference|) (atol = rtol = tolerance), "
                         "and the cache equal to the expected one bit for bit")
@@ -48,7 +55,8 @@ def kernel_numerics(ctx: Context, rec: dict) -> None:
         rec["notes"].append(f"not run at smoke sizes: dtypes {', '.join(skipped)}; shapes {FULL.heads}")
 
 
-def numerics_case(ctx: Context, rec: dict, name: str, dtype_name: str, heads, kind: str, seed: int) -> None:
+def numerics_case(ctx: Context, rec: dict, name: str, dtype_name: str, heads, kind: str, seed: int,
+                  window: int | None = None, softcap: float | None = None) -> None:
     import torch
 
     from trt_plugins import paged_attention
@@ -58,8 +66,9 @@ def numerics_case(ctx: Context, rec: dict, name: str, dtype_name: str, heads, ki
     dtype = getattr(torch, dtype_name)
     batch = make_paged_batch(queries, contexts, *heads, dtype=dtype, device=ctx.device,
                              shuffle=kind.endswith("shuffled"), seed=seed)
-    want = reference_paged_attention(**batch.inputs(), scale=batch.scale)
-    out = paged_attention(**batch.inputs(), scale=batch.scale, max_query_len=batch.max_query_len)
+    want = reference_paged_attention(**batch.inputs(), scale=batch.scale, window=window, softcap=softcap)
+    out = paged_attention(**batch.inputs(), scale=batch.scale, max_query_len=batch.max_query_len, window=window,
+                          softcap=softcap)
     sync(ctx)
     wrong = (batch.k_cache != want.k_cache) | (batch.v_cache != want.v_cache)
     wrong_slots = int(wrong.flatten(2).any(-1).sum())
@@ -68,7 +77,8 @@ def numerics_case(ctx: Context, rec: dict, name: str, dtype_name: str, heads, ki
     ok = bool((diff <= tol * (1 + want.out.abs())).all()) and wrong_slots == 0  # NaN fails
     rec["checks"][name] = ok
     rec["tables"]["max abs error against float64"].append({
-        "dtype": dtype_name, "Hq/Hkv/D": "/".join(map(str, heads)), "case": kind, "tokens": sum(queries),
+        "dtype": dtype_name, "Hq/Hkv/D": "/".join(map(str, heads)), "case": kind, "window": window or "-",
+        "softcap": softcap or "-", "tokens": sum(queries),
         "max_context": max(contexts), "max_abs_error": error, "max_abs_reference": want.out.abs().max().item(),
         "tolerance": tol, "wrong_cache_slots": wrong_slots, "pass": ok})
     say(f"kernel_numerics: {name}: error {error:.3g}, wrong cache slots {wrong_slots}")

@@ -6,18 +6,21 @@ the first stage also the embeddings, the last the final norm and the LM head.
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 
 from ...checkpoint.config import ModelConfig
 from ...core.errors import ConfigError
+from .decoder import DecoderModel
 from .gpt2 import GPT2Model
-from .llama import LlamaModel
 from .parallel import NO_COLLECTIVES, ONE_RANK, Collectives, Shard
 from .weights import Weights
 
 __all__ = ["load_model"]
+
+log = logging.getLogger(__name__)
 
 
 def load_model(folder: Path, dtype: torch.dtype, device: torch.device,
@@ -30,12 +33,15 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device,
     if layer_range is not None and not (0 <= layer_range.start < layer_range.stop <= config.num_layers):
         raise ConfigError(f"layers [{layer_range.start}, {layer_range.stop}) are not a non-empty "
                           f"range within the model's {config.num_layers} layers")
-    if config.architecture == "GPT2LMHeadModel":
+    if config.unknown_fields:
+        log.warning("%s/config.json: fields %s are not %s's; ignored, as transformers ignores them",
+                    folder, ", ".join(config.unknown_fields), config.architecture)
+    if config.family == "gpt2":
         weights = Weights(folder, dtype, device, strip_prefix="transformer.")
         model = GPT2Model(config, weights, layer_range, shard, collectives)
     else:
         weights = Weights(folder, dtype, device)
-        model = LlamaModel(config, weights, layer_range, shard, collectives)
+        model = DecoderModel(config, weights, layer_range, shard, collectives)
     unused = _unused(weights, model)
     if unused:
         raise ConfigError(f"model folder {folder} has tensors this engine does not use: "

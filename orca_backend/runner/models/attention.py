@@ -23,19 +23,25 @@ import torch.nn.functional as F
 @dataclass(slots=True)
 class BatchLayout:
     """Where an iteration's rows belong: request i has `num_scheduled_tokens[i]` consecutive
-    rows at positions from `num_computed_tokens[i]`, and its K/V lives in `block_tables[i]`."""
+    rows at positions from `num_computed_tokens[i]`, and its K/V lives in `block_tables[i]`.
+    `num_prompt_tokens[i]` (when given) is its prompt's length: a RoPE that depends on the
+    sequence's length (`rope.py`) reads it."""
 
     num_computed_tokens: list[int]
     num_scheduled_tokens: list[int]
     block_tables: list[list[int]]
+    num_prompt_tokens: list[int] = field(default_factory=list)
 
 
 class AttentionPlan(Protocol):
     positions: torch.Tensor  # [num_tokens], for position embeddings
+    rope_lens: torch.Tensor | None  # [num_tokens]: each row's sequence length for RoPE, where asked for
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: Any,
-               scale: float) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D], one layer's cache; returns [T, Hq * D]."""
+               scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D], one layer's cache; returns [T, Hq * D]. With a
+        `window`, a query attends to the last `window` positions only (itself included);
+        `softcap` caps the scaled scores at softcap * tanh(s / softcap)."""
 
 
 class AttentionBackend(Protocol):
@@ -47,11 +53,13 @@ class AttentionBackend(Protocol):
 
 
 class TorchPagedAttention:
-    """K/V caches [num_blocks, block_size, Hkv, D] per layer, attention by SDPA."""
+    """K/V caches [num_blocks, block_size, Hkv, D] per layer, attention by SDPA. `rope_lens`:
+    whether plans carry each row's sequence length (a model whose RoPE needs it sets it)."""
 
     def __init__(self, block_size: int, device: torch.device) -> None:
         self.block_size = block_size
         self.device = device
+        self.rope_lens = False
 
     def allocate_kv_cache(self, num_layers: int, num_blocks: int, num_kv_heads: int,
                           head_dim: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -60,28 +68,57 @@ class TorchPagedAttention:
                  torch.zeros(shape, dtype=dtype, device=self.device)) for _ in range(num_layers)]
 
     def plan(self, layout: BatchLayout) -> AttentionMetadata:
-        return AttentionMetadata.build(layout, self.block_size, self.device)
+        return AttentionMetadata.build(layout, self.block_size, self.device, self.rope_lens)
+
+
+def rope_lens(layout: BatchLayout, positions: np.ndarray, row_req: np.ndarray) -> np.ndarray:
+    """Each row's sequence length as RoPE sees it: its request's prompt length while in the
+    prompt, its position + 1 after (see `rope.py`)."""
+    prompts = np.asarray(layout.num_prompt_tokens or [0] * len(layout.num_scheduled_tokens), dtype=np.int64)
+    return np.maximum(prompts[row_req], positions + 1)
 
 
 @dataclass(slots=True)
 class PrefillSpan:
     start_row: int
     end_row: int
-    context_blocks: torch.Tensor | None  # [num_blocks] when earlier K/V is cached, else None
-    mask: torch.Tensor | None  # [num_rows, num_blocks * block_size] bool, True = may attend
+    context_blocks: torch.Tensor | None  # [num_blocks] when earlier K/V is read from the cache, else None
+    mask: torch.Tensor | None  # [num_rows, num_keys] bool, True = may attend; None: plain causal
+
+
+@dataclass(slots=True)
+class AttentionViews:
+    """What the layers of one window size (None: full attention) read of the cache."""
+
+    decode_rows: torch.Tensor | slice | None = None  # [num_decodes], or a slice when they are consecutive
+    decode_blocks: torch.Tensor | None = None  # [num_decodes, num_blocks]
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, num_blocks * block_size]
+    prefills: list[PrefillSpan] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Host:
+    """The layout as numpy arrays, to build a window's views when a layer first asks."""
+
+    starts: np.ndarray
+    counts: np.ndarray
+    tables: np.ndarray  # [num_requests, widest table]
+    first_row: np.ndarray
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
     positions: torch.Tensor  # [num_tokens]
     slot_mapping: torch.Tensor  # [num_tokens], where each new token's K/V is written
-    decode_rows: torch.Tensor | slice | None = None  # [num_decodes], or a slice when they are consecutive
-    decode_blocks: torch.Tensor | None = None  # [num_decodes, max_num_blocks]
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_num_blocks * block_size]
-    prefills: list[PrefillSpan] = field(default_factory=list)
+    host: _Host
+    block_size: int
+    device: torch.device
+    views: dict[int | None, AttentionViews] = field(default_factory=dict)
+    rope_lens: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, layout: BatchLayout, block_size: int, device: torch.device) -> AttentionMetadata:
+    def build(cls, layout: BatchLayout, block_size: int, device: torch.device,
+              with_rope_lens: bool = False) -> AttentionMetadata:
         starts = np.asarray(layout.num_computed_tokens, dtype=np.int64)
         counts = np.asarray(layout.num_scheduled_tokens, dtype=np.int64)
         num_requests = len(counts)
@@ -93,58 +130,93 @@ class AttentionMetadata:
         first_row = np.cumsum(counts) - counts
         positions = starts[row_req] + np.arange(len(row_req)) - first_row[row_req]
         slots = tables[row_req, positions // block_size] * block_size + positions % block_size
-
-        def t(a):
-            return torch.from_numpy(a).to(device)
-
-        meta = cls(positions=t(positions), slot_mapping=t(slots))
-        is_decode = counts == 1
-        if is_decode.any():
-            ctx = starts[is_decode] + 1
-            num_blocks = -(-ctx.max() // block_size)
-            pos = np.arange(num_blocks * block_size)
-            rows = first_row[is_decode]
-            consecutive = rows[-1] - rows[0] + 1 == len(rows)  # a batch of decodes only, say
-            meta.decode_rows = slice(int(rows[0]), int(rows[-1]) + 1) if consecutive else t(rows)
-            meta.decode_blocks = t(np.ascontiguousarray(tables[is_decode, :num_blocks]))
-            meta.decode_mask = t((pos[None, :] < ctx[:, None])[:, None, None, :])
-        for i in np.flatnonzero(~is_decode):
-            start, n, row = int(starts[i]), int(counts[i]), int(first_row[i])
-            span = PrefillSpan(row, row + n, None, None)
-            if start > 0:
-                num_blocks = -(-(start + n) // block_size)
-                pos = np.arange(num_blocks * block_size)
-                span.context_blocks = t(tables[i, :num_blocks])
-                span.mask = t(pos[None, :] <= (start + np.arange(n))[:, None])
-            meta.prefills.append(span)
+        meta = cls(positions=torch.from_numpy(positions).to(device), slot_mapping=torch.from_numpy(slots).to(device),
+                   host=_Host(starts, counts, tables, first_row), block_size=block_size, device=device)
+        if with_rope_lens:
+            meta.rope_lens = torch.from_numpy(rope_lens(layout, positions, row_req)).to(device)
+        meta.views[None] = meta._build_views(None)
         return meta
 
+    def view(self, window: int | None) -> AttentionViews:
+        views = self.views.get(window)
+        if views is None:
+            views = self.views[window] = self._build_views(window)
+        return views
+
+    def _build_views(self, window: int | None) -> AttentionViews:
+        """Decodes gather their visible blocks into one padded batch; each prompt chunk reads
+        its keys (from the cache when it has earlier context) under its own mask. With a window,
+        only the blocks that hold visible keys are read."""
+        h, bs = self.host, self.block_size
+
+        def t(a):
+            return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
+
+        views = AttentionViews()
+        is_decode = h.counts == 1
+        if is_decode.any():
+            ctx = h.starts[is_decode] + 1  # keys each decode sees, itself included
+            lo = np.zeros_like(ctx) if window is None else np.maximum(ctx - window, 0)
+            first_block = lo // bs
+            num_blocks = int((-(-ctx // bs) - first_block).max())
+            cols = first_block[:, None] + np.arange(num_blocks)[None, :]
+            tables = h.tables[is_decode]
+            blocks = np.take_along_axis(tables, np.minimum(cols, tables.shape[1] - 1), axis=1)
+            key_pos = (first_block * bs)[:, None] + np.arange(num_blocks * bs)[None, :]
+            rows = h.first_row[is_decode]
+            consecutive = rows[-1] - rows[0] + 1 == len(rows)  # a batch of decodes only, say
+            views.decode_rows = slice(int(rows[0]), int(rows[-1]) + 1) if consecutive else t(rows)
+            views.decode_blocks = t(blocks)
+            views.decode_mask = t(((key_pos < ctx[:, None]) & (key_pos >= lo[:, None]))[:, None, None, :])
+        for i in np.flatnonzero(~is_decode):
+            start, n, row = int(h.starts[i]), int(h.counts[i]), int(h.first_row[i])
+            span = PrefillSpan(row, row + n, None, None)
+            query_pos = (start + np.arange(n))[:, None]
+            lo = 0 if window is None else max(0, start - window + 1)  # its first visible key
+            if lo < start:  # earlier keys too: read them back from the cache, with the chunk's own
+                first_block = lo // bs
+                num_blocks = -(-(start + n) // bs) - first_block
+                key_pos = first_block * bs + np.arange(num_blocks * bs)[None, :]
+                span.context_blocks = t(h.tables[i, first_block:first_block + num_blocks])
+            else:  # the chunk's own keys only
+                key_pos = start + np.arange(n)[None, :]
+            if span.context_blocks is not None or window is not None:
+                visible = key_pos <= query_pos
+                if window is not None:
+                    visible &= key_pos > query_pos - window
+                span.mask = t(visible)
+            views.prefills.append(span)
+        return views
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               kv_cache: tuple[torch.Tensor, torch.Tensor], scale: float) -> torch.Tensor:
-        return paged_attention(q, k, v, *kv_cache, self, scale)
+               kv_cache: tuple[torch.Tensor, torch.Tensor], scale: float, window: int | None = None,
+               softcap: float | None = None) -> torch.Tensor:
+        return paged_attention(q, k, v, *kv_cache, self, scale, window, softcap)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]. Returns [T, Hq * D]."""
     k_cache.view(-1, *k.shape[1:])[meta.slot_mapping] = k
     v_cache.view(-1, *v.shape[1:])[meta.slot_mapping] = v
+    views = meta.view(window)
     out = torch.empty_like(q)
-    if meta.decode_rows is not None:
-        qd = q[meta.decode_rows].unsqueeze(2)  # [B, Hq, 1, D]
-        kd = _gather(k_cache, meta.decode_blocks).transpose(1, 2)  # [B, Hkv, L, D]
-        vd = _gather(v_cache, meta.decode_blocks).transpose(1, 2)
-        od = _sdpa(qd, kd, vd, meta.decode_mask, scale)  # [B, Hq, 1, D]
-        out[meta.decode_rows] = od.squeeze(2)
-    for span in meta.prefills:
+    if views.decode_rows is not None:
+        qd = q[views.decode_rows].unsqueeze(2)  # [B, Hq, 1, D]
+        kd = _gather(k_cache, views.decode_blocks).transpose(1, 2)  # [B, Hkv, L, D]
+        vd = _gather(v_cache, views.decode_blocks).transpose(1, 2)
+        od = _attention(qd, kd, vd, views.decode_mask, scale, softcap)  # [B, Hq, 1, D]
+        out[views.decode_rows] = od.squeeze(2)
+    for span in views.prefills:
         rows = slice(span.start_row, span.end_row)
         if span.context_blocks is None:
             kp, vp = k[rows], v[rows]
         else:
             kp, vp = _gather(k_cache, span.context_blocks), _gather(v_cache, span.context_blocks)
-        op = _sdpa(q[rows].transpose(0, 1), kp.transpose(0, 1), vp.transpose(0, 1),
-                   span.mask, scale, causal=span.mask is None)  # [Hq, n, D]
+        op = _attention(q[rows].transpose(0, 1), kp.transpose(0, 1), vp.transpose(0, 1),
+                        span.mask, scale, softcap, causal=span.mask is None)  # [Hq, n, D]
         out[rows] = op.transpose(0, 1)
     return out.flatten(1)
 
@@ -157,7 +229,19 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return rows.view(*blocks.shape[:-1], blocks.shape[-1] * cache.shape[1], *cache.shape[2:])
 
 
-def _sdpa(q, k, v, mask, scale, causal=False):
-    # Grouped-query attention without copying K/V: query head h reads K/V head h // groups.
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
-                                          enable_gqa=q.shape[-3] != k.shape[-3])
+def _attention(q, k, v, mask, scale, softcap=None, causal=False):
+    """SDPA, or with a soft cap the same written out (SDPA has no cap). Grouped-query
+    attention without copying K/V: query head h reads K/V head h // groups."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                              enable_gqa=q.shape[-3] != k.shape[-3])
+    group = q.shape[-3] // k.shape[-3]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if causal:
+        n, m = scores.shape[-2:]
+        mask = torch.ones(n, m, dtype=torch.bool, device=q.device).tril(m - n)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(q.dtype), v)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .attention import BatchLayout, TorchPagedAttention
+from .attention import BatchLayout, TorchPagedAttention, rope_lens
 
 
 def load_kernel():
@@ -32,7 +32,7 @@ class KernelPagedAttention(TorchPagedAttention):
         self.kernel = load_kernel()
 
     def plan(self, layout: BatchLayout) -> KernelPlan:
-        return KernelPlan.build(layout, self.kernel, self.device)
+        return KernelPlan.build(layout, self.kernel, self.device, self.rope_lens)
 
 
 @dataclass(slots=True)
@@ -43,10 +43,11 @@ class KernelPlan:
     block_tables: torch.Tensor  # [B, max_blocks] int32
     max_query_len: int
     kernel: object
+    rope_lens: torch.Tensor | None = None  # [num_tokens] int32, where the model's RoPE needs them
 
     @classmethod
-    def build(cls, layout: BatchLayout, kernel, device: torch.device) -> KernelPlan:
-        arrays = kernel_metadata(layout)
+    def build(cls, layout: BatchLayout, kernel, device: torch.device, with_rope_lens: bool = False) -> KernelPlan:
+        arrays = kernel_metadata(layout, with_rope_lens=with_rope_lens)
         # One host-to-device copy for every int32 array, then views into it.
         flat = np.concatenate([a.ravel() for a in arrays])
         packed = torch.from_numpy(flat).to(device, non_blocking=True)
@@ -54,23 +55,26 @@ class KernelPlan:
         for a in arrays:
             views.append(packed[start:start + a.size].view(a.shape))
             start += a.size
-        positions, cu_seqlens_q, seq_lens, block_tables = views
+        positions, cu_seqlens_q, seq_lens, block_tables = views[:4]
         return cls(positions, cu_seqlens_q, seq_lens, block_tables,
-                   max(layout.num_scheduled_tokens), kernel)
+                   max(layout.num_scheduled_tokens), kernel, views[4] if with_rope_lens else None)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               kv_cache: tuple[torch.Tensor, torch.Tensor], scale: float) -> torch.Tensor:
+               kv_cache: tuple[torch.Tensor, torch.Tensor], scale: float, window: int | None = None,
+               softcap: float | None = None) -> torch.Tensor:
         num_tokens = q.shape[0]
         return self.kernel(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1),
                            v.reshape(num_tokens, -1), *kv_cache, self.cu_seqlens_q, self.seq_lens,
-                           self.block_tables, scale, max_query_len=self.max_query_len)
+                           self.block_tables, scale, max_query_len=self.max_query_len, window=window,
+                           softcap=softcap)
 
 
 def kernel_metadata(layout: BatchLayout, num_rows: int | None = None,
-                    num_requests: int | None = None):
+                    num_requests: int | None = None, with_rope_lens: bool = False):
     """The kernel's int32 arrays for a layout: positions [num_rows], cu_seqlens_q [B + 1],
-    seq_lens [B], block_tables [B, widest table]. Larger sizes pad: extra requests get no rows
-    and no K/V, extra rows position 0 (how a CUDA graph's fixed batch is filled)."""
+    seq_lens [B], block_tables [B, widest table], and with `with_rope_lens` each row's
+    sequence length for RoPE [num_rows]. Larger sizes pad: extra requests get no rows and no
+    K/V, extra rows position 0 (how a CUDA graph's fixed batch is filled)."""
     starts = np.asarray(layout.num_computed_tokens, dtype=np.int32)
     counts = np.asarray(layout.num_scheduled_tokens, dtype=np.int32)
     n = len(counts)
@@ -88,4 +92,8 @@ def kernel_metadata(layout: BatchLayout, num_rows: int | None = None,
     positions = np.zeros(num_rows or num_tokens, dtype=np.int32)
     row_req = np.repeat(np.arange(n), counts)
     positions[:num_tokens] = starts[row_req] + np.arange(num_tokens) - cu_seqlens_q[row_req]
-    return positions, cu_seqlens_q, seq_lens, block_tables
+    if not with_rope_lens:
+        return positions, cu_seqlens_q, seq_lens, block_tables
+    lens = np.ones(len(positions), dtype=np.int32)
+    lens[:num_tokens] = rope_lens(layout, positions[:num_tokens], row_req)
+    return positions, cu_seqlens_q, seq_lens, block_tables, lens

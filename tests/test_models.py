@@ -1,0 +1,276 @@
+"""The model registry: every supported architecture's config read field by field, RoPE of
+every kind equal to transformers' frequencies, and each family's greedy tokens and prompt
+logprobs equal to transformers' eager forward on tiny random checkpoints (tests/models.py),
+with chunked prefill, preemption, prefix caching, speculation, our kernel, tensor parallelism
+and LoRA; sliding windows release the blocks that leave them."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from models import FAMILIES, SHAPES, TINY, Reference, check_tokens, prompts, reference, save_family
+from orca_backend import LLM, SamplingParams
+from orca_backend.checkpoint.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from orca_backend.core.errors import ConfigError
+
+GREEDY = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in SHAPES]
+
+
+def _write_config(folder: Path, raw: dict) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(raw))
+    return folder
+
+
+def _class_fields(arch: str, **fields) -> dict:
+    """Every field of the architecture's transformers config class (to_dict, not the diff
+    save_pretrained writes), with `fields` set."""
+    import transformers as tf
+
+    config = getattr(tf, arch).config_class(**fields)
+    config.architectures = [arch]
+    return config.to_dict()
+
+
+# -- config.json, field by field ----------------------------------------------------------------
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHITECTURES)
+def test_every_field_of_the_config_class_is_used_known_or_refused(arch, tmp_path):
+    """The walk: each field of transformers' config class is read by the family's parser
+    (used, or checked and refused when set to what we do not implement) or listed as not
+    changing the math; none is left over."""
+    config = ModelConfig.from_folder(_write_config(tmp_path, _class_fields(arch)))
+    assert config.unknown_fields == (), f"{arch}: fields nobody accounts for: {config.unknown_fields}"
+    assert config.architecture == arch
+
+
+def test_a_field_outside_the_class_is_kept_as_unknown(tmp_path):
+    raw = {**_class_fields("LlamaForCausalLM"), "rope_interleaved": True}
+    assert ModelConfig.from_folder(_write_config(tmp_path, raw)).unknown_fields == ("rope_interleaved",)
+
+
+REFUSALS = [  # (architecture, fields set, what the error names)
+    ("LlamaForCausalLM", dict(rope_scaling={"rope_type": "mrope", "factor": 2.0}), "rope_type 'mrope'"),
+    ("LlamaForCausalLM", dict(rope_parameters={"rope_type": "yarn", "factor": 2.0, "mrope_section": [1]}),
+     "mrope_section"),
+    ("LlamaForCausalLM", dict(hidden_act="relu"), "hidden_act = 'relu'"),
+    ("LlamaForCausalLM", dict(partial_rotary_factor=0.0), "partial_rotary_factor"),
+    ("LlamaForCausalLM", dict(quantization_config={"quant_method": "awq"}), "quantization_config"),
+    ("Gemma2ForCausalLM", dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+    ("Gemma3ForCausalLM", dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+    ("Qwen3ForCausalLM", dict(layer_types=["chunked_attention"] * 2, num_hidden_layers=2), "layer_types"),
+    ("MinistralForCausalLM", dict(sliding_window=None, layer_types=["sliding_attention"] * 2, num_hidden_layers=2),
+     "sliding_window = None"),
+    ("Phi3ForCausalLM", dict(rope_scaling={"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}),
+     "short_factor has 1 values"),
+    ("GPT2LMHeadModel", dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
+    ("GPT2LMHeadModel", dict(add_cross_attention=True), "add_cross_attention"),
+]
+
+
+@pytest.mark.parametrize("arch, fields, message", REFUSALS, ids=[f"{a}-{m.split()[0]}" for a, _, m in REFUSALS])
+def test_a_value_the_engine_does_not_implement_is_refused_by_name(arch, fields, message, tmp_path):
+    raw = {**_class_fields(arch), **fields}  # set after to_dict: transformers would reject some itself
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        ModelConfig.from_folder(_write_config(tmp_path, raw))
+
+
+def test_olmo2_s_all_head_norm_is_refused_over_tensor_parallel_ranks(tmp_path):
+    config = ModelConfig.from_folder(_write_config(tmp_path, _class_fields("Olmo2ForCausalLM")))
+    with pytest.raises(ConfigError, match="tensor_parallel_size 2: Olmo2ForCausalLM normalizes all query heads"):
+        config.check_tensor_parallel(2)
+
+
+def test_both_rope_spellings_read_the_same(tmp_path):
+    """A hub config (transformers 4: `rope_scaling`, top-level `rope_theta`) and the same one
+    written by transformers 5 (`rope_parameters`); Gemma 3's older per-layer fields and its
+    nested form."""
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    base = {k: v for k, v in _class_fields("LlamaForCausalLM").items() if k != "rope_parameters"}
+    hub = ModelConfig.from_folder(_write_config(tmp_path / "hub", {**base, "rope_scaling": scaling,
+                                                                   "rope_theta": 500000.0}))
+    new = ModelConfig.from_folder(_write_config(tmp_path / "new", _class_fields(
+        "LlamaForCausalLM", rope_scaling=scaling, rope_theta=500000.0, max_position_embeddings=131072)))
+    assert hub.rope_of(0).kind == "llama3" and hub.rope_of(0).theta == 500000.0
+    assert (hub.rope_of(0).factor, hub.rope_of(0).original_max_len) == (new.rope_of(0).factor,
+                                                                        new.rope_of(0).original_max_len)
+    base = {k: v for k, v in _class_fields("Gemma3ForCausalLM").items() if k not in ("rope_parameters", "layer_types")}
+    old = ModelConfig.from_folder(_write_config(tmp_path / "g3old", {
+        **base, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "sliding_window_pattern": 6,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0}}))
+    nested = ModelConfig.from_folder(_write_config(tmp_path / "g3new", _class_fields(
+        "Gemma3ForCausalLM", rope_scaling={"rope_type": "linear", "factor": 8.0})))
+    for config in (old, nested):
+        assert config.layer_types[:6] == ("sliding_attention",) * 5 + ("full_attention",)
+        full, local = config.ropes["full_attention"], config.ropes["sliding_attention"]
+        assert (full.kind, full.theta, full.factor) == ("linear", 1_000_000.0, 8.0)
+        assert (local.kind, local.theta) == ("default", 10_000.0)
+
+
+ROPE_KINDS = {  # kind: (config fields, sequence lengths at which to compare)
+    "default": (dict(), [None]),
+    "linear": (dict(rope_scaling=dict(rope_type="linear", factor=4.0)), [None]),
+    "dynamic": (dict(rope_scaling=dict(rope_type="dynamic", factor=4.0), max_position_embeddings=64), [64, 100, 257]),
+    "yarn": (dict(rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64,
+                                    beta_fast=16, mscale=0.7, mscale_all_dim=1.0)), [None]),
+    "llama3": (dict(rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                      original_max_position_embeddings=64), max_position_embeddings=512), [None]),
+    "longrope": (dict(rope_scaling=dict(rope_type="longrope", short_factor=[1.0 + i / 8 for i in range(8)],
+                                        long_factor=[3.0 + i for i in range(8)], original_max_position_embeddings=64),
+                      partial_rotary_factor=0.5), [32, 65]),
+}
+
+
+@pytest.mark.parametrize("kind", ROPE_KINDS)
+def test_rope_frequencies_equal_transformers(kind, tmp_path):
+    """Our frequencies and cos/sin scale of each kind against transformers' own functions,
+    bit for bit (the length-dependent kinds at lengths below and past their switch)."""
+    import transformers as tf
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from orca_backend.runner.models.rope import Rotary
+
+    fields, lengths = ROPE_KINDS[kind]
+    arch = "Phi3ForCausalLM" if kind == "longrope" else "LlamaForCausalLM"
+    hf = getattr(tf, arch).config_class(hidden_size=256, num_attention_heads=8, **fields)
+    spec = ModelConfig.from_folder(_write_config(tmp_path, {**hf.to_dict(), "architectures": [arch]})).rope_of(0)
+    assert spec.kind == kind
+    rotary = Rotary(spec, "cpu")
+    switch = {"dynamic": hf.max_position_embeddings, "longrope": 64}.get(kind, 0)
+    for length in lengths:
+        if kind == "default":
+            theirs, factor = 1.0 / (10000.0 ** (torch.arange(0, 32, 2, dtype=torch.int64).float() / 32)), 1.0
+        elif length is None or length <= switch:  # what transformers sets up at load, and keeps below the switch
+            theirs, factor = ROPE_INIT_FUNCTIONS[kind](hf, "cpu")
+        else:  # recomputed for the forward's length, as its dynamic update does
+            theirs, factor = ROPE_INIT_FUNCTIONS[kind](hf, "cpu", seq_len=torch.tensor(length))
+        lens = None if length is None else torch.tensor([length])
+        ours = rotary._row_inv_freq(lens)[0]
+        assert torch.equal(ours, theirs.float()), f"{kind} at length {length}"
+        assert spec.attention_factor == pytest.approx(factor, rel=1e-12)
+
+
+# -- each family against transformers ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def family(tmp_path_factory, default_model):
+    """kind -> (checkpoint folder, transformers' Reference), made on first use."""
+    made = {}
+
+    def get(kind: str):
+        if kind not in made:
+            folder = save_family(kind, tmp_path_factory.mktemp(kind), default_model / "tokenizer.json")
+            made[kind] = (folder, reference(folder, prompts()))
+        return made[kind]
+    return get
+
+
+def _generate(folder: Path, **options) -> tuple[list[list[int]], LLM]:
+    with LLM(str(folder), **{"kv_cache_tokens": 1024, "max_num_batched_tokens": 16, **options}) as llm:
+        outs = llm.generate(prompts(), GREEDY)
+        assert llm.engine.kv.num_used_blocks == 0
+        llm.engine.kv.check_integrity()
+    return [o.token_ids for o in outs], llm
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_greedy_tokens_and_prompt_logprobs_equal_transformers(kind, family):
+    """Five prompts of 1 to 40 tokens in one batch, prompts in chunks of 16 tokens beside
+    decodes (async scheduling on, as served); then the 40-token prompt's logprobs."""
+    folder, ref = family(kind)
+    tokens, _ = _generate(folder)
+    check_tokens(tokens, ref, kind)
+    with LLM(str(folder), kv_cache_tokens=1024, max_num_batched_tokens=16) as llm:
+        out, = llm.generate([prompts()[1]], SamplingParams(max_tokens=1, prompt_logprobs=0))
+    ids = prompts()[1]
+    for i in range(1, len(ids)):
+        (logprob, _), = out.prompt_logprobs[i].values()
+        assert abs(logprob - ref.prompt_rows[i - 1, ids[i]].item()) < 1e-4, f"{kind}: prompt token {i}"
+
+
+# Every feature that changes how rows are laid out, on each family: a pool of 64 tokens in
+# blocks of 4 (preemptions), a prompt whose prefix an earlier one left (cache hits), n-gram
+# speculation, with chunked prefill and async scheduling.
+FEATURES = dict(kv_cache_tokens=64, block_size=4, max_num_batched_tokens=16,
+                speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2})
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_preemption_prefix_caching_and_speculation_keep_the_tokens(kind, family):
+    folder, ref = family(kind)
+    with LLM(str(folder), **FEATURES) as llm:
+        outs = llm.generate(prompts(), GREEDY)
+        preemptions = llm.engine.scheduler.num_preemptions
+        shared, short = prompts()[1][:24], SamplingParams(temperature=0, max_tokens=4)
+        llm.generate([shared + [7, 8]], short)
+        again, = llm.generate([shared + [9]], short)
+        assert llm.engine.kv.num_used_blocks == 0
+    check_tokens([o.token_ids for o in outs], ref, kind)
+    assert preemptions > 0 and again.num_cached_tokens == 24, (preemptions, again.num_cached_tokens)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("kind", ["gemma2", "mistral", "phi3", "qwen3", "gemma3"])
+def test_our_kernel_interpreted(kind, family):
+    """Our attention kernel (Triton interpreter) with each family's attention: soft caps,
+    windows (and the blocks released behind them), a 24-lane head, q/k norms, two RoPEs; on
+    three of the prompts (the interpreter is slow), preempting."""
+    folder, ref = family(kind)
+    keep = [1, 3, 4]
+    with LLM(str(folder), attention="triton", cuda_graphs=False, kv_cache_tokens=64, block_size=4,
+             max_num_batched_tokens=16) as llm:
+        outs = llm.generate([prompts()[i] for i in keep], [GREEDY[i] for i in keep])
+        assert llm.engine.kv.num_used_blocks == 0
+    check_tokens([o.token_ids for o in outs], Reference([ref.tokens[i] for i in keep], [ref.logits[i] for i in keep],
+                                                        ref.prompt_rows), kind)
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("kind", ["phi3", "gemma3"])
+def test_two_tensor_parallel_ranks(kind, family):
+    """Phi-3's fused q|k|v and gate|up split by rows, Gemma 3's per-head norms and sandwich
+    norms, over two gloo ranks."""
+    folder, ref = family(kind)
+    tokens, _ = _generate(folder, tensor_parallel_size=2)
+    check_tokens(tokens, ref, kind)
+
+
+@pytest.mark.numerics
+def test_a_request_four_windows_long_holds_the_window_s_blocks(family):
+    """Mistral with an 8-token window over blocks of 4: while decoding, a request of 40+
+    tokens holds at most window / block_size + 1 blocks; the tokens stay transformers'."""
+    folder, ref = family("mistral")
+    with LLM(str(folder), kv_cache_tokens=1024, block_size=4, max_num_batched_tokens=16) as llm:
+        engine = llm.engine
+        assert engine.kv.window == 8
+        for i, ids in enumerate(prompts()):
+            engine.add_request(str(i), ids, GREEDY[i])
+        tokens, held = {str(i): [] for i in range(len(SHAPES))}, []
+        while engine.has_unfinished_requests():
+            for delta in engine.step():
+                tokens[delta.request_id] += delta.token_ids
+            held += [len(engine.kv.held_blocks(r)) for r in engine.kv.block_tables if len(tokens[r]) > 1]
+            engine.kv.check_integrity()
+        assert engine.kv.num_used_blocks == 0
+    check_tokens([tokens[str(i)] for i in range(len(SHAPES))], ref, "mistral")
+    assert held and max(held) <= 8 // 4 + 1, max(held)
+
+
+def test_a_model_with_a_full_attention_layer_keeps_every_block(tmp_path):
+    """Gemma 2 alternates sliding and full layers: the pool releases nothing."""
+    raw = _class_fields("Gemma2ForCausalLM", **{**TINY, "head_dim": 16})
+    assert ModelConfig.from_folder(_write_config(tmp_path, raw)).kv_window is None
+    raw = _class_fields("MistralForCausalLM", **{**TINY, "sliding_window": 8})
+    assert ModelConfig.from_folder(_write_config(tmp_path, raw)).kv_window == 8
+
+
+@pytest.mark.parametrize("kind, feature", [("gemma2", "soft-capping"), ("mistral", "sliding-window"),
+                                           ("qwen3", "query/key norms"), ("phi3", "rotates part of each head")])
+def test_engine_tensorrt_refuses_what_it_does_not_build_by_name(kind, feature, tmp_path, default_model):
+    folder = save_family(kind, tmp_path / kind, default_model / "tokenizer.json")
+    with pytest.raises(ConfigError, match=feature):
+        LLM(str(folder), engine="tensorrt", tensorrt_runtime="torch")
