@@ -12,7 +12,8 @@ from client.triton_client import StreamingClient
 from helpers import assert_no_leak, serving
 from orca_backend.serving.launch import Frontend
 
-PROMPT = "The sliding window of this model is sixteen tokens, so a prompt longer than that"
+PROMPT = ("The sliding window of this model is sixteen tokens long, so that a prompt longer than that one "
+          "leaves its first blocks behind while it decodes")
 MAX_TOKENS = 12
 
 
@@ -44,8 +45,8 @@ def test_openai_chat_renders_the_template_and_answers_transformers_greedy(featur
     import openai
 
     messages = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": PROMPT}]
-    ids = greedy.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    ids = ids["input_ids"] if isinstance(ids, dict) else ids
+    ids = greedy.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                               return_dict=True)["input_ids"]
     with serving(Frontend(tmp_path, feature_server.grpc_url, args=["--model", "family"])) as frontend:
         api = openai.OpenAI(base_url=frontend.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         chat = api.chat.completions.create(model="family", messages=messages, max_tokens=MAX_TOKENS, temperature=0,
