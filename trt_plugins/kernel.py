@@ -290,6 +290,7 @@ def jit_variant(functions, interpret: bool, options: dict[str, dict] | None = No
     namespace = {"__name__": __name__, "triton": triton, "tl": tl}
     for fn in functions:
         copy = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__)
+        copy.__annotations__ = dict(fn.__annotations__)  # `tl.constexpr` marks: the compiler reads them
         namespace[fn.__name__] = make(copy, **({} if interpret else (options or {}).get(fn.__name__, {})))
     if interpret:
         # The interpreter reduces with numpy only for the library's own combine functions

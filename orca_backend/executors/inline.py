@@ -16,6 +16,7 @@ import torch
 from ..core.messages import RunnerOutput, SchedulerOutput
 from ..core.threads import NamedThread
 from ..runner.build import build_runner
+from ..runner.devices import make_current
 from ..runner.spec import RunnerSpec
 from .base import Executor
 
@@ -56,12 +57,12 @@ def _serve(start: dict, inbox: queue.SimpleQueue) -> None:
     spec, built = start.pop("spec"), start.pop("built")
     try:
         runner = build_runner(spec)
-    except BaseException as e:
+        device = getattr(runner, "device", None)
+        if isinstance(device, torch.device):
+            make_current(device)  # the current device is per thread
+    except BaseException as e:  # the engine waits on `built`: every failure must reach it
         built.set_exception(e)
         return
-    device = getattr(runner, "device", None)
-    if isinstance(device, torch.device) and device.type == "cuda":
-        torch.cuda.set_device(device)  # the current device is per thread
     built.set_result(runner)
     runner_ref = weakref.ref(runner)
     del built, runner

@@ -11,6 +11,7 @@ from ..checkpoint.config import ModelConfig
 from ..core.errors import ConfigError
 from ..grammar import GrammarCompiler, compiler_for
 from ..lora import LoRASlots
+from .devices import make_current
 from .drafter import DraftModel
 from .model_runner import ModelRunner
 from .null_runner import NullRunner
@@ -40,8 +41,7 @@ def build_runner(spec: RunnerSpec, model=None, rank: int = 0) -> ModelRunner | N
     if spec.tensor_parallel_size > 1:
         return _build_rank(spec, rank)
     dtype, device = getattr(torch, spec.dtype), torch.device(spec.device)
-    if device.type == "cuda" and device.index is not None:
-        torch.cuda.set_device(device)  # kernels launch on the current device
+    make_current(device)  # kernels launch on the current device
     backend = linear_backend(device, dtype, spec.quantization, spec.linear)  # refused before loading
     if model is None:
         layers = range(*spec.layer_range) if spec.layer_range else None
@@ -102,7 +102,7 @@ def _build_rank(spec: RunnerSpec, rank: int) -> ModelRunner:
     device = _rank_device(spec.device, rank, size)
     group = TensorParallelGroup(spec) if rank == 0 else None
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        make_current(device)
     else:  # the cores shared between the ranks: a rank per core rather than T fighting over all
         threads = max(1, len(os.sched_getaffinity(0)) // size)
         if group is not None:

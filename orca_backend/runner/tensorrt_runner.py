@@ -22,6 +22,7 @@ from trt_plugins.paged_attention import kv_cache_table
 
 from ..checkpoint.config import ModelConfig
 from ..core.errors import ConfigError
+from .devices import make_current
 from .model_runner import ModelRunner
 from .models.attention import BatchLayout, TorchPagedAttention
 from .models.kernel_attention import kernel_metadata
@@ -134,7 +135,7 @@ def build_tensorrt_runner(spec) -> TensorRTRunner:
             raise ConfigError(f"engine 'tensorrt' runs on a GPU; device is {spec.device!r}")
         from trt_plugins.plugin import gpu_arch, import_tensorrt, register_plugin
 
-        torch.cuda.set_device(device)
+        make_current(device)
         trt = import_tensorrt()
         register_plugin()
         key = engine_key(Path(spec.model_path), spec.dtype, shapes, spec.block_size,

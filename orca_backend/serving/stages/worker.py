@@ -33,6 +33,7 @@ from ...core.errors import ConfigError, RunnerDiedError
 from ...core.messages import RunnerOutput, SchedulerOutput
 from ...executors.stages import StageCall, stage_name
 from ...runner.build import build_runner
+from ...runner.devices import make_current
 from ...runner.models import load_model
 from ...runner.spec import RunnerSpec
 
@@ -52,8 +53,7 @@ class StageWorker:
                  device: str, model_name: str | None = None, tensor_parallel_size: int = 1) -> None:
         self.index, self.layers = index, layers
         self.device, self.dtype = torch.device(device), dtype
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # from the instance's device id, not CUDA_VISIBLE_DEVICES
+        make_current(self.device)  # from the instance's device id, not CUDA_VISIBLE_DEVICES
         self.model_path = Path(model_path) if model_path else prepare_default_model()
         self.name = stage_name(index, layers, model_name)
         self.config = ModelConfig.from_folder(self.model_path)
