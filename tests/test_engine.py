@@ -313,3 +313,31 @@ def test_text_beyond_the_models_vocabulary_is_refused(tiny_models):
     engine = LLMEngine(EngineConfig(model=str(tiny_models["llama"]), kv_cache_tokens=256))
     with pytest.raises(InvalidRequestError, match=r"integers in \[0, 512\)"):
         engine.add_request("x", "hello there")  # the shared tokenizer knows 49152 tokens
+
+
+def test_a_runner_thread_that_fails_after_loading_fails_the_engine_instead_of_hanging(default_model, monkeypatch):
+    """The H200 found the runner thread raising after the build (setting an index-less CUDA
+    device), which left the engine waiting for it for good. Any failure there must reach the
+    engine's constructor."""
+    import threading
+
+    from orca_backend.executors import inline
+
+    def refuse(device):
+        raise RuntimeError("no such device")
+
+    monkeypatch.setattr(inline, "make_current", refuse)
+    raised = []
+    worker = threading.Thread(target=lambda: raised.append(_construct(default_model)), daemon=True)
+    worker.start()
+    worker.join(120)
+    assert not worker.is_alive(), "the engine still waits for its runner"
+    assert raised == ["RuntimeError: no such device"]
+
+
+def _construct(folder) -> str:
+    try:
+        LLM(str(folder), kv_cache_tokens=256)
+    except RuntimeError as e:
+        return f"{type(e).__name__}: {e}"
+    return "built"

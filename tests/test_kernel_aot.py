@@ -98,3 +98,36 @@ def test_compiled_kernel_matches_reference_on_gpu():
     torch.testing.assert_close(out[:num_rows].double().cpu(), expected.out[:num_rows], atol=tol, rtol=tol)
     assert torch.equal(on_gpu.k_cache.cpu(), expected.k_cache)
     assert torch.equal(on_gpu.v_cache.cpu(), expected.v_cache)
+
+
+@pytest.mark.parametrize("window, softcap, head_dim, group", [(True, 0.0, 128, 4), (True, 50.0, 256, 2),
+                                                              (False, 0.0, 96, 1)])
+def test_the_model_families_attention_builds_fit_in_registers(window, softcap, head_dim, group):
+    """Mistral's window, Gemma 2's 256-lane heads with a window and a soft cap, Phi-3's 96
+    lanes (padded to 128), decode and prefill tiles."""
+    for decode in (True, False):
+        build = compile_ptx("bfloat16", head_dim=head_dim, num_queries_per_kv=group, decode=decode,
+                            window=window, softcap=softcap)
+        assert (build.spill_stores, build.spill_loads) == (0, 0) and build.registers <= 255
+
+
+def _source_constexprs(fn) -> list[str]:
+    return [name for name, note in fn.__annotations__.items() if "constexpr" in str(note)]
+
+
+def test_the_compiled_entries_keep_their_constexprs_and_never_specialise_what_they_convert():
+    """What the H200 found: the compiled (not interpreted) entries lost their `tl.constexpr`
+    marks in their private namespaces (every launch failed to specialise a string), and the
+    plugin entry's `layer`, specialised to the constant 1, had no `.to()`. The interpreter
+    reads neither, so only this check sees them on a CPU."""
+    from orca_backend.lora import kernel as lora_kernel
+    from trt_plugins import kernel
+
+    entries = [(kernel.build_kernel(False), kernel._paged_attention_kernel),
+               (kernel.build_kernel(False, kernel.PLUGIN_KERNEL), kernel._paged_attention_plugin_kernel)]
+    namespace = kernel.jit_variant((lora_kernel._sum_combine, lora_kernel._shrink, lora_kernel._expand), False)
+    entries += [(namespace[fn.__name__], fn) for fn in (lora_kernel._shrink, lora_kernel._expand)]
+    for jit, source in entries:
+        assert [p.name for p in jit.params if p.is_constexpr] == _source_constexprs(source), source.__name__
+    plugin = {p.name for p in entries[1][0].params if p.do_not_specialize}
+    assert {"layer", "num_seqs", "stride_block_table"} <= plugin

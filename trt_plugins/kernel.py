@@ -261,9 +261,12 @@ _DEVICE_FUNCTIONS = (_max_combine, _sum_combine, _find_request, _write_new_kv, _
 # One compiled kernel whatever the batch: JIT would otherwise specialise integers equal to 1
 # or divisible by 16 (the batch size, the block-table width that changes every iteration) and
 # the alignment of the metadata pointers (views into one packed buffer), and compile again.
+# The plugin entry's `layer` likewise: specialised to 1, it would arrive as a Python int.
 INDEX_ARGS = ("cu_seqlens_q_ptr", "seq_lens_ptr", "block_tables_ptr")
 _JIT_OPTIONS = {"do_not_specialize": ["num_seqs", "stride_block_table", "window"],
                 "do_not_specialize_on_alignment": list(INDEX_ARGS)}
+_PLUGIN_JIT_OPTIONS = {"do_not_specialize": ["num_seqs", "stride_block_table", "layer"],
+                       "do_not_specialize_on_alignment": list(INDEX_ARGS)}
 
 
 @functools.cache
@@ -277,7 +280,7 @@ def build_kernel(interpret: bool, entry: str = _KERNEL):
     kernel's calls to its helpers resolve to helpers of the same kind. The wrapper picks the
     variant from the tensors' device; `aot.py` compiles the JITFunction one.
     """
-    return jit_variant(_DEVICE_FUNCTIONS, interpret, {_KERNEL: _JIT_OPTIONS})[entry]
+    return jit_variant(_DEVICE_FUNCTIONS, interpret, {_KERNEL: _JIT_OPTIONS, PLUGIN_KERNEL: _PLUGIN_JIT_OPTIONS})[entry]
 
 
 def jit_variant(functions, interpret: bool, options: dict[str, dict] | None = None) -> dict:

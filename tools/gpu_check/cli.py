@@ -203,16 +203,18 @@ def run_sections(ctx: Context, names: list[str]) -> None:
     previous = signal.signal(signal.SIGALRM, _on_alarm)
     try:
         for i, name in enumerate(names):
-            _run_section(ctx, name, reserve=sum(MIN_SECONDS[n] for n in names[i + 1:]))
+            # The first section's share was set by the parent, which kept its minimum: the
+            # process's own start must not make it skip.
+            _run_section(ctx, name, reserve=sum(MIN_SECONDS[n] for n in names[i + 1:]), skip_short=i > 0)
     finally:
         signal.signal(signal.SIGALRM, previous)
 
 
-def _run_section(ctx: Context, name: str, reserve: float) -> None:
+def _run_section(ctx: Context, name: str, reserve: float, skip_short: bool = True) -> None:
     import torch
 
     rec = ctx.report.section(name)
-    if ctx.left() < MIN_SECONDS[name]:
+    if skip_short and ctx.left() < MIN_SECONDS[name]:
         _skip(ctx.report, name, ctx.left())
         return
     say(f"{name}: start ({ctx.left():.0f} s of budget left)")
