@@ -274,3 +274,24 @@ def test_engine_tensorrt_refuses_what_it_does_not_build_by_name(kind, feature, t
     folder = save_family(kind, tmp_path / kind, default_model / "tokenizer.json")
     with pytest.raises(ConfigError, match=feature):
         LLM(str(folder), engine="tensorrt", tensorrt_runtime="torch")
+
+
+@pytest.mark.parametrize("kind, targets, ranks", [
+    ("phi3", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], 2),  # fused projections, split over ranks
+    ("gemma2", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 1)])
+def test_lora_adapters_on_each_family_s_projection_names(kind, targets, ranks, tmp_path, default_model):
+    """PEFT adapters on the checkpoint's own module names (Phi-3's fused qkv_proj and
+    gate_up_proj, over two tensor-parallel ranks), mixed with the base model: greedy tokens
+    equal to PEFT's merged model."""
+    from conftest import LORA_MAX_TOKENS, LORA_PROMPTS, make_lora_adapters
+    from orca_backend.lora import LoRARequest
+
+    folder = save_family(kind, tmp_path / kind, default_model / "tokenizer.json", vocab_size=49152)
+    adapters = make_lora_adapters(folder, tmp_path / "adapters", {"all": dict(r=8, lora_alpha=16, target_modules=targets)})
+    cases = [(name, prompt) for prompt in LORA_PROMPTS for name in (None, "all")]
+    requests = [None if name is None else LoRARequest(name, 0, str(adapters.paths[name])) for name, _ in cases]
+    with LLM(str(folder), enable_lora=True, kv_cache_tokens=1024, tensor_parallel_size=ranks) as llm:
+        outs = llm.generate([p for _, p in cases], SamplingParams(max_tokens=LORA_MAX_TOKENS, temperature=0,
+                                                                   ignore_eos=True), lora_request=requests)
+    assert [o.token_ids for o in outs] == [adapters.greedy[c] for c in cases]
+    assert any(adapters.greedy[("all", p)] != adapters.greedy[(None, p)] for p in LORA_PROMPTS)
