@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install model serve test test-fast bench bench-full bench-prefix bench-engine bench-cpu bench-executors bench-pipeline bench-tp bench-startup bench-host bench-structured bench-tools bench-lora bench-spec eval-harness perf simulate clean
+.PHONY: install model serve test test-fast bench bench-full bench-prefix bench-engine bench-cpu bench-executors bench-pipeline bench-tp bench-startup bench-host bench-structured bench-tools bench-models bench-lora bench-spec eval-harness perf simulate clean
 
 install: $(STAMP)
 
@@ -95,6 +95,11 @@ bench-structured: model
 	$(PY) -m benchmarks.bench_structured --markdown docs/benchmarks/structured.md
 
 # Multi-LoRA: a decode iteration at batch 32 with 0, 1, 4 and 8 adapters mixed; writes docs/benchmarks/lora.md
+# Each model family's decode iteration at batch 1 and 32, and the K/V blocks a sliding window
+# saves a 4k-token request; writes docs/benchmarks/models.md
+bench-models: model
+	$(PY) -m benchmarks.bench_models --markdown docs/benchmarks/models.md
+
 bench-lora: model
 	$(PY) -m benchmarks.bench_lora --markdown docs/benchmarks/lora.md
 
