@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from benchmarks.common import Report, log, num_params, options, work_dir
+from benchmarks.common import Report, decode_forward_ms, log, num_params, options, work_dir
 from benchmarks.headline import record
 from orca_backend.checkpoint.config import ModelConfig
 from orca_backend.checkpoint.store import prepare_default_model
@@ -49,16 +49,10 @@ def write_adapter(folder: Path, model: ModelConfig, seed: int, targets: tuple[st
 def decode_round(llm: LLM, adapters: list[str | None], steps: int) -> list[float]:
     """Fill the batch, run it into decode, then `steps` full decode iterations: the model
     forward's ms of each iteration of BATCH decoding rows and no prefill."""
-    engine, forward_ms = llm.engine, []
+    engine = llm.engine
     params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
-    for i in range(BATCH):
-        engine.add_request(f"{time.monotonic_ns()}-{i}", PROMPT, params, lora_name=adapters[i % len(adapters)])
-    while engine.has_unfinished_requests():
-        before = engine.stats.forward_seconds
-        its = engine.step().iterations
-        if its and all(it.num_decode_requests == BATCH and it.num_prefill_requests == 0 for it in its):
-            forward_ms.append((engine.stats.forward_seconds - before) / len(its) * 1e3)
-    return forward_ms
+    return decode_forward_ms(engine, BATCH, lambda i: engine.add_request(
+        f"{time.monotonic_ns()}-{i}", PROMPT, params, lora_name=adapters[i % len(adapters)]))
 
 
 def correction_profile(llm: LLM, adapters: list[str]) -> dict[str, float]:

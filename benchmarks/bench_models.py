@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from benchmarks.common import Report, log, num_params, options, work_dir
+from benchmarks.common import Report, decode_forward_ms, log, num_params, options, work_dir
 from benchmarks.headline import record
 from orca_backend.checkpoint.config import ModelConfig
 from orca_backend.checkpoint.store import prepare_default_model
@@ -28,16 +28,10 @@ LONG, WINDOW, BLOCK = 4096, 512, 16
 
 def decode_ms(llm: LLM, batch: int, steps: int) -> list[float]:
     """The model forward's ms of each iteration in which all `batch` requests decode."""
-    engine, forward_ms = llm.engine, []
+    engine = llm.engine
     params = SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"{time.monotonic_ns()}-{i}", [3 + (i + j) % 500 for j in range(16)], params)
-    while engine.has_unfinished_requests():
-        before = engine.stats.forward_seconds
-        its = engine.step().iterations
-        if its and all(it.num_decode_requests == batch and it.num_prefill_requests == 0 for it in its):
-            forward_ms.append((engine.stats.forward_seconds - before) / len(its) * 1e3)
-    return forward_ms
+    return decode_forward_ms(engine, batch, lambda i: engine.add_request(
+        f"{time.monotonic_ns()}-{i}", [3 + (i + j) % 500 for j in range(16)], params))
 
 
 def family_costs(args, r: Report, tokenizer) -> None:

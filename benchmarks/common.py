@@ -337,6 +337,20 @@ def best_seconds(fn: Callable[[], object], repeats: int) -> float:
     return min(seconds(fn) for _ in range(repeats))
 
 
+def decode_forward_ms(engine, batch: int, add: Callable[[int], object]) -> list[float]:
+    """`add(i)` adds request i for i < batch; then the model forward's ms of each iteration
+    in which all `batch` requests decode and none prefills, until every request ends."""
+    for i in range(batch):
+        add(i)
+    forward_ms = []
+    while engine.has_unfinished_requests():
+        before = engine.stats.forward_seconds
+        its = engine.step().iterations
+        if its and all(it.num_decode_requests == batch and it.num_prefill_requests == 0 for it in its):
+            forward_ms.append((engine.stats.forward_seconds - before) / len(its) * 1e3)
+    return forward_ms
+
+
 def num_params(folder: Path) -> int:
     """The parameters of the safetensors checkpoint in `folder`, counted from the files' headers."""
     from safetensors import safe_open

@@ -136,7 +136,7 @@ def test_many_requests_with_empty_ones_between():
     (1, 2, 8, 16), (1, 8, 2, 16), (1, 32, 1, 32), (3, 1, 16, 16), (100, 4, 16, 64), (100, 3, 16, 64),
 ])
 def test_tile_config(max_query_len, group, block_q, block_m):
-    from trt_plugins.kernel import tile_config
+    from trt_plugins.tiles import tile_config
     cfg = tile_config(max_query_len, group, 128)
     assert (cfg.block_q, cfg.block_m) == (block_q, block_m)
     fp32 = tile_config(max_query_len, group, 128, element_size=4)

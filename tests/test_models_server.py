@@ -1,7 +1,7 @@
 """A family other than the default model's served end to end by a real tritonserver: a tiny
 Qwen3 with q/k norms and a sliding window (`served_family`), through tritonclient's streaming
 gRPC and through the OpenAI chat API with its ChatML template, greedy text equal to
-transformers', no K/V block left behind."""
+transformers', structured outputs held, no K/V block left behind."""
 from __future__ import annotations
 
 import pytest
@@ -38,6 +38,16 @@ def test_tritonclient_streams_transformers_greedy_text(feature_server, greedy):
         result = c.generate(PROMPT, sampling={"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True},
                             stream=True)
     assert result.error is None and result.text == greedy(ids)
+    assert_no_leak(feature_server, "family")
+
+
+def test_structured_outputs_hold_on_another_family(feature_server):
+    """The grammar's mask over this family's logits: sampled answers within the choices."""
+    choices = ["sliding window", "full attention", "both"]
+    with StreamingClient(feature_server.grpc_url, "family") as c:
+        texts = [c.generate(PROMPT, sampling={"temperature": 1.0, "seed": seed, "max_tokens": 8,
+                                              "structured_outputs": {"choice": choices}}).text for seed in range(4)]
+    assert all(text in choices for text in texts), texts
     assert_no_leak(feature_server, "family")
 
 

@@ -35,8 +35,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from trt_plugins.kernel import (INDEX_ARGS, PLUGIN_KERNEL, build_kernel, dot_precision,
-                                head_dim_pad, plugin_constexprs, tile_config)
+from trt_plugins.kernel import INDEX_ARGS, PLUGIN_KERNEL, build_kernel
+from trt_plugins.tiles import dot_precision, head_dim_pad, plugin_constexprs, tile_config
 
 PTX_PARAMS = (
     ("q", "u64"), ("k", "u64"), ("v", "u64"), ("k_cache", "u64"), ("v_cache", "u64"),

@@ -34,7 +34,7 @@ ENGINE_OUTPUT = "logits"
 # gated SiLU MLP) and a RoPE whose frequencies do not change with the length.
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 # Sources whose change changes what an engine computes: part of the cache key.
-_SOURCES = ("kernel.py", "aot.py", "plugin.py", "network.py", "builder.py")
+_SOURCES = ("kernel.py", "tiles.py", "aot.py", "plugin.py", "network.py", "builder.py")
 
 
 class EngineBuildError(RuntimeError):

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from trt_plugins.kernel import (KV_TABLE_GUARD, PLUGIN_KERNEL, build_kernel, dot_precision,
-                                head_dim_pad, plugin_constexprs, tile_config)
+from trt_plugins.kernel import KV_TABLE_GUARD, PLUGIN_KERNEL, build_kernel
+from trt_plugins.tiles import dot_precision, head_dim_pad, plugin_constexprs, tile_config
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

@@ -16,7 +16,7 @@ from ...lora.batch import LoRABatch, LoRAProjection
 from .attention import AttentionPlan
 from .layers import MLP, Attention, Norm
 from .linear import Linear
-from .parallel import NO_COLLECTIVES, ONE_RANK, Collectives, Shard
+from .parallel import NO_COLLECTIVES, ONE_RANK, Collectives, Shard, hold_stage
 from .rope import Rotary
 from .weights import Weights
 
@@ -39,15 +39,11 @@ class DecoderModel:
 
     def __init__(self, config: ModelConfig, w: Weights, layer_range: range | None = None,
                  shard: Shard = ONE_RANK, collectives: Collectives = NO_COLLECTIVES) -> None:
-        self.config, self.shard, self.collectives = config, shard, collectives
-        self.layer_range = layer_range = range(config.num_layers) if layer_range is None else layer_range
-        first, last = layer_range.start == 0, layer_range.stop == config.num_layers
-        tied = config.tie_word_embeddings or "lm_head.weight" not in w
-        vocab = shard.part(config.vocab_size)
+        first, last, tied, vocab = hold_stage(self, config, w, layer_range, shard, collectives)
         if first or (last and tied):
             self.embed = w.take("model.embed_tokens.weight", 0, vocab)  # [vocab / T, hidden]
         self.layers = {i: DecoderLayer(config, w, i, f"{self.LAYER_PREFIX}{i}.", shard, collectives)
-                       for i in layer_range}
+                       for i in self.layer_range}
         if last:
             self.norm = Norm(w.take("model.norm.weight"), config.norm_eps, config.norm)
             head = w.take_optional("lm_head.weight", 0, vocab)  # a tied checkpoint may store it too
@@ -55,7 +51,7 @@ class DecoderModel:
         # One Rotary per distinct spec, shared by the layers that use it (Gemma 3: two).
         self.rotaries: dict = {}
         self.layer_rotary = {}
-        for i in layer_range:
+        for i in self.layer_range:
             spec = config.rope_of(i)
             if spec is not None:
                 self.layer_rotary[i] = self.rotaries.setdefault(spec, Rotary(spec, w.device))

@@ -7,28 +7,24 @@ import torch.nn.functional as F
 from ...checkpoint.config import ModelConfig
 from .attention import AttentionPlan
 from .linear import Linear
-from .parallel import NO_COLLECTIVES, ONE_RANK, Collectives, Shard
+from .parallel import NO_COLLECTIVES, ONE_RANK, Collectives, Shard, hold_stage
 from .weights import Weights
 
 
 class GPT2Model:
-    """The layers in `layer_range` (all by default), as LlamaModel, and sharded as it is."""
+    """The layers in `layer_range` (all by default), as DecoderModel, and sharded as it is."""
 
     LAYER_PREFIX = "h."
 
     def __init__(self, config: ModelConfig, w: Weights, layer_range: range | None = None,
                  shard: Shard = ONE_RANK, collectives: Collectives = NO_COLLECTIVES) -> None:
-        self.config, self.shard, self.collectives = config, shard, collectives
-        self.layer_range = layer_range = range(config.num_layers) if layer_range is None else layer_range
-        first, last = layer_range.start == 0, layer_range.stop == config.num_layers
-        tied = config.tie_word_embeddings or "lm_head.weight" not in w
-        vocab = shard.part(config.vocab_size)
+        first, last, tied, vocab = hold_stage(self, config, w, layer_range, shard, collectives)
         if first or (last and tied):
             self.wte = w.take("wte.weight", 0, vocab)  # [vocab / T, hidden]
         if first:
             self.wpe = w.take("wpe.weight")  # [max_positions, hidden]
         self.layers = {i: _GPT2Layer(config, w, f"{self.LAYER_PREFIX}{i}.", shard, collectives)
-                       for i in layer_range}
+                       for i in self.layer_range}
         if last:
             self.ln_f = (w.take("ln_f.weight"), w.take("ln_f.bias"))
             head = w.take_optional("lm_head.weight", 0, vocab)  # a tied checkpoint may store it too

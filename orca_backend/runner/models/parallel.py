@@ -76,5 +76,18 @@ class Shard:
         return collectives.all_reduce(h)  # [num_tokens, hidden]
 
 
+def hold_stage(model, config: ModelConfig, w, layer_range: range | None, shard: Shard,
+               collectives: Collectives) -> tuple[bool, bool, bool, slice]:
+    """Set what every model holds (its config, shard, collectives and `layer_range`: all
+    layers by default, a pipeline stage's otherwise); returns (first stage, last stage, tied
+    embeddings, this rank's rows of the vocabulary). The embeddings go to the first stage,
+    and to the last when the LM head is tied to them."""
+    model.config, model.shard, model.collectives = config, shard, collectives
+    model.layer_range = range(config.num_layers) if layer_range is None else layer_range
+    first, last = model.layer_range.start == 0, model.layer_range.stop == config.num_layers
+    tied = config.tie_word_embeddings or "lm_head.weight" not in w
+    return first, last, tied, shard.part(config.vocab_size)
+
+
 ONE_RANK = Shard()  # the defaults of a model that is not sharded
 NO_COLLECTIVES = NoCollectives()
