@@ -18,7 +18,7 @@ PACKAGE = "orca_backend"
 LAYERS = ("core", "checkpoint", "grammar", "lora", "runner", "executors", "engine", "serving", "baselines", "simulate")
 # Where `triton_python_backend_utils` may be imported: the Triton edge.
 PB_UTILS_ALLOWED = ("serving", "baselines.triton_model")
-TORCH_FREE = ("core", "checkpoint.config", "checkpoint.chat_template")
+TORCH_FREE = ("core", "checkpoint.config", "checkpoint.families", "checkpoint.chat_template")
 # No torch either, but numpy (the simulator's statistics and fits) and tokenizers (its traces).
 TORCH_FREE_WITH_NUMPY = ("simulate",)
 
