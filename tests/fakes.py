@@ -43,10 +43,12 @@ class FakeRunner:
     It also keeps a fake K/V pool: each slot it writes holds a digest of the tokens up to
     and including that position (what real K/V depends on), and before each iteration it
     checks that the slots of every earlier position in the request's table hold the
-    request's own digests. Wrong sharing, a cached block rewritten, a block handed out while
-    still in use: each shows as K/V that is not the request's."""
+    request's own digests (with a `window`, those the window still sees). Wrong sharing, a
+    cached block rewritten, a block handed out while still in use: each shows as K/V that is
+    not the request's."""
 
-    def __init__(self, block_size: int | None = None) -> None:
+    def __init__(self, block_size: int | None = None, window: int | None = None) -> None:
+        self.window = window
         self.token_ids: dict[str, list[int]] = {}
         self.num_prompt_tokens: dict[str, int] = {}
         self.block_tables: dict[str, list[int]] = {}
@@ -101,8 +103,11 @@ class FakeRunner:
         return table[position // size] * size + position % size
 
     def _check_context(self, request_id: str, start: int) -> None:
-        """The K/V of positions [0, start) is the request's own."""
+        """The K/V of positions [0, start) is the request's own (those the window sees)."""
+        first = 0 if self.window is None else max(0, start - self.window + 1)
         for p, digest in enumerate(_prefix_digests(self.token_ids[request_id][:start])):
+            if p < first:
+                continue
             assert self.slots.get(self._slot(request_id, p)) == digest, \
                 f"{request_id}: the K/V of position {p} (slot {self._slot(request_id, p)}) is not its own"
 
@@ -129,10 +134,11 @@ class FakeEngine:
     """Scheduler + K/V manager driven through the message boundary by a FakeRunner."""
 
     def __init__(self, num_blocks: int = 64, block_size: int = 4, enable_prefix_caching: bool = False,
-                 **scheduler_options) -> None:
-        self.kv = BlockManager(num_blocks, block_size, enable_prefix_caching)
+                 window: int | None = None, **scheduler_options) -> None:
+        """`window`: the model's, when every layer slides (the pool releases blocks behind it)."""
+        self.kv = BlockManager(num_blocks, block_size, enable_prefix_caching, window=window)
         self.scheduler = Scheduler(SchedulerConfig(**scheduler_options), self.kv)
-        self.runner = FakeRunner(block_size)
+        self.runner = FakeRunner(block_size, window)
         self.batches: list[Fed] = []
 
     def add(self, request_id: str, num_prompt_tokens: int | list[int], max_tokens: int,

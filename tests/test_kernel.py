@@ -159,3 +159,42 @@ def test_reference_matches_the_engines_sdpa_path():
     torch.testing.assert_close(expected.out.float(), theirs, rtol=1e-5, atol=1e-5)
     assert torch.equal(b.k_cache, expected.k_cache)  # the SDPA path wrote the same slots
     assert torch.equal(b.v_cache, expected.v_cache)
+
+
+@pytest.mark.parametrize("window, softcap, head_dim", [(5, None, 16), (20, 1.5, 16), (None, 2.0, 24), (7, None, 24),
+                                                        (1, None, 16)])
+def test_windows_soft_caps_and_padded_heads(window, softcap, head_dim):
+    """Sliding windows (one key only, too), soft caps and a 24-lane head (run on 32 lanes)
+    against the float64 reference, on the mixed batch."""
+    b = make_paged_batch(**CASES["mixed"], head_dim=head_dim, seed=3)
+    expected = reference_paged_attention(**b.inputs(), scale=0.7, window=window, softcap=softcap)
+    out = paged_attention(**b.inputs(), scale=0.7, window=window, softcap=softcap)
+    torch.testing.assert_close(out[:b.num_rows].double(), expected.out[:b.num_rows], atol=1e-4, rtol=1e-4)
+    assert torch.equal(b.k_cache, expected.k_cache) and torch.equal(b.v_cache, expected.v_cache)
+
+
+@pytest.mark.parametrize("backend", ["kernel", "sdpa"])
+def test_a_window_never_reads_the_blocks_before_it(backend):
+    """The K/V manager releases the blocks behind a window, and another request may write
+    anything into them: NaN there must not reach the output. Blocks of 4, a window of 6,
+    decodes and a prompt chunk over long cached prefixes."""
+    from orca_backend.runner.models.attention import AttentionMetadata, BatchLayout
+    from orca_backend.runner.models.attention import paged_attention as sdpa_paged_attention
+
+    window, block_size = 6, 4
+    queries, contexts = [1, 5, 1], [30, 22, 9]
+    b = make_paged_batch(queries, contexts, block_size=block_size, seed=4)
+    expected = reference_paged_attention(**b.inputs(), scale=0.5, window=window)
+    for i, (n, c) in enumerate(zip(queries, contexts)):
+        released = max(0, c - window + 1) // block_size  # the blocks no query of this step sees
+        for cache in (b.k_cache, b.v_cache):
+            cache[b.block_tables[i, :released].long()] = float("nan")
+    if backend == "kernel":
+        out = paged_attention(**b.inputs(), scale=0.5, window=window)
+    else:
+        tables = [row[:-(-(c + n) // block_size)].tolist() for row, c, n in zip(b.block_tables, contexts, queries)]
+        meta = AttentionMetadata.build(BatchLayout(contexts, queries, tables), block_size, torch.device("cpu"))
+        out = sdpa_paged_attention(b.q.view(sum(queries), -1, 16), b.k.view(sum(queries), -1, 16),
+                                   b.v.view(sum(queries), -1, 16), b.k_cache, b.v_cache, meta, 0.5, window)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), expected.out, atol=1e-4, rtol=1e-4)

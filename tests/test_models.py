@@ -60,6 +60,7 @@ REFUSALS = [  # (architecture, fields set, what the error names)
     ("LlamaForCausalLM", dict(quantization_config={"quant_method": "awq"}), "quantization_config"),
     ("Gemma2ForCausalLM", dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
     ("Gemma3ForCausalLM", dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+    ("Gemma3ForCausalLM", dict(attn_logit_softcapping=50.0), "attn_logit_softcapping = 50.0"),
     ("Qwen3ForCausalLM", dict(layer_types=["chunked_attention"] * 2, num_hidden_layers=2), "layer_types"),
     ("MinistralForCausalLM", dict(sliding_window=None, layer_types=["sliding_attention"] * 2, num_hidden_layers=2),
      "sliding_window = None"),
@@ -75,6 +76,22 @@ def test_a_value_the_engine_does_not_implement_is_refused_by_name(arch, fields, 
     raw = {**_class_fields(arch), **fields}  # set after to_dict: transformers would reject some itself
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
         ModelConfig.from_folder(_write_config(tmp_path, raw))
+
+
+def test_the_context_a_scaled_rope_is_for(tmp_path):
+    """max_model_len as vLLM derives it: a linear factor stretches Llama's stated context, not
+    Gemma 3's (its 128K counts the scaling); Phi-3's LongRoPE without a top-level pretraining
+    length takes its class's 4096, as transformers does."""
+    llama = _class_fields("LlamaForCausalLM", max_position_embeddings=4096, rope_scaling={"rope_type": "linear", "factor": 4.0})
+    gemma3 = _class_fields("Gemma3ForCausalLM", rope_scaling={"rope_type": "linear", "factor": 8.0})
+    phi3 = {k: v for k, v in _class_fields("Phi3ForCausalLM", max_position_embeddings=131072, rope_scaling={
+        "rope_type": "longrope", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48}).items()
+        if k != "original_max_position_embeddings"}
+    phi3["rope_parameters"].pop("original_max_position_embeddings", None)
+    assert ModelConfig.from_folder(_write_config(tmp_path / "l", llama)).max_model_len == 16384
+    assert ModelConfig.from_folder(_write_config(tmp_path / "g", gemma3)).max_model_len == 131072
+    spec = ModelConfig.from_folder(_write_config(tmp_path / "p", phi3)).rope_of(0)
+    assert (spec.original_max_len, spec.factor) == (4096, 32.0)
 
 
 def test_olmo2_s_all_head_norm_is_refused_over_tensor_parallel_ranks(tmp_path):
@@ -258,6 +275,17 @@ def test_a_request_four_windows_long_holds_the_window_s_blocks(family):
         assert engine.kv.num_used_blocks == 0
     check_tokens([tokens[str(i)] for i in range(len(SHAPES))], ref, "mistral")
     assert held and max(held) <= 8 // 4 + 1, max(held)
+
+
+def test_with_a_draft_model_no_block_is_released(family):
+    """A draft model new to a request computes its whole history through the same tables: the
+    pool keeps every block."""
+    folder, _ = family("mistral")
+    spec = {"method": "draft_model", "model": str(folder), "num_speculative_tokens": 2}
+    with LLM(str(folder), kv_cache_tokens=256, speculative_config=spec) as llm:
+        assert llm.engine.kv.window is None
+    with LLM(str(folder), kv_cache_tokens=256) as llm:
+        assert llm.engine.kv.window == 8
 
 
 def test_a_model_with_a_full_attention_layer_keeps_every_block(tmp_path):

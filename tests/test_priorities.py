@@ -175,3 +175,21 @@ def test_openai_priority_puts_a_late_request_first_and_a_bad_one_is_refused(feat
 
 def _waiting(server) -> float:
     return metric_lines(server).get('vllm:num_requests_waiting{model="prio",version="1"}', 0)
+
+
+def test_with_a_window_a_better_request_preempts_for_its_first_chunk_not_its_whole_prompt():
+    """Every layer slides over 8 tokens: a prompt is admitted a chunk (16 tokens) at a time,
+    its blocks released behind the window, so a better request of 140 tokens needs 4 free
+    blocks to start, not 35. Four running requests hold 3 or 4 blocks each: none is preempted
+    (weighing the whole prompt preempted three)."""
+    eng = FakeEngine(num_blocks=40, block_size=4, window=8, max_batch_size=8, max_num_batched_tokens=16)
+    for i in range(4):
+        eng.add(f"low{i}", 12, max_tokens=60, priority=1)
+    for _ in range(8):
+        eng.step()
+    assert all(len(eng.kv.held_blocks(f"low{i}")) <= 4 for i in range(4))
+    urgent = eng.add("urgent", 140, max_tokens=4, priority=0)
+    eng.step()
+    assert eng.scheduler.num_preemptions == 0 and urgent.status == RequestStatus.RUNNING
+    eng.run()
+    assert eng.kv.num_used_blocks == 0

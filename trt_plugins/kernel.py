@@ -63,12 +63,12 @@ def _write_new_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, block_table, q_begin, 
     tl.store(v_cache_ptr + slot[:, None] + dim[None, :], v_new, mask=mask)
 
 
-def _load_cached_kv(k_cache_ptr, v_cache_ptr, block_table, kv_head, n0, ctx_len,
+def _load_cached_kv(k_cache_ptr, v_cache_ptr, block_table, kv_head, n0, first_key, ctx_len,
                     stride_cache_block, stride_cache_slot, HEAD_DIM: tl.constexpr,
                     HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                     UPCAST: tl.constexpr):
     pos = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions in the cached prefix
-    valid = pos < ctx_len
+    valid = (pos >= first_key) & (pos < ctx_len)  # never a block before the window (it may be released)
     dim = tl.arange(0, HEAD_DIM_PAD)
     in_head = dim < HEAD_DIM
     block = tl.load(block_table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
@@ -183,11 +183,11 @@ def _paged_attention_kernel(
 
     # Phase 1: the cached prefix; every query sees all of it (with a window, its last
     # `window` positions: key position p is visible to query t when p > ctx_len + t - window).
-    first = 0
+    first_key = 0  # the tile's first visible key
     if USE_WINDOW:
-        first = (tl.maximum(ctx_len + q_start - window + 1, 0) // BLOCK_N) * BLOCK_N
-    for n0 in range(first, ctx_len, BLOCK_N):
-        k_t, v, pos, valid = _load_cached_kv(k_cache_ptr, v_cache_ptr, block_table, kv_head, n0, ctx_len,
+        first_key = tl.maximum(ctx_len + q_start - window + 1, 0)
+    for n0 in range((first_key // BLOCK_N) * BLOCK_N, ctx_len, BLOCK_N):
+        k_t, v, pos, valid = _load_cached_kv(k_cache_ptr, v_cache_ptr, block_table, kv_head, n0, first_key, ctx_len,
                                              stride_cache_block, stride_cache_slot, HEAD_DIM, HEAD_DIM_PAD,
                                              BLOCK_SIZE, BLOCK_N, UPCAST)
         visible = valid[None, :]

@@ -175,7 +175,8 @@ class Scheduler:
         """Whether a waiting request could be admitted now: a place in the batch and its blocks."""
         if len(self.running) >= self._max_running:
             return False
-        return self.kv.can_allocate(req.request_id, self._need(req), self._hits(req))
+        hits = self._hits(req)
+        return self.kv.can_allocate(req.request_id, self._need(req, len(hits) * self.kv.block_size), hits)
 
     def _room_after(self, req: Request, victims: list[Request]) -> bool:
         """Whether preempting all these would make room for a waiting request (its cache hits
@@ -335,10 +336,12 @@ class Scheduler:
     def _need(self, req: Request, num_hit_tokens: int = 0, budget: int | None = None) -> int:
         """Tokens whose blocks a waiting request needs to be admitted: its whole prompt, or
         when every layer slides (blocks are released as the window moves on) only its first
-        chunk, after `num_hit_tokens` from the prefix cache, within the token `budget`."""
+        chunk, after `num_hit_tokens` from the prefix cache, within the token `budget` (None:
+        a whole iteration's, where the room for it is weighed)."""
         if self.config.policy == "reserve":
             return req.max_num_tokens
-        if self.kv.window is not None and budget is not None:
+        if self.kv.window is not None:
+            budget = self.config.max_num_batched_tokens if budget is None else budget
             return min(req.num_tokens, num_hit_tokens + max(budget, 1))
         return req.num_tokens
 

@@ -88,13 +88,9 @@ class LLMEngine:
 
     def _kv_window(self) -> int | None:
         """The window whose blocks the pool releases: the model's when all its layers slide,
-        unless a draft model, which reads the same tables, needs more of them."""
-        window = self.rules.model_config.kv_window
-        path = self.config.draft_model_path
-        if window is not None and path:
-            draft = ModelConfig.from_folder(Path(path)).kv_window
-            window = None if draft is None else max(window, draft)
-        return window
+        and no draft model reads the same tables (a draft new to a request computes its whole
+        history, from position 0, through them)."""
+        return None if self.config.draft_model_path else self.rules.model_config.kv_window
 
     def _engine_cache_dir(self) -> str:
         if self.config.runner.engine != "tensorrt":

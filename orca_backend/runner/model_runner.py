@@ -73,8 +73,15 @@ class ModelRunner:
 
     @property
     def num_held_blocks(self) -> int:
-        """K/V blocks in the block tables of the requests this runner holds."""
-        return sum(len(r.block_ids) for r in self.requests.values())
+        """K/V blocks the requests this runner holds still hold: their tables but, when every
+        layer slides (and no draft model reads the tables), the blocks the K/V manager released
+        behind the window (reckoned from each request's last scheduled position, as the
+        manager does, give or take an iteration in flight)."""
+        window = None if self.drafter is not None else self.model.config.kv_window
+        if window is None:
+            return sum(len(r.block_ids) for r in self.requests.values())
+        return sum(len(r.block_ids) - min(len(r.block_ids), max(0, r.num_computed - window + 1) // self.block_size)
+                   for r in self.requests.values())
 
     def no_rows(self) -> torch.Tensor:
         """Hidden states of an iteration with no rows, as a stage before the last passes on."""
@@ -385,6 +392,7 @@ class ModelRunner:
             raise RunnerError(f"request {s.request_id!r} got K/V blocks outside [0, {self.num_blocks})")
         state.token_ids += s.new_token_ids
         state.block_ids += s.new_block_ids
+        state.num_computed = s.num_computed_tokens
         end = s.num_computed_tokens + s.num_scheduled_tokens  # proposals included: they need K/V slots too
         if end - len(s.draft_token_ids) > len(state.token_ids) or end > len(state.block_ids) * self.block_size:
             raise RunnerError(f"request {s.request_id!r} is scheduled up to token {end}, but the "

@@ -24,6 +24,7 @@ class RunnerRequest:
     matcher: Matcher | None = None  # where its output stands in its structured_outputs grammar
     lora_id: int | None = None  # its adapter, held in the runner's tiers; None: the base model
     pooled: torch.Tensor | None = None  # an embedding request with mean pooling: its rows' sum so far
+    num_computed: int = 0  # the first position of its rows in the last iteration it was scheduled in
 
     @classmethod
     def new(cls, new: NewRequest, sampling_device: torch.device | None,

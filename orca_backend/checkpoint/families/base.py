@@ -39,8 +39,12 @@ def read_window(f: ConfigFields, layer_types: tuple[str, ...], enabled: bool = T
 def decoder(f: ConfigFields, family: str, *, tie_default: bool = False, eps_default: float = 1e-6,
             max_len_default: int = 2048, head_dim_default: int | None = None, layer_types: tuple[str, ...] | None = None,
             window: int | None = None, default_theta: float = 10000.0, per_layer_rope=None,
-            act_field: str = "hidden_act", act_default: str = "silu", **fields) -> dict:
-    """The ModelConfig fields of a Llama-shaped decoder (`fields` override or add)."""
+            act_field: str = "hidden_act", act_default: str = "silu", scaled_context: bool = True,
+            original_max_default: int | None = None, **fields) -> dict:
+    """The ModelConfig fields of a Llama-shaped decoder (`fields` override or add).
+    `scaled_context=False`: max_position_embeddings is the context whatever the RoPE scaling
+    (Gemma 3's already counts it); `original_max_default`: the pretraining length where the
+    config names none (transformers' class default, Phi-3's)."""
     heads = f.require("num_attention_heads")
     hidden = f.require("hidden_size")
     num_layers = f.require("num_hidden_layers")
@@ -53,11 +57,12 @@ def decoder(f: ConfigFields, family: str, *, tie_default: bool = False, eps_defa
         head_dim=head_dim, intermediate_size=f.require("intermediate_size"), max_model_len=max_len,
         norm_eps=f.get("rms_norm_eps", eps_default), tie_word_embeddings=f.get("tie_word_embeddings", tie_default),
         layer_types=types, sliding_window=window,
-        ropes=read_ropes(f, head_dim, max_len, types, default_theta, per_layer_rope),
+        ropes=read_ropes(f, head_dim, max_len, types, default_theta, per_layer_rope, original_max_default),
         activation=activation(f, act_field, act_default),
     )
     config.update(fields)
-    config["max_model_len"] = max(_scaled_context(spec) for spec in config["ropes"].values())
+    if scaled_context:
+        config["max_model_len"] = max(_scaled_context(spec) for spec in config["ropes"].values())
     if config["num_heads"] % config["num_kv_heads"]:
         raise ConfigError(f"{f.where}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
                           f"{config['num_kv_heads']}")

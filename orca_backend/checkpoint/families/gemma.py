@@ -44,6 +44,8 @@ def gemma2(f: ConfigFields) -> dict:
 
 def gemma3(f: ConfigFields) -> dict:
     f.no_math("hidden_act", "cache_implementation")
+    f.refuse("attn_logit_softcapping", (None,), "transformers' Gemma 3 does not apply it (no released "
+             "checkpoint sets it), and this server will not guess", default=None)
     num_layers = f.require("num_hidden_layers")
     pattern = f.get("sliding_window_pattern", f.get("_sliding_window_pattern", 6))
     legacy = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
@@ -51,7 +53,8 @@ def gemma3(f: ConfigFields) -> dict:
     per_layer = {"full_attention": ("rope_theta", 1_000_000.0),
                  "sliding_attention": ("rope_local_base_freq", 10_000.0)}
     return decoder(f, "gemma3", layer_types=types, window=read_window(f, types, default=4096),
-                   per_layer_rope=per_layer, qk_norm="head", **_common(f, 131_072), **_caps(f, None, None))
+                   per_layer_rope=per_layer, qk_norm="head", scaled_context=False, **_common(f, 131_072),
+                   **_caps(f, None, None))
 
 
 ARCHITECTURES = {"GemmaForCausalLM": gemma, "Gemma2ForCausalLM": gemma2, "Gemma3ForCausalLM": gemma3}

@@ -11,7 +11,8 @@ def phi3(f: ConfigFields) -> dict:
     num_layers = f.require("num_hidden_layers")
     types = ("sliding_attention" if f.get("sliding_window") is not None else "full_attention",) * num_layers
     return decoder(f, "phi3", eps_default=1e-5, max_len_default=4096, layer_types=types,
-                   window=read_window(f, types), fused_projections=True)
+                   window=read_window(f, types), fused_projections=True,
+                   original_max_default=4096)
 
 
 ARCHITECTURES = {"Phi3ForCausalLM": phi3}

@@ -62,7 +62,8 @@ class RopeSpec:
 
 def read_ropes(f: ConfigFields, head_dim: int, max_len: int, layer_types: tuple[str, ...],
                default_theta: float = 10000.0,
-               per_layer_type: dict[str, tuple[str, float]] | None = None) -> dict[str, RopeSpec]:
+               per_layer_type: dict[str, tuple[str, float]] | None = None,
+               original_max_default: int | None = None) -> dict[str, RopeSpec]:
     """RopeSpec per layer type in `layer_types`: one for all, or with `per_layer_type` (Gemma
     3) one each, {layer type: (the top-level field older configs give its theta in, the
     family's default theta)}; there, an older config's `rope_scaling` is the full layers'."""
@@ -71,10 +72,11 @@ def read_ropes(f: ConfigFields, head_dim: int, max_len: int, layer_types: tuple[
     theta = f.get("rope_theta")
     partial = f.get("partial_rotary_factor")
     where = "rope_scaling" if scaling else "rope_parameters"
+    original = f.get("original_max_position_embeddings", original_max_default)
     types = sorted(set(layer_types))
     if per_layer_type is None:
         spec = _spec(f, params, float(params.get("rope_theta", theta if theta is not None else default_theta)),
-                     params.get("partial_rotary_factor", partial), head_dim, max_len, where)
+                     params.get("partial_rotary_factor", partial), head_dim, max_len, where, original)
         return {layer_type: spec for layer_type in types}
     nested = any(key in per_layer_type for key in params)
     specs = {}
@@ -87,11 +89,12 @@ def read_ropes(f: ConfigFields, head_dim: int, max_len: int, layer_types: tuple[
         top = f.get(field)
         layer_theta = raw.get("rope_theta", top if top is not None else fallback)
         specs[layer_type] = _spec(f, raw, float(layer_theta), raw.get("partial_rotary_factor", partial),
-                                  head_dim, max_len, here)
+                                  head_dim, max_len, here, original)
     return specs
 
 
-def _spec(f: ConfigFields, raw: dict, theta: float, partial, head_dim: int, max_len: int, where: str) -> RopeSpec:
+def _spec(f: ConfigFields, raw: dict, theta: float, partial, head_dim: int, max_len: int, where: str,
+          top: int | None) -> RopeSpec:
     kind = raw.get("rope_type", raw.get("type", "default"))
     kind = _ALIASES.get(kind, kind)
     if kind not in KIND_KEYS:
@@ -112,7 +115,6 @@ def _spec(f: ConfigFields, raw: dict, theta: float, partial, head_dim: int, max_
         raise ConfigError(f"{f.where}: the rotated part of a head ({head_dim} x partial_rotary_factor "
                           f"{partial} = {rotary_dim} dims) must be even and at least 2")
     # A top-level original_max_position_embeddings (Phi-3 keeps it there) wins, as in transformers.
-    top = f.get("original_max_position_embeddings")
     original = top if top is not None else raw.get("original_max_position_embeddings")
     original = int(original if original is not None else max_len)
     spec = dict(kind=kind, theta=theta, rotary_dim=rotary_dim, max_len=max_len, original_max_len=original)
