@@ -10,7 +10,7 @@ import pytest
 from orca_backend.serving.inputs import GenerateRequest
 from orca_backend.serving.loop import EngineLoop
 from orca_backend.serving.metric_series import MetricsRecorder
-from orca_backend.serving.sender import Stats
+from orca_backend.serving.sender_messages import Stats
 
 from fakes import FakeSink
 from helpers import wait_until

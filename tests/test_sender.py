@@ -11,8 +11,8 @@ import pytest
 from orca_backend.engine.outputs import RequestDelta
 from orca_backend.serving import sender as sender_module
 from orca_backend.serving.inputs import GenerateRequest
-from orca_backend.serving.sender import (CANCEL_CYCLE_SECONDS, CANCEL_POLL_SECONDS, Deltas, ErrorKind, Fail,
-                                         FailAll, Observed, Open, Sender, Stop, Stream)
+from orca_backend.serving.sender import CANCEL_CYCLE_SECONDS, CANCEL_POLL_SECONDS, Sender
+from orca_backend.serving.sender_messages import Deltas, ErrorKind, Fail, FailAll, Observed, Open, Stop, Stream
 
 from fakes import FakeSink
 

@@ -13,7 +13,7 @@ import triton_python_backend_utils as pb_utils
 
 from ..core.errors import ConfigError, OrcaError
 from ..serving.parameters import engine_config_from_parameters, instance_device, model_parameters
-from ..serving.sender import ErrorKind, Response
+from ..serving.sender_messages import ErrorKind, Response
 from ..serving.trace import TraceFile, trace_path
 from ..serving.triton_io import error_response, parse_request, response_tensors
 from .hf_generate import HFBatchGenerator

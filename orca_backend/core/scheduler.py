@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 from .config import SchedulerConfig
 from .kv_manager import BlockManager
-from .messages import LoRARef, NewRequest, RunnerOutput, ScheduledRequest, SchedulerOutput
-from .request import EndRule, Request, RequestEnd, RequestStatus, RequestUpdate
+from .messages import LoRARef, NewRequest, ScheduledRequest, SchedulerOutput
+from .request import Request, RequestStatus
+from .returns import IterationReturns
 from .speculative import NgramProposer, may_speculate
 
 
@@ -39,7 +40,7 @@ class SchedulerCounters:
     num_preemptions: int = 0
 
 
-class Scheduler:
+class Scheduler(IterationReturns):
     """Bookkeeping only: which requests run, how many tokens each, which K/V blocks they own.
 
     Several iterations may be in flight. A request in an unreturned iteration is never
@@ -195,10 +196,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0 and len(scheduled) < self.config.max_batch_size:
             req = self.running[i]
             i += 1
-            # Blocks that left the window of every layer (when all layers slide): no query of
-            # this request reads them again, in flight or not (its computed tokens exclude
-            # what is in flight, so what an unreturned iteration reads stays held).
-            self.kv.release_out_of_window(req.request_id, req.num_computed_tokens)
+            if self.kv.window is not None:
+                # Blocks that left the window of every layer: no query of this request reads
+                # them again, in flight or not (its computed tokens exclude what is in flight,
+                # so what an unreturned iteration reads stays held).
+                self.kv.release_out_of_window(req.request_id, req.num_computed_tokens)
             if req.in_flight:
                 n = self._ahead(req, budget)
                 if n:
@@ -319,7 +321,8 @@ class Scheduler:
             return False
         self.kv.allocate(req.request_id, need, hits)
         req.num_computed_tokens = len(hits) * self.kv.block_size
-        self.kv.release_out_of_window(req.request_id, req.num_computed_tokens)
+        if hits and self.kv.window is not None:
+            self.kv.release_out_of_window(req.request_id, req.num_computed_tokens)
         if req.num_cached_tokens is None:  # counted once: a recompute after preemption is not news
             req.num_cached_tokens = req.num_computed_tokens
             if self.kv.enable_prefix_caching:
@@ -381,76 +384,6 @@ class Scheduler:
             rows.append((req, n, sample, num_drafts))
         self._in_flight[out.iteration_id] = rows
         return out
-
-    # -- an iteration returns ---------------------------------------------------------------
-    def update(self, output: RunnerOutput, ends: EndRule | None = None) -> list[RequestUpdate]:
-        """Record a returned iteration and retire the requests it ended.
-
-        Computed tokens advance and sampled tokens (after the accepted proposals) append. A
-        request ends where the runner failed it (`output.errors`, or no token for a row that
-        samples), pooled its prompt (`output.embeddings`), or where `ends`, the caller's stop
-        rules, says among its new tokens (those after the end are dropped). Returns an update
-        per request still live when the iteration returned (those finished meanwhile retire now)."""
-        updates = []
-        for req, n, sample, num_drafts in self._returned(output.iteration_id):
-            new_token_ids = self._record(req, n, num_drafts, output)
-            updates.append(self._retire(req, new_token_ids, self._end_of(req, sample, new_token_ids, output, ends)))
-        return updates
-
-    def fail_iteration(self, iteration_id: int, error: str) -> list[RequestUpdate]:
-        """The iteration failed as a whole: its live requests end with `error`."""
-        return [self._retire(req, [], RequestEnd(RequestStatus.FINISHED_ERROR, error=error))
-                for req, _, _, _ in self._returned(iteration_id)]
-
-    def _record(self, req: Request, n: int, num_drafts: int, output: RunnerOutput) -> list[int]:
-        """Advance a returned request's computed tokens and append its new ones (returned)."""
-        token = output.sampled.get(req.request_id)
-        # Of a speculating request, only the K/V of its token and of the proposals accepted
-        # counts: the rest is overwritten by the tokens that really follow.
-        accepted = output.accepted_token_ids.get(req.request_id, []) if token is not None and num_drafts else []
-        req.num_computed_tokens += n - num_drafts + len(accepted)
-        new_token_ids = [] if token is None else [*accepted, token.token_id]
-        req.num_accepted_drafts += len(accepted)
-        req.output_token_ids += new_token_ids
-        self.kv.cache_computed_blocks(req)  # their K/V is written now: others may share it
-        return new_token_ids
-
-    def _retire(self, req: Request, new_token_ids: list[int], end: RequestEnd | None) -> RequestUpdate:
-        """Apply a returned request's end, if any: its tokens after the end go, and it finishes
-        (on return of its last iteration, if it is in flight again)."""
-        if end is not None:
-            if end.num_kept is not None and end.num_kept < len(new_token_ids):
-                del req.output_token_ids[end.num_kept - len(new_token_ids):]
-                new_token_ids = new_token_ids[:end.num_kept]
-            self.finish(req, end.status)
-        return RequestUpdate(req, new_token_ids, end)
-
-    @staticmethod
-    def _end_of(req: Request, sample: bool, new_token_ids: list[int], output: RunnerOutput,
-                ends: EndRule | None) -> RequestEnd | None:
-        """How a returned request ended, if it did: the runner's word first, then the stop rules."""
-        if req.request_id in output.errors:
-            return RequestEnd(RequestStatus.FINISHED_ERROR, error=output.errors[req.request_id])
-        if req.request_id in output.embeddings:
-            return RequestEnd(RequestStatus.FINISHED_STOPPED)
-        if new_token_ids:
-            return ends(req, new_token_ids) if ends is not None else None
-        if sample:
-            return RequestEnd(RequestStatus.FINISHED_ERROR, error="internal error: the runner returned no token")
-        return None
-
-    def _returned(self, iteration_id: int) -> list[tuple[Request, int, bool, int]]:
-        live = []
-        for req, n, sample, num_drafts in self._in_flight.pop(iteration_id):
-            req.num_in_flight -= 1
-            req.num_in_flight_tokens -= n
-            req.num_placeholders -= sample
-            req.num_in_flight_drafts -= num_drafts
-            if req.finish_on_return is None:
-                live.append((req, n, sample, num_drafts))
-            elif not req.in_flight:  # its last iteration is back: the end applies now
-                self.finish(req, req.finish_on_return)
-        return live
 
 
 _rank = operator.attrgetter("rank")

@@ -4,15 +4,9 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass
-from pathlib import Path
 
-import torch
-
-from ..checkpoint.config import ModelConfig
-from ..checkpoint.store import cache_root
 from ..core.config import DTYPE_SIZES, EngineConfig
-from ..core.errors import ConfigError, InvalidRequestError
+from ..core.errors import InvalidRequestError
 from ..core.kv_manager import BlockManager
 from ..core.messages import RunnerOutput, SchedulerOutput
 from ..core.request import Request, RequestEnd, RequestStatus, RequestUpdate
@@ -23,23 +17,14 @@ from ..executors.factory import executor_factory_for
 from ..grammar import compiler_for, grammar_of
 from ..lora import LoRARegistry
 from ..runner.spec import RunnerSpec
-from .detokenizer import IncrementalDetokenizer
+from .model_setup import ModelSetup
 from .outputs import (EngineSnapshot, EngineStats, IterationRecord, LoRASnapshot, PreparedRequest, RequestDelta,
                       StepOutput)
 from .request_rules import RequestRules
+from .tracked import Tracked, embedding_delta, error_delta, output_failure
 
 log = logging.getLogger(__name__)
 COMPILE_POLL_SECONDS = 0.05
-
-
-@dataclass(slots=True)
-class _Tracked:
-    request: Request
-    detokenizer: IncrementalDetokenizer
-    cumulative_logprob: float | None = None
-    # With prompt_logprobs: the prompt's scores so far (None first), until sent with the first delta
-    prompt_logprobs: list | None = None
-    prompt_logprobs_sent: bool = False
 
 
 class LLMEngine:
@@ -53,54 +38,18 @@ class LLMEngine:
                  executor_factory: ExecutorFactory | None = None) -> None:
         self.config = config = config or EngineConfig()
         self.rules = RequestRules(config.runner)
-        # kv_cache_bytes is each rank's: a rank holds only its K/V heads (rank 0 the draft's too)
-        kv_elements = (self.rules.model_config.kv_elements_per_rank_token(config.parallel.tensor_parallel_size)
-                       + self._draft_kv_elements())
+        self.setup = setup = ModelSetup.check(config, self.rules)
         self.runner_spec = RunnerSpec.from_config(
             config, model_path=self.rules.model_path, max_model_len=self.rules.max_model_len,
-            num_blocks=config.cache.num_kv_blocks(kv_elements * DTYPE_SIZES[config.runner.dtype]),
-            engine_cache_dir=self._engine_cache_dir())
+            num_blocks=config.cache.num_kv_blocks(setup.kv_elements_per_token * DTYPE_SIZES[config.runner.dtype]),
+            engine_cache_dir=setup.engine_cache_dir)
         self.executor_factory = executor_factory or executor_factory_for(config.parallel)
         self.executor: Executor = self.executor_factory(self.runner_spec)
         model = self.rules.model_config
         self.grammars = compiler_for(self.rules.model_path, model.vocab_size, model.eos_token_ids)
-        if config.scheduler.enable_lora and model.family == "gpt2":
-            raise ConfigError("enable_lora: LoRA adapters apply to the RoPE decoder families (their q/k/v/o and "
-                              f"gate/up/down projections); this model is {model.architecture}")
         self.loras = LoRARegistry(model, config.scheduler.enable_lora, config.runner.max_lora_rank)
         self.stats = EngineStats()
         self.reset()
-
-    def _draft_kv_elements(self) -> int:
-        """K/V elements a token takes in the draft model's pool (0 without one), once its
-        checkpoint is found fit to propose for this model."""
-        path = self.config.draft_model_path
-        if not path:
-            return 0
-        draft, model = ModelConfig.from_folder(Path(path)), self.rules.model_config
-        if draft.vocab_size != model.vocab_size:
-            raise ConfigError(f"speculative_config 'model' {path} has a vocabulary of {draft.vocab_size} tokens, "
-                              f"the model {model.vocab_size}: a draft model needs the model's tokenizer")
-        if draft.max_model_len < self.rules.max_model_len:
-            raise ConfigError(f"speculative_config 'model' {path} takes {draft.max_model_len} positions, fewer "
-                              f"than the model's max_model_len {self.rules.max_model_len} (set max_model_len)")
-        return draft.kv_elements_per_rank_token(1)
-
-    def _kv_window(self) -> int | None:
-        """The window whose blocks the pool releases: the model's when all its layers slide,
-        and no draft model reads the same tables (a draft new to a request computes its whole
-        history, from position 0, through them)."""
-        return None if self.config.draft_model_path else self.rules.model_config.kv_window
-
-    def _engine_cache_dir(self) -> str:
-        if self.config.runner.engine != "tensorrt":
-            return ""
-        from trt_plugins.builder import unsupported_by_tensorrt
-
-        refusal = unsupported_by_tensorrt(self.rules.model_config)
-        if refusal:
-            raise ConfigError(f"{self.rules.model_config.architecture}: {refusal}")
-        return self.config.runner.engine_cache_dir or str(cache_root() / "engines")
 
     def reset(self) -> None:
         """Forget every request: a fresh scheduler and K/V pool. The weights stay loaded; a
@@ -127,9 +76,9 @@ class LLMEngine:
         # A new pool starts with an empty prefix cache: a new runner has no K/V to share.
         self.kv = BlockManager(self.runner_spec.num_blocks, cache.block_size, cache.enable_prefix_caching,
                                namespace=str(self.rules.model_path), stats=self.stats.prefix_cache,
-                               window=self._kv_window())
+                               window=self.setup.kv_window)
         self.scheduler = Scheduler(self.config.scheduler, self.kv, self.stats.scheduler)
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, Tracked] = {}
         # Requests whose structured_outputs grammar is compiling: tracked, not yet scheduled.
         self._compiling: dict[str, Future] = {}
         self._in_flight: dict[int, tuple[SchedulerOutput, Future[RunnerOutput]]] = {}
@@ -170,8 +119,8 @@ class LLMEngine:
         if grammar is not None and ready:
             grammar_of(grammar)  # a refused grammar raises its InvalidRequestError here
         req = Request(request_id, token_ids, params, track_logprob=track_logprob, lora=lora)
-        self._tracked[request_id] = _Tracked(req, self.rules.detokenizer(token_ids, params),
-                                             prompt_logprobs=None if params.prompt_logprobs is None else [None])
+        self._tracked[request_id] = Tracked(req, self.rules.detokenizer(token_ids, params),
+                                            prompt_logprobs=None if params.prompt_logprobs is None else [None])
         if grammar is not None:
             self.stats.num_structured_requests += 1
         if lora is not None:
@@ -384,7 +333,7 @@ class LLMEngine:
         unseen = [] if unavailable else [t for t in self._tracked.values() if not t.request.num_sent_tokens]
         message = (f"internal error: {error}" if unavailable
                    else f"internal error: {error}; the runner was restarted")
-        deltas = [_error_delta(t.request, message) for t in self._tracked.values()
+        deltas = [error_delta(t.request, message) for t in self._tracked.values()
                   if unavailable or t.request.num_sent_tokens]
         compiling = {} if unavailable else self._compiling
         self._fresh_scheduler()
@@ -397,18 +346,6 @@ class LLMEngine:
             else:
                 self.scheduler.readmit(tracked.request)
         return deltas
-
-    def _take_prompt_logprobs(self, request_id: str, position: int, entries: list) -> None:
-        """Scores of prompt tokens from `position` on; those already had (the prompt run again
-        after a preemption) are skipped."""
-        scores = self._tracked[request_id].prompt_logprobs
-        if scores is None:
-            return
-        for token_id, logprob, rank, top in entries[len(scores) - position:] if position <= len(scores) else []:
-            entry = {token_id: (logprob, rank)}
-            for other, value, other_rank in top:
-                entry.setdefault(other, (value, other_rank))
-            scores.append(entry)
 
     def _ends(self, req: Request, new_token_ids: list[int]) -> RequestEnd | None:
         """The stop rules (EOS, stop tokens and strings, lengths) over a request's new tokens in
@@ -423,7 +360,7 @@ class LLMEngine:
                 if status is not None:
                     return RequestEnd(status, num_kept=j + 1)
         except Exception as e:
-            return RequestEnd(RequestStatus.FINISHED_ERROR, error=_output_failure(req, e))
+            return RequestEnd(RequestStatus.FINISHED_ERROR, error=output_failure(req, e))
         return None
 
     def _count_proposals(self, message: SchedulerOutput, out: RunnerOutput, updates: list[RequestUpdate]) -> None:
@@ -441,66 +378,22 @@ class LLMEngine:
         req, end = update.request, update.end
         rid = req.request_id
         if out is not None and rid in out.prompt_logprobs:
-            self._take_prompt_logprobs(rid, *out.prompt_logprobs[rid])
+            self._tracked[rid].take_prompt_logprobs(*out.prompt_logprobs[rid])
         if end is not None and end.error is not None:
             self._tracked.pop(rid, None)
-            return _error_delta(req, end.error)
+            return error_delta(req, end.error)
         if end is None and not update.new_token_ids:
             return None
         try:
             tracked = self._tracked.pop(rid) if end is not None else self._tracked[rid]
             if rid in out.embeddings:
-                return self._embedding_delta(req, out.embeddings[rid])
-            return self._token_delta(tracked, update, out)
+                return embedding_delta(req, out.embeddings[rid], self.config.runner.pooling_normalize)
+            return tracked.token_delta(update, out)
         except Exception as e:
-            return self._fail(req, _output_failure(req, e))
-
-    def _embedding_delta(self, req: Request, pooled: bytes) -> RequestDelta:
-        """An embedding request's end: its vector cut to `dimensions`, then normalized."""
-        vector = torch.frombuffer(bytearray(pooled), dtype=torch.float32)[:req.params.dimensions]
-        if self.config.runner.pooling_normalize:
-            vector = torch.nn.functional.normalize(vector, dim=0)
-        return RequestDelta(req.request_id, [], "", "stop", req.num_prompt_tokens, 0, None,
-                            num_cached_tokens=req.num_cached_tokens or 0, embedding=vector.tolist())
-
-    def _token_delta(self, tracked: _Tracked, update: RequestUpdate, out: RunnerOutput) -> RequestDelta:
-        """The delta of a request's new tokens, ended or not."""
-        req, end = update.request, update.end
-        token = out.sampled[req.request_id]
-        if token.logprob is not None:
-            tracked.cumulative_logprob = (tracked.cumulative_logprob or 0.0) + token.logprob
-        logits = out.logits.get(req.request_id) if out.logits is not None else None
-        return RequestDelta(  # the end found, not the request's status: an end in flight applies on return
-            req.request_id, update.new_token_ids, tracked.detokenizer.take_delta(final=end is not None),
-            end.status.reason if end is not None else None, req.num_prompt_tokens, req.num_output_tokens,
-            tracked.cumulative_logprob,
-            [token.top_logprobs] if token.top_logprobs is not None else None,
-            torch.frombuffer(bytearray(logits), dtype=torch.float32) if logits is not None else None,
-            num_cached_tokens=req.num_cached_tokens or 0, prompt_logprobs=self._prompt_logprobs_once(tracked))
+            return self._fail(req, output_failure(req, e))
 
     def _fail(self, req: Request, message: str) -> RequestDelta:
         """End one request with an error; its K/V blocks are freed at once."""
         self._tracked.pop(req.request_id, None)
         self._end(req, RequestStatus.FINISHED_ERROR)
-        return _error_delta(req, message)
-
-    @staticmethod
-    def _prompt_logprobs_once(tracked: _Tracked) -> list | None:
-        """The prompt's scores, in the request's first delta only."""
-        if tracked.prompt_logprobs is None or tracked.prompt_logprobs_sent:
-            return None
-        tracked.prompt_logprobs_sent = True
-        return tracked.prompt_logprobs
-
-
-
-def _output_failure(req: Request, error: Exception) -> str:
-    """A failure in making a request's output (its stop rules, its delta): logged, and the
-    message its error delta carries."""
-    log.exception("request %s failed after its token was sampled", req.request_id, exc_info=error)
-    return f"internal error while processing this request's output: {error}"
-
-
-def _error_delta(req: Request, message: str) -> RequestDelta:
-    return RequestDelta(req.request_id, [], "", None, req.num_prompt_tokens, req.num_output_tokens,
-                        None, error=message, num_cached_tokens=req.num_cached_tokens or 0)
+        return error_delta(req, message)

@@ -13,12 +13,13 @@ from concurrent.futures import wait
 import torch
 
 from ..core.errors import ConfigError
-from ..core.messages import NewRequest, RunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
+from ..core.messages import NewRequest, RunnerOutput, ScheduledRequest, SchedulerOutput
 from ..lora import LoRABatch, LoRASlots
 from .models.attention import AttentionBackend, BatchLayout, TorchPagedAttention
 from .models.parallel import ONE_RANK
-from .grammar_masks import GrammarMasks, Masks
-from .sampler import Sampler, SamplerOutput
+from .grammar_masks import GrammarMasks
+from .row_outputs import pool_prompts, sample_rows, score_prompts, verify_proposals
+from .sampler import Sampler
 from .state import RunnerRequest
 
 log = logging.getLogger(__name__)
@@ -150,69 +151,16 @@ class ModelRunner:
             out.logits = {s.request_id: logits[j].cpu().numpy().tobytes() for j, s in enumerate(states)}
         if states:
             done = masks.result() if masks is not None else None
-            self._collect(out, self._sample(logits[:len(states)], states, done), states)
+            sample_rows(self.sampler, out, logits[:len(states)], states, done)
             if done is not None:
                 out.mask_seconds = done.seconds
         if checks:
-            self._verify(out, logits[len(states):], checks)
+            verify_proposals(self.sampler, out, logits[len(states):], checks)
         if scoring:
-            self._score_prompts(out, logits[len(states) + num_checked:], scoring)
+            score_prompts(out, logits[len(states) + num_checked:], scoring)
         if pooling:
-            self._pool(out, pooled_rows, pooling)
+            pool_prompts(out, pooled_rows, pooling, self.pooling_type)
         return out
-
-    def _pool(self, out: RunnerOutput, rows: torch.Tensor, pooling: list) -> None:
-        """Embedding requests' final hidden rows (in order): the last prompt row's, or their
-        sum kept across the prompt's chunks for the mean; out when the prompt has ended."""
-        start = 0
-        for _, count, state, ended in pooling:
-            chunk = rows[start:start + count].float()
-            start += count
-            if self.pooling_type == "mean":
-                total = chunk.sum(dim=0)
-                state.pooled = total if state.pooled is None else state.pooled + total
-                vector = state.pooled / state.num_prompt_tokens if ended else None
-            else:
-                vector = chunk[-1]
-            if ended:
-                state.pooled = None
-                out.embeddings[state.request_id] = vector.cpu().numpy().tobytes()
-
-    @staticmethod
-    def _score_prompts(out: RunnerOutput, logits: torch.Tensor, scoring: list) -> None:
-        """Each scoring request's prompt rows' logits (in order): the log-probability and rank
-        of the prompt token that follows each row, and the top N, from the raw model logits."""
-        start = 0
-        for _, count, state, position in scoring:
-            rows = logits[start:start + count].float().log_softmax(dim=-1)
-            start += count
-            targets = torch.tensor(state.token_ids[position:position + count], device=rows.device)
-            chosen = rows.gather(1, targets[:, None])[:, 0]
-            ranks = ((rows > chosen[:, None]).sum(dim=-1) + 1).tolist()
-            n = state.params.prompt_logprobs
-            top_values, top_ids = rows.topk(n, dim=-1) if n else (rows[:, :0], rows[:, :0].long())
-            out.prompt_logprobs[state.request_id] = [position, [
-                [t, lp, rank, [[i, v, r + 1] for r, (v, i) in enumerate(zip(values, ids))]]
-                for t, lp, rank, values, ids in zip(targets.tolist(), chosen.tolist(), ranks,
-                                                    top_values.tolist(), top_ids.tolist())]]
-
-    def _verify(self, out: RunnerOutput, logits: torch.Tensor, checks: list) -> None:
-        """Each speculating request's proposals checked against its rows' logits (in order,
-        k + 1 rows each): how many it accepts, and its token after them. A failure is the
-        request's own."""
-        start = 0
-        for _, state, drafts in checks:
-            rows = logits[start:start + len(drafts) + 1]
-            start += len(drafts) + 1
-            try:
-                if state.failure:
-                    raise RuntimeError(state.failure)
-                accepted, token_id = self.sampler.verify(rows, state, drafts)
-            except Exception as e:
-                out.errors[state.request_id] = f"internal error while checking this request's proposed tokens: {e}"
-                continue
-            out.sampled[state.request_id] = SampledToken(token_id)
-            out.accepted_token_ids[state.request_id] = drafts[:accepted]
 
     def enable_decode_graphs(self, max_batch_size: int, max_blocks: int, capture: bool) -> None:
         """Run decode-only iterations of up to max_batch_size requests from CUDA graphs (with
@@ -399,47 +347,3 @@ class ModelRunner:
                               f"runner has {len(state.token_ids)} tokens and "
                               f"{len(state.block_ids)} K/V blocks for it")
         return state
-
-    def _sample(self, logits: torch.Tensor, states: list[RunnerRequest], masks: Masks | None) -> SamplerOutput:
-        """Sample the batch at once; if that fails, or a request cannot sample, row by row, so
-        that a request whose parameters break the sampler fails alone and its neighbours
-        still get their token (each seeded generator drawn from once)."""
-        if not any(state.failure for state in states):
-            try:
-                return self.sampler(logits, states, masks)
-            except Exception:
-                log.exception("batched sampling failed; sampling row by row")
-        out = SamplerOutput([], [], [], [])
-        for i, state in enumerate(states):
-            try:
-                if state.failure:
-                    raise RuntimeError(state.failure)
-                row = self.sampler(logits[i:i + 1], [state], masks and masks.row(i))
-                error = None
-            except Exception as e:
-                row = SamplerOutput([None], [None], [None])
-                error = f"internal error while sampling this request's token: {e}"
-            out.token_ids += row.token_ids
-            out.sampled_logprobs += row.sampled_logprobs
-            out.top_logprobs += row.top_logprobs
-            out.errors.append(error)
-        return out
-
-    @staticmethod
-    def _collect(out: RunnerOutput, sampled: SamplerOutput, states: list[RunnerRequest]) -> None:
-        for i, state in enumerate(states):
-            error = sampled.errors[i] if sampled.errors else None
-            if error is not None:
-                state.last_sampled = None
-                out.errors[state.request_id] = error
-                continue
-            token_id = sampled.token_ids[i]
-            matcher = state.matcher
-            if matcher is not None and not matcher.accept(token_id):
-                state.last_sampled = None
-                out.errors[state.request_id] = (f"structured_outputs grammar cannot go on at token {token_id}: "
-                                                f"{matcher.error}")
-                continue
-            state.last_sampled = token_id
-            out.sampled[state.request_id] = SampledToken(
-                token_id, sampled.sampled_logprobs[i], sampled.top_logprobs[i])

@@ -25,8 +25,9 @@ from ..engine.llm_engine import LLMEngine
 from ..engine.outputs import IterationRecord, PreparedRequest
 from ..executors.stages import StageStats
 from .inputs import GenerateRequest, LoRACommand
-from .sender import (Deltas, ErrorKind, Fail, FailAll, Metrics, Open, Rejected, Reply, ResponseSink, Sender,
-                     Stats, Stop, Stream)
+from .sender import Sender
+from .sender_messages import (Deltas, ErrorKind, Fail, FailAll, Metrics, Open, Rejected, Reply, ResponseSink,
+                              Stats, Stop, Stream)
 from .trace import TraceFile
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton_python_backend_utils as pb_utils
 
 from .metric_series import Counter, Gauge, Histogram
-from .sender import Observed, Stats
+from .sender_messages import Observed, Stats
 from .vllm_metrics import VllmMetrics
 
 _SECONDS_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]

@@ -9,7 +9,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from .inputs import FLAG_INPUTS, GenerateRequest, LoRACommand
-from .sender import ErrorKind, Response
+from .sender_messages import ErrorKind, Response
 
 _ERROR_CODES = {ErrorKind.INVALID: "INVALID_ARG", ErrorKind.CANCELLED: "CANCELLED",
                 ErrorKind.UNAVAILABLE: "UNAVAILABLE", ErrorKind.INTERNAL: "INTERNAL"}

@@ -26,7 +26,7 @@ from .metric_series import MetricsRecorder
 from .metrics import TritonMetrics
 from .parameters import (engine_config_from_parameters, instance_device, lora_modules, model_json_parameters,
                          model_parameters, serving_options)
-from .sender import ErrorKind, Response
+from .sender_messages import ErrorKind, Response
 from .stages.executor import TritonStagesFactory
 from .trace import trace_path
 from .triton_io import error_response, parse_request, response_tensors

@@ -7,7 +7,7 @@ import time
 
 from ..engine.outputs import EngineSnapshot, LoRASnapshot
 from .metric_series import Counter, Gauge, Histogram, MakeMetric
-from .sender import ErrorKind, Observed
+from .sender_messages import ErrorKind, Observed
 
 _TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                  10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]

@@ -71,7 +71,7 @@ class TorchPagedAttention:
         return AttentionMetadata.build(layout, self.block_size, self.device, self.rope_lens)
 
 
-def rope_lens(layout: BatchLayout, positions: np.ndarray, row_req: np.ndarray) -> np.ndarray:
+def row_rope_lens(layout: BatchLayout, positions: np.ndarray, row_req: np.ndarray) -> np.ndarray:
     """Each row's sequence length as RoPE sees it: its request's prompt length while in the
     prompt, its position + 1 after (see `rope.py`)."""
     prompts = np.asarray(layout.num_prompt_tokens or [0] * len(layout.num_scheduled_tokens), dtype=np.int64)
@@ -133,7 +133,7 @@ class AttentionMetadata:
         meta = cls(positions=torch.from_numpy(positions).to(device), slot_mapping=torch.from_numpy(slots).to(device),
                    host=_Host(starts, counts, tables, first_row), block_size=block_size, device=device)
         if with_rope_lens:
-            meta.rope_lens = torch.from_numpy(rope_lens(layout, positions, row_req)).to(device)
+            meta.rope_lens = torch.from_numpy(row_rope_lens(layout, positions, row_req)).to(device)
         meta.views[None] = meta._build_views(None)
         return meta
 

@@ -82,8 +82,7 @@ class DecoderModel:
                    lora: LoRABatch | None = None) -> torch.Tensor:
         """`kv_caches[i]` is layer i's cache, for each i in `layers` (a subrange of layer_range);
         `lora`: the iteration's adapters, if any row has one."""
-        lens = getattr(meta, "rope_lens", None)
-        tables = {id(r): r.cos_sin(meta.positions, lens, h.dtype) for r in self.rotaries.values()}
+        tables = {id(r): r.cos_sin(meta.positions, meta.rope_lens, h.dtype) for r in self.rotaries.values()}
         for i in layers:
             rotary = self.layer_rotary.get(i)
             h = self.layers[i](h, meta, tables[id(rotary)] if rotary is not None else None, kv_caches[i], lora)

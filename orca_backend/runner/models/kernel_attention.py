@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .attention import BatchLayout, TorchPagedAttention, rope_lens
+from .attention import BatchLayout, TorchPagedAttention, row_rope_lens
 
 
 def load_kernel():
@@ -95,5 +95,5 @@ def kernel_metadata(layout: BatchLayout, num_rows: int | None = None,
     if not with_rope_lens:
         return positions, cu_seqlens_q, seq_lens, block_tables
     lens = np.ones(len(positions), dtype=np.int32)
-    lens[:num_tokens] = rope_lens(layout, positions[:num_tokens], row_req)
+    lens[:num_tokens] = row_rope_lens(layout, positions[:num_tokens], row_req)
     return positions, cu_seqlens_q, seq_lens, block_tables, lens
