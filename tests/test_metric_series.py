@@ -8,11 +8,11 @@ from orca_backend.serving.metric_series import Counter, Gauge, Histogram, Metric
 from helpers import wait_until
 
 
-class _Metric:
+class FakeMetric:
     """What tritonserver holds of one series, and the calls that reached it."""
 
-    def __init__(self, name: str, kind: str, labels: dict) -> None:
-        self.name, self.kind, self.labels = name, kind, labels
+    def __init__(self, name: str, kind: str, description: str, labels: dict) -> None:
+        self.name, self.kind, self.description, self.labels = name, kind, description, labels
         self.value, self.calls = 0.0, 0
 
     def increment(self, amount: float) -> None:
@@ -26,12 +26,14 @@ class _Metric:
         self.calls += 1
 
 
-class _Server:
-    def __init__(self) -> None:
-        self.series: list[_Metric] = []
+class FakeServer:
+    """The series tritonserver was asked to make (`make`), in order (test_metric_table.py too)."""
 
-    def make(self, name, kind, description, labels) -> _Metric:
-        self.series.append(_Metric(name, kind, labels))
+    def __init__(self) -> None:
+        self.series: list[FakeMetric] = []
+
+    def make(self, name, kind, description, labels) -> FakeMetric:
+        self.series.append(FakeMetric(name, kind, description, labels))
         return self.series[-1]
 
     def value(self, name: str, **labels) -> float:
@@ -44,7 +46,7 @@ class _Server:
 
 
 def test_a_histogram_is_exact_cumulative_buckets_sum_and_count_sending_only_what_changed():
-    server = _Server()
+    server = FakeServer()
     h = Histogram(server.make, "x_seconds", "d", {"model": "m"}, [0.01, 0.1, 1])
     h.observe_all([0.005, 0.01, 0.05, 0.5, 7.0])
     assert h.flush() == 6  # 4 buckets, sum, count
@@ -57,7 +59,7 @@ def test_a_histogram_is_exact_cumulative_buckets_sum_and_count_sending_only_what
 
 
 def test_gauges_are_sent_when_they_change_and_counters_never_go_back():
-    server = _Server()
+    server = FakeServer()
     gauge, counter = Gauge(server.make("g", "gauge", "", {})), Counter(server.make("c", "counter", "", {}))
     gauge.set(3)
     counter.follow(10)
