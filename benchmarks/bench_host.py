@@ -26,9 +26,10 @@ from benchmarks.common import Report, copy_model, cpu_seconds, log, metric_total
 from benchmarks.headline import record
 from benchmarks.host_load import PROMPT, Ask, OpenAILoad, TritonLoad, percentile_ms
 from benchmarks.plots import load_iterations
+from benchmarks.servers import Frontend
 from orca_backend.checkpoint.store import prepare_default_model
 from orca_backend.runner.null_runner import TEXT
-from orca_backend.serving.launch import REPO_ROOT, Frontend
+from orca_backend.serving.launch import REPO_ROOT
 
 FLOOR = "floor"
 OFFLINE = """

@@ -19,12 +19,13 @@ import subprocess
 from pathlib import Path
 
 from benchmarks.common import REPORTS, Report, log, options, serving, work_dir
+from benchmarks.servers import Frontend
 from client.bench import run_trace, summarize, write_json
 from client.generate import chat_prompt
 from client.perf_inputs import input_data
 from client.trace import LengthDist, load_tokenizer, make_trace
 from orca_backend.checkpoint.store import prepare_default_model
-from orca_backend.serving.launch import REPO_ROOT, Frontend
+from orca_backend.serving.launch import REPO_ROOT
 
 MODEL = "orca"
 # perf_analyzer's CSV splits the average latency into these parts (microseconds).

@@ -11,8 +11,9 @@ import sys
 import time
 
 from benchmarks.common import Report, log, options, serving, work_dir
+from benchmarks.servers import Frontend
 from orca_backend.checkpoint.store import prepare_default_model
-from orca_backend.serving.launch import REPO_ROOT, Frontend
+from orca_backend.serving.launch import REPO_ROOT
 
 QUESTION = "What is the capital of France?"
 MESSAGES = f'[{{"role": "user", "content": "{QUESTION}"}}]'

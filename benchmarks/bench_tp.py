@@ -22,12 +22,12 @@ import transformers
 
 from benchmarks.common import Report, log, options, seconds, work_dir
 from benchmarks.headline import record
+from benchmarks.servers import Server, free_ports
 from client.triton_client import StreamingClient
 from orca_backend import EngineConfig, LLMEngine, SamplingParams
 from orca_backend.checkpoint.store import prepare_default_model
 from orca_backend.core.messages import encode
 from orca_backend.runner.tensor_parallel import GroupCollectives
-from orca_backend.serving.launch import Server, free_ports
 from orca_backend.serving.stages.repository import PipelineLayout, write_repository
 
 MODEL_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_attention_heads=8,

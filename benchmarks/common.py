@@ -25,9 +25,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks.servers import Frontend, Server, free_ports
 from client.bench import RequestRecord, Summary, run_trace, summarize
 from client.trace import TraceRequest, exact_rate
-from orca_backend.serving.launch import REPO_ROOT, Frontend, Server, free_ports
+from orca_backend.serving.launch import REPO_ROOT
 from orca_backend.serving.stages.repository import set_parameters
 from orca_backend.simulate.sweep import is_over
 

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from orca_backend.serving.grpc_io import OUTPUTS, OWN_OUTPUTS, build_inputs, decode_outputs, requested_outputs
+from orca_backend.serving.grpc_io import (EMBEDDING, OUTPUTS, OWN_OUTPUTS, build_inputs, decode_outputs,
+                                          requested_outputs)
 
 
 @dataclass
@@ -83,6 +84,8 @@ class StreamingClient:
         self._done[request_id] = threading.Event()
         inputs = build_inputs(prompt, batched=self.batched, **options)
         wanted = [name for name in OWN_OUTPUTS if (options.get("flags") or {}).get(f"return_{name}")]
+        if options.get("embedding") is not None:
+            wanted.append(EMBEDDING)
         self.client.async_stream_infer(self.model, inputs, request_id=request_id,
                                        outputs=requested_outputs((*OUTPUTS, *wanted)),
                                        enable_empty_final_response=True)

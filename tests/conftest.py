@@ -72,7 +72,7 @@ def _save_tiny(kind: str, folder: Path, tokenizer_json: Path) -> Path:
 @pytest.fixture(scope="session")
 def server(tmp_path_factory, default_model):
     """A real tritonserver on free ports with model_repository/ (every model)."""
-    from orca_backend.serving.launch import Server
+    from benchmarks.servers import Server
 
     s = Server(tmp_path_factory.mktemp("triton"))
     try:
@@ -85,7 +85,7 @@ def server(tmp_path_factory, default_model):
 @pytest.fixture(scope="module")
 def frontend(server, tmp_path_factory):
     """The OpenAI-compatible API in front of `server`, serving `orca`."""
-    from orca_backend.serving.launch import Frontend
+    from benchmarks.servers import Frontend
 
     f = Frontend(tmp_path_factory.mktemp("openai"), server.grpc_url, args=["--model", "orca"])
     try:
@@ -246,7 +246,7 @@ def feature_server(tmp_path_factory, default_model, lora_adapters, served_family
     import json
 
     from helpers import serving
-    from orca_backend.serving.launch import Server
+    from benchmarks.servers import Server
 
     repo = tmp_path_factory.mktemp("feature_repo")
     paths = lora_adapters.paths

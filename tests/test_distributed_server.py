@@ -22,8 +22,8 @@ import pytest
 from helpers import assert_no_leak, wait_until
 from test_pipeline_server import stage_metric
 
+from benchmarks.servers import Server, free_ports
 from client.triton_client import StreamingClient
-from orca_backend.serving.launch import Server, free_ports
 from orca_backend.serving.stages.repository import TEMPLATE, PipelineLayout, set_parameters, write_repository
 
 pytestmark = pytest.mark.server  # slow group: real tritonservers

@@ -1,7 +1,8 @@
 """Embeddings: a model with a pooling type pools its prompt's final hidden states (the last
 token's, or the mean) in the same iterations as other prompts, equal to transformers' pooled
 `last_hidden_state` within 1e-4; served through the `embedding_request` input (Triton's vLLM
-backend's) and `/v1/embeddings` (the `openai` package)."""
+backend's; the vector comes back in the `embedding` output) and `/v1/embeddings` (the `openai`
+package)."""
 from __future__ import annotations
 
 import base64
@@ -12,12 +13,12 @@ import pytest
 import torch
 import transformers as tf
 
+from benchmarks.servers import Frontend
 from client.triton_client import StreamingClient
 from helpers import assert_no_leak, serving
 from orca_backend.core.errors import ConfigError, InvalidRequestError
 from orca_backend.core.sampling_params import SamplingParams
 from orca_backend.engine.llm import LLM
-from orca_backend.serving.launch import Frontend
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
            "Hello", "A long sentence about embeddings, pooled over every one of its tokens in chunks."]
@@ -97,6 +98,65 @@ def test_a_model_without_pooling_refuses_embeddings_and_engines_without_hidden_s
         SamplingParams.from_dict({"embed": True})
 
 
+# -- the output as clients read it --------------------------------------------------------------
+def _infer_result(request_id: str, **outputs: np.ndarray):
+    """A gRPC response as tritonclient hands it over, with these outputs in binary."""
+    from tritonclient.grpc import InferResult, service_pb2
+    from tritonclient.utils import serialize_byte_tensor
+
+    response = service_pb2.ModelInferResponse(id=request_id)
+    for name, array in outputs.items():
+        datatype = {np.float32: "FP32", np.uint32: "UINT32", np.object_: "BYTES"}[array.dtype.type]
+        response.outputs.add(name=name, datatype=datatype, shape=list(array.shape))
+        response.raw_output_contents.append(serialize_byte_tensor(array).item() if datatype == "BYTES"
+                                            else array.tobytes())
+    return InferResult(response)
+
+
+VECTOR = np.array([0.5, -0.25, 1e-7, 3.0], dtype=np.float32)
+
+
+def test_the_embedding_output_is_read_whole_from_raw_contents_and_by_numpy():
+    from orca_backend.serving.grpc_io import _decode_with_numpy, decode_outputs
+
+    result = _infer_result("r", embedding=VECTOR, num_input_tokens=np.array([5], np.uint32))
+    assert decode_outputs(result) == _decode_with_numpy(result) == {"embedding": VECTOR.tolist(), "num_input_tokens": 5}
+
+
+@pytest.mark.parametrize("ours", [True, False])
+def test_the_openai_api_reads_the_embedding_output_or_the_vllm_backends_json(ours):
+    """Our models' configs declare `embedding`: the frontend asks for it and reads it; a model
+    of Triton's vLLM backend has only text_output, the vector as JSON text."""
+    import asyncio
+
+    from orca_backend.serving.grpc_io import LLM_INPUTS
+    from orca_backend.serving.openai_api.backend import Backend
+
+    outputs = ["text_output", *(["embedding"] if ours else [])]
+    asked = []
+
+    class Client:
+        async def get_model_config(self, name, headers=None, as_json=False):
+            return {"config": {"input": [{"name": n} for n in LLM_INPUTS], "output": [{"name": n} for n in outputs]}}
+
+        def stream_infer(self, requests, headers=None):
+            async def responses():
+                async for request in requests:
+                    asked.append([o.name() for o in request["outputs"]])
+                    answer = {"text_output": np.array([json.dumps(VECTOR.tolist()).encode()], dtype=np.object_),
+                              "embedding": VECTOR, "num_input_tokens": np.array([2], np.uint32)}
+                    yield _infer_result(request["request_id"], **{n: answer[n] for n in asked[-1]}), None
+            return responses()
+
+    async def embed():
+        backend = Backend("unused")
+        backend.client = Client()
+        return await backend.embed(await backend._describe("m"), ["a", "b"], None)
+
+    assert asyncio.run(embed()) == [(VECTOR.tolist(), 2)] * 2
+    assert asked == [["embedding" if ours else "text_output", "num_input_tokens"]] * 2
+
+
 # -- served ------------------------------------------------------------------------------------
 def test_embedding_request_input_through_tritonclient(feature_server, server, reference):
     with StreamingClient(feature_server.grpc_url, "embed") as c:
@@ -107,7 +167,9 @@ def test_embedding_request_input_through_tritonclient(feature_server, server, re
             result = c.generate("", sampling=None, stream=False, flags=flags, embedding=body)
             assert result.error is None and len(result.responses) == 1, result.error
             response = result.responses[0]
-            assert _close(json.loads(response["text_output"]), reference(text, "mean", dimensions))
+            assert _close(response["embedding"], reference(text, "mean", dimensions))
+            # text_output: the same vector as JSON text, as Triton's vLLM backend answers
+            assert _close(json.loads(response["text_output"]), response["embedding"])
             assert response["num_output_tokens"] == 0 and response["finish_reason"] == "stop"
             assert response["num_input_tokens"] == len(reference.tokenizer.encode(text))
         # beside a generation on the same model

@@ -11,10 +11,10 @@ import pytest
 import requests
 import transformers as tf
 
+from benchmarks.servers import Frontend
 from client.triton_client import StreamingClient
 from conftest import LORA_MAX_TOKENS, LORA_PROMPTS
 from helpers import assert_no_leak, settled_metrics, wait_until
-from orca_backend.serving.launch import Frontend
 
 GREEDY = {"temperature": 0, "max_tokens": LORA_MAX_TOKENS, "ignore_eos": True}
 PROMPT = LORA_PROMPTS[0]

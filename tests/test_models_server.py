@@ -8,9 +8,9 @@ import pytest
 import torch
 import transformers as tf
 
+from benchmarks.servers import Frontend
 from client.triton_client import StreamingClient
 from helpers import assert_no_leak, serving
-from orca_backend.serving.launch import Frontend
 
 PROMPT = ("The sliding window of this model is sixteen tokens long, so that a prompt longer than that one "
           "leaves its first blocks behind while it decodes")

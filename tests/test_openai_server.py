@@ -14,9 +14,9 @@ import httpx2 as httpx  # the HTTP client the openai package is built on
 import openai
 import pytest
 
+from benchmarks.servers import Frontend
 from client import generate as generate_cli
 from client.triton_client import StreamingClient
-from orca_backend.serving.launch import Frontend
 
 from helpers import assert_no_leak, metric_lines, settled_metrics, wait_until
 

@@ -18,8 +18,8 @@ import time
 import pytest
 from stage_faults import faulty_stage_model_py
 
+from benchmarks.servers import Server
 from client.triton_client import StreamingClient
-from orca_backend.serving.launch import Server
 from orca_backend.serving.stages.repository import TEMPLATE, PipelineLayout, set_parameters, write_repository
 
 from helpers import assert_no_leak, serving, wait_until

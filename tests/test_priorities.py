@@ -7,12 +7,12 @@ import threading
 
 import pytest
 
+from benchmarks.servers import Frontend
 from client.triton_client import StreamingClient
 from helpers import assert_no_leak, metric_lines, serving, wait_until
 from orca_backend.core.errors import InvalidRequestError
 from orca_backend.core.request import RequestStatus
 from orca_backend.core.sampling_params import SamplingParams
-from orca_backend.serving.launch import Frontend
 
 from fakes import FakeEngine
 

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
+from benchmarks.servers import Server
 from client.triton_client import StreamingClient
 from orca_backend import LLM, SamplingParams
-from orca_backend.serving.launch import Server
 
 from helpers import COUNTED, assert_no_leak, settled_metrics, streamed_tokens, wait_until
 

@@ -18,7 +18,8 @@ import jsonschema
 import openai
 import pytest
 
-from orca_backend.serving.launch import REPO_ROOT, Frontend
+from benchmarks.servers import Frontend
+from orca_backend.serving.launch import REPO_ROOT
 
 from helpers import made_serve
 

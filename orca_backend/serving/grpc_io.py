@@ -12,6 +12,9 @@ OUTPUTS = ("text_output", "finish_reason", "cumulative_logprob", "logprobs", "nu
            "num_output_tokens", "num_cached_tokens")
 # Outputs only our models have (requested only when asked for: a model without them refuses them).
 OWN_OUTPUTS = ("prompt_logprobs",)
+# Ours too, requested for embedding requests only: the vector as FP32, read whole (Triton's vLLM
+# backend has no such output; its text_output holds the vector as JSON text, and so does ours).
+EMBEDDING = "embedding"
 # Inputs and outputs that make a Triton model one of ours (or one with Triton's vLLM backend I/O).
 LLM_INPUTS = ("text_input", "stream", "sampling_parameters")
 LLM_OUTPUTS = ("text_output",)
@@ -58,13 +61,17 @@ _SCALARS = {"UINT32": "<I", "UINT64": "<Q", "INT32": "<i", "INT64": "<q", "FP32"
 
 def decode_outputs(result) -> dict:
     """The outputs present in one response (an InferResult), as Python values: the first
-    element of each, read straight from the response's raw contents in one pass (a client
-    reads one of these per token; numpy arrays per output cost several times as much)."""
+    element of each (all of `embedding`, a list of floats), read straight from the response's
+    raw contents in one pass (a client reads one of these per token; numpy arrays per output
+    cost several times as much)."""
     response = result.get_response()
     if len(response.raw_output_contents) != len(response.outputs):  # not binary: the slow way
         return _decode_with_numpy(result)
     out = {}
     for tensor, raw in zip(response.outputs, response.raw_output_contents):
+        if tensor.name == EMBEDDING:
+            out[EMBEDDING] = np.frombuffer(raw, dtype="<f4").tolist()
+            continue
         if tensor.name not in OUTPUTS and tensor.name not in OWN_OUTPUTS:
             continue
         if tensor.datatype == "BYTES":  # each element: a 4-byte little-endian length, then the bytes
@@ -75,7 +82,8 @@ def decode_outputs(result) -> dict:
 
 
 def _decode_with_numpy(result) -> dict:
-    out = {}
+    vector = result.as_numpy(EMBEDDING)
+    out = {} if vector is None else {EMBEDDING: vector.reshape(-1).tolist()}
     for name in (*OUTPUTS, *OWN_OUTPUTS):
         value = result.as_numpy(name)
         if value is None:

@@ -12,7 +12,6 @@ a bounded number of cancellation checks per tick. Sending never blocks the engin
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import queue
@@ -185,7 +184,7 @@ class Sender:
         """Send what the stream's waiting deltas say, merged."""
         delta, stream.newest = stream.newest, None
         if delta.embedding is not None:  # an embedding request's only response
-            self._send(stream, delta, json.dumps(delta.embedding))
+            self._send(stream, delta, "")  # the vector goes as it is: the Triton edge encodes it
             return
         if stream.request.stream:
             text = "".join(stream.text)
@@ -207,7 +206,7 @@ class Sender:
         logprobs = stream.unsent_logprobs if stream.request.params.logprobs is not None else None
         response = Response(text, delta.finish_reason, delta.num_prompt_tokens, stream.num_unsent_tokens,
                             delta.cumulative_logprob, logprobs, delta.finished, delta.num_cached_tokens,
-                            stream.unsent_prompt_logprobs)
+                            stream.unsent_prompt_logprobs, delta.embedding)
         stream.num_unsent_tokens, stream.unsent_logprobs, stream.unsent_prompt_logprobs = 0, [], None
         stream.num_responses += 1
         self._observed.num_sends += 1

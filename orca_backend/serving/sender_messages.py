@@ -37,6 +37,7 @@ class Response:
     # With sampling parameter prompt_logprobs, in the first response only: null for the first
     # prompt token, then one {token_id: {...}} per prompt token (its own first, then the top N)
     prompt_logprobs: list[dict | None] | None = None
+    embedding: list[float] | None = None  # an embedding request's vector, in its only response
 
 
 class ResponseSink(Protocol):

@@ -33,8 +33,14 @@ def parse_request(request) -> GenerateRequest | LoRACommand:
 
 def response_tensors(parsed: GenerateRequest, r: Response, batched: bool = False) -> list:
     """The output tensors of one response: text_output, and the outputs the request's flags
-    ask for. `batched`: with a leading batch axis of 1, for a model with max_batch_size > 0."""
-    values = [("text_output", _bytes(r.text))]
+    ask for; an embedding request's answer also has `embedding`, the vector as FP32, and its
+    text_output is the vector as a JSON list, as Triton's vLLM backend answers. `batched`: with
+    a leading batch axis of 1, for a model with max_batch_size > 0."""
+    if r.embedding is None:
+        values = [("text_output", _bytes(r.text))]
+    else:
+        values = [("text_output", _bytes(json.dumps(r.embedding))),
+                  ("embedding", np.asarray(r.embedding, dtype=np.float32))]  # [dimensions]
     values += [(name, build(r)) for name, flag, build in _OPTIONAL if getattr(parsed, flag)]  # only those asked for
     return [pb_utils.Tensor(name, value[None] if batched else value) for name, value in values]
 

@@ -15,7 +15,7 @@ import tritonclient.grpc.aio as grpcclient_aio
 from tritonclient.utils import InferenceServerException
 
 from ...checkpoint.store import default_model_path
-from ..grpc_io import build_inputs, decode_outputs, is_llm_config, requested_outputs
+from ..grpc_io import EMBEDDING, build_inputs, decode_outputs, is_llm_config, requested_outputs
 from .errors import APIError, from_grpc, from_model_message, unknown_model
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,8 @@ _OUTPUTS = requested_outputs(("text_output", "finish_reason", "num_input_tokens"
 _WITH_LOGPROBS = _OUTPUTS + requested_outputs(("logprobs",))
 _WITH_PROMPT_LOGPROBS = _WITH_LOGPROBS + requested_outputs(("prompt_logprobs",))
 _INDEX_SECONDS = 2.0  # how long the list of ready models is trusted
-_EMBEDDING_OUTPUTS = requested_outputs(("text_output", "num_input_tokens"))
+_EMBEDDING_OUTPUTS = requested_outputs((EMBEDDING, "num_input_tokens"))
+_VLLM_EMBEDDING_OUTPUTS = requested_outputs(("text_output", "num_input_tokens"))  # the vector as JSON text
 
 
 @dataclass(slots=True)
@@ -44,6 +45,7 @@ class ServedModel:
     tokenizer: Path | None  # the folder of its tokenizer files, for the chat template
     created: int = field(default_factory=lambda: int(time.time()))
     takes_lora_commands: bool = False  # one of ours (its config names enable_lora): it lists its adapters
+    has_embedding_output: bool = False  # ours; Triton's vLLM backend answers embeddings in text_output
     loras: dict[str, str] = field(default_factory=dict)  # its LoRA adapters: name -> folder, as last listed
 
 
@@ -206,7 +208,8 @@ class Backend:
         return ServedModel(name, int(config.get("max_batch_size", 0)) > 0,
                            bool(config.get("model_transaction_policy", {}).get("decoupled")),
                            self._tokenizer or _tokenizer_folder(config),
-                           takes_lora_commands="enable_lora" in config.get("parameters", {}))
+                           takes_lora_commands="enable_lora" in config.get("parameters", {}),
+                           has_embedding_output=any(o["name"] == EMBEDDING for o in config.get("output", [])))
 
     async def generate(self, model: ServedModel, prompt: str, sampling: dict,
                        stream: bool) -> AsyncIterator[Piece]:
@@ -251,10 +254,11 @@ class Backend:
         ends them all, as OpenAI answers a request with one bad input)."""
         ids = [uuid.uuid4().hex for _ in inputs]
         extra = {} if dimensions is None else {"dimensions": dimensions}
+        outputs = _EMBEDDING_OUTPUTS if model.has_embedding_output else _VLLM_EMBEDDING_OUTPUTS
 
         async def requests():
             for request_id, item in zip(ids, inputs):
-                yield {"model_name": model.name, "request_id": request_id, "outputs": _EMBEDDING_OUTPUTS,
+                yield {"model_name": model.name, "request_id": request_id, "outputs": outputs,
                        "inputs": build_inputs("", None, stream=False, flags={"return_num_input_tokens": True},
                                               batched=model.batched, embedding={"input": item, **extra})}
 
@@ -265,7 +269,8 @@ class Backend:
                 if error is not None:
                     raise from_model_message(error.message())
                 out = decode_outputs(result)
-                results[result.get_response().id] = (json.loads(out["text_output"]), int(out["num_input_tokens"]))
+                vector = out[EMBEDDING] if model.has_embedding_output else json.loads(out["text_output"])
+                results[result.get_response().id] = (vector, int(out["num_input_tokens"]))
         except grpc.aio.AioRpcError as e:
             raise from_grpc(e.code(), e.details() or "") from None
         finally:
