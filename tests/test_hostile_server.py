@@ -12,8 +12,9 @@ import threading
 
 import pytest
 
+from benchmarks.servers import Frontend, Server
 from client.triton_client import StreamingClient
-from orca_backend.serving.launch import REPO_ROOT, Frontend, Server
+from orca_backend.serving.launch import REPO_ROOT
 
 from helpers import COUNTED, assert_no_leak, metric_lines, settled_metrics, streamed_tokens, wait_until
 
@@ -32,7 +33,7 @@ class TritonPythonModel(_Served):
         engine, step = self.engine, self.engine.step
 
         def crashing_step():
-            if any("CRASH-ENGINE" in t.request.params.stop for t in engine._tracked.values()):
+            if any("CRASH-ENGINE" in t.request.params.stop for t in engine.outputs.tracked.values()):
                 raise RuntimeError("injected engine-thread fault")
             return step()
 

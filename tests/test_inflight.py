@@ -286,7 +286,7 @@ def test_requests_the_dead_runner_never_saw_are_looked_up_again_in_the_new_pool(
         engine.add_request(request_id, prompt, _params(2))
     assert {d.request_id for d in engine.step() if d.error} == {"a", "b"}
     executor.kv = engine.kv  # the new runner's pool
-    c = engine._tracked["c"].request
+    c = engine.outputs.tracked["c"].request
     assert list(engine.scheduler.waiting) == [c] and c.num_computed_tokens == 0
     (final,) = [d for d in _drain(engine) if d.request_id == "c" and d.finished]
     assert final.error is None and final.num_cached_tokens == 0  # the new pool had nothing cached

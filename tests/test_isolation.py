@@ -7,7 +7,7 @@ import pytest
 from orca_backend import EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
 from orca_backend.core.request import RequestStatus
 from orca_backend.engine.detokenizer import IncrementalDetokenizer
-from orca_backend.runner import sampler as sampler_module
+from orca_backend.runner import logits_processors
 
 PROMPT = "Once upon a time"
 
@@ -42,14 +42,14 @@ def solo(engine):
 
 
 def test_a_request_that_breaks_the_sampler_fails_alone(engine, solo, monkeypatch):
-    real = sampler_module._apply_penalties
+    real = logits_processors.Penalties.apply
 
-    def broken(row, req, device):
-        if req.params.repetition_penalty == 1.5:
+    def broken(self, logits, states):
+        if any(state.params.repetition_penalty == 1.5 for state in states):
             raise RuntimeError("injected sampler fault")
-        real(row, req, device)
+        real(self, logits, states)
 
-    monkeypatch.setattr(sampler_module, "_apply_penalties", broken)
+    monkeypatch.setattr(logits_processors.Penalties, "apply", broken)
     out = _run(engine, {"good": GOOD, "bad": SamplingParams(repetition_penalty=1.5, max_tokens=8),
                         "seeded": SEEDED})
     assert "injected sampler fault" in out["bad"]["error"] and out["bad"]["token_ids"] == []

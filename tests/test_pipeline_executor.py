@@ -66,7 +66,7 @@ def test_a_failing_stage_fails_its_iteration_alone_and_the_pipeline_goes_on(tiny
     assert not errors and tokens["later"] == expected["later"]
     assert engine.kv.num_used_blocks == 0
     for runner in engine.executor.runners:  # every stage dropped the failed request
-        assert set(runner.requests) <= {"later"}
+        assert set(runner.requests.states) <= {"later"}
     engine.shutdown()
     assert not any(t.is_alive() for t in engine.executor._lanes)
 

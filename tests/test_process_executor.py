@@ -11,6 +11,7 @@ import threading
 import pytest
 
 from orca_backend import LLM, EngineConfig, LLMEngine, SamplingParams
+from orca_backend.core.config import CacheConfig
 from orca_backend.core.messages import NewRequest, ScheduledRequest, SchedulerOutput
 from orca_backend.executors import process as process_module
 from orca_backend.executors.base import IterationFailedError, RunnerDiedError
@@ -25,7 +26,7 @@ PROMPTS = ["The capital of France is", "Write a haiku about rain", "1, 2, 3,"]
 
 
 def _spec(default_model) -> RunnerSpec:
-    return RunnerSpec(str(default_model), "float32", "cpu", num_blocks=16, block_size=16, seed=0)
+    return RunnerSpec(str(default_model), num_blocks=16, cache=CacheConfig(block_size=16))
 
 
 def _gone(pid: int) -> bool:
@@ -118,7 +119,7 @@ CHILD_OF_A_DOOMED_PARENT = """
 import os, signal, sys
 from orca_backend.executors.process import ProcessExecutor
 from orca_backend.runner.spec import RunnerSpec
-executor = ProcessExecutor(RunnerSpec(sys.argv[1], "float32", "cpu", 16, 16, 0))
+executor = ProcessExecutor(RunnerSpec(sys.argv[1], 16))
 print(executor.process.pid, flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """
@@ -136,7 +137,7 @@ def test_the_runner_exits_when_its_parent_dies(default_model):
 def test_a_runner_that_cannot_load_its_model_says_why(tmp_path, default_model):
     (tmp_path / "config.json").write_text((default_model / "config.json").read_text())
     with pytest.raises(RunnerDiedError) as raised:
-        ProcessExecutor(RunnerSpec(str(tmp_path), "float32", "cpu", 16, 16, 0))
+        ProcessExecutor(RunnerSpec(str(tmp_path), 16))
     assert "could not build the runner: ConfigError" in str(raised.value)
     assert str(tmp_path) in str(raised.value)
 

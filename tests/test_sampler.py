@@ -22,7 +22,10 @@ def _req(prompt=(1,), output=(), **params) -> RunnerRequest:
 
 
 def _sample(logits, *requests, seed=0):
-    return Sampler(torch.device("cpu"), seed, [EOS])(torch.tensor(logits, dtype=torch.float32), list(requests))
+    sampler = Sampler(torch.device("cpu"), seed, [EOS])
+    for request in requests:  # they join the runner that samples (their logits rules' state is made)
+        sampler.add(request)
+    return sampler(torch.tensor(logits, dtype=torch.float32), list(requests))
 
 
 def test_greedy_takes_the_argmax_and_reports_raw_logprobs():

@@ -192,14 +192,15 @@ def test_update_ends_a_request_at_the_token_its_rule_names_and_drops_the_tokens_
     scheduler.add(req)
     scheduler.update(RunnerOutput(scheduler.schedule().iteration_id, {"a": SampledToken(3)}))
     second = scheduler.schedule()
-    assert second.scheduled[0].draft_token_ids == [1, 2, 3]
+    assert second.scheduled[0].num_proposals == 3  # rows reserved: the runner's proposer fills them
     seen = []
 
     def ends(r: Request, new_token_ids: list[int]) -> RequestEnd | None:
         seen.append(list(new_token_ids))
         return RequestEnd(RequestStatus.FINISHED_STOPPED, num_kept=2)  # a stop at the second
 
-    out = RunnerOutput(second.iteration_id, {"a": SampledToken(9)}, accepted_token_ids={"a": [1, 2, 3]})
+    out = RunnerOutput(second.iteration_id, {"a": SampledToken(9)}, accepted_token_ids={"a": [1, 2, 3]},
+                       num_proposed={"a": 3})
     [update] = scheduler.update(out, ends)
     assert seen == [[1, 2, 3, 9]] and update.new_token_ids == [1, 2] and req.output_token_ids == [3, 1, 2]
     assert update.end.status == req.status == RequestStatus.FINISHED_STOPPED

@@ -12,7 +12,8 @@ import torch
 from conftest import LORA_MAX_TOKENS, LORA_PROMPTS
 from orca_backend.core.errors import ConfigError
 from orca_backend.core.sampling_params import SamplingParams
-from orca_backend.core.speculative import NgramProposer, SpeculativeConfig
+from orca_backend.core.speculative import SpeculativeConfig
+from orca_backend.runner.proposers import NgramProposer, ProposalAsk
 from orca_backend.engine.llm import LLM
 
 # Prompts whose continuations repeat what they hold (proposals get accepted) and one that does not.
@@ -27,14 +28,14 @@ PREEMPTING = dict(kv_cache_tokens=96, block_size=4, max_num_batched_tokens=64)
 
 def test_the_proposer_looks_up_the_longest_recent_ngram():
     p = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=3))
-    assert p.propose("r", [1, 2, 3, 4, 5, 9, 1, 2, 3], 5) == [4, 5, 9]  # the 3-gram 1 2 3
-    assert p.propose("r", [1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 2, 3], 5) == [7, 2, 3]  # 2 3: its latest earlier place
-    assert p.propose("r", [1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 2, 3], 1) == [7]  # the limit
-    assert p.propose("x", [5, 6, 7, 8], 5) == []  # nothing repeats
-    assert p.propose("y", [9, 9], 5) == []  # a 1-gram is below prompt_lookup_min
+    assert p.lookup("r", [1, 2, 3, 4, 5, 9, 1, 2, 3], 5) == [4, 5, 9]  # the 3-gram 1 2 3
+    assert p.lookup("r", [1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 2, 3], 5) == [7, 2, 3]  # 2 3: its latest earlier place
+    assert p.lookup("r", [1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 2, 3], 1) == [7]  # the limit
+    assert p.lookup("x", [5, 6, 7, 8], 5) == []  # nothing repeats
+    assert p.lookup("y", [9, 9], 5) == []  # a 1-gram is below prompt_lookup_min
     # token ids whose bytes line up across tokens are never a match in between
-    assert p.propose("z", [256, 1, 2, 0, 1, 2], 5) == [0, 1, 2]
-    assert p.propose("w", [1, 256, 1, 1], 3) == []
+    assert p.lookup("z", [256, 1, 2, 0, 1, 2], 5) == [0, 1, 2]
+    assert p.lookup("w", [1, 256, 1, 1], 3) == []
 
 
 @pytest.mark.parametrize("value, words", [
@@ -219,9 +220,11 @@ class _Watching:
     def __init__(self, proposer) -> None:
         self.proposer, self.calls = proposer, []
 
-    def propose(self, request_id: str, tokens: list[int], limit: int) -> list[int]:
-        self.calls.append((request_id, len(tokens), limit))
-        return self.proposer.propose(request_id, tokens, limit)
+    reads_block_tables = False
+
+    def propose(self, asks: list[ProposalAsk]) -> list[list[int]]:
+        self.calls += [(a.request_id, len(a.token_ids), a.limit) for a in asks]
+        return self.proposer.propose(asks)
 
     def forget(self, request_id: str) -> None:
         self.proposer.forget(request_id)
@@ -233,8 +236,9 @@ def test_sampling_with_speculation_ends_right_and_seeded_requests_do_not_specula
     runner adds a token of its own), and end at max_tokens; a seeded one decodes one token at a
     time, so its output is the same with speculation on, whatever the load."""
     before = speculating.engine.stats.speculation.num_drafts
-    watching = _Watching(speculating.engine.scheduler.proposer)
-    monkeypatch.setattr(speculating.engine.scheduler, "proposer", watching)
+    runner = speculating.engine.executor.runner
+    watching = _Watching(runner.proposer)
+    monkeypatch.setattr(runner.requests, "proposer", watching)
     free = speculating.generate(PROMPTS[:2], SamplingParams(max_tokens=12, temperature=0.7, ignore_eos=True))
     assert [len(o.token_ids) for o in free] == [12, 12] and speculating.engine.stats.speculation.num_drafts > before
     prompt = {o.request_id: len(o.prompt_token_ids) for o in free}
@@ -250,7 +254,12 @@ class _Oracle:
     def __init__(self, sequences: list[list[int]]) -> None:
         self.sequences, self.calls = sequences, 0
 
-    def propose(self, request_id: str, tokens: list[int], limit: int) -> list[int]:
+    reads_block_tables = False
+
+    def propose(self, asks: list[ProposalAsk]) -> list[list[int]]:
+        return [self._one(a.token_ids, a.limit) for a in asks]
+
+    def _one(self, tokens: list[int], limit: int) -> list[int]:
         self.calls += 1
         for seq in self.sequences:
             if seq[:len(tokens)] == tokens:
@@ -309,7 +318,7 @@ def test_speculation_over_two_tensor_parallel_ranks(tiny_vocab_llama, one_rank):
     prompts, params, want = one_rank
     sequences = [o.prompt_token_ids + o.token_ids for o in want]
     with LLM(str(tiny_vocab_llama), kv_cache_tokens=512, tensor_parallel_size=2, speculative_config={}) as llm:
-        llm.engine.scheduler.proposer = _Oracle(sequences)
+        llm.engine.executor.runner.requests.proposer = _Oracle(sequences)
         got = llm.generate(prompts, params)
         stats = llm.engine.stats.speculation
     same(want, got)
@@ -360,7 +369,7 @@ def test_a_draft_model_for_an_adapter_is_checked_row_by_row(default_model, lora_
 def test_a_failing_draft_model_costs_its_proposals_only(drafting, plain):
     """The draft model raises every other call: those rows are checked with stand-in
     proposals, the iteration goes on, and the output is the output without speculation."""
-    drafter = drafting.engine.executor.runner.drafter
+    drafter = drafting.engine.executor.runner.proposer
     propose, calls = drafter.propose, []
 
     def flaky(items):
@@ -400,8 +409,8 @@ def test_the_draft_model_reuses_exactly_the_kv_of_accepted_proposals(tiny_vocab_
     draft._hidden = lambda layout, ids: rows.append(max(layout.num_scheduled_tokens)) or hidden(layout, ids)
     tokens = [5, 17, 300, 9, 42, 7, 11, 12, 13, 14, 15]
     for step, accept in enumerate([4, 0, 2, 3, 1, 0, 4]):
-        drafts, = draft.propose([("r", tokens, blocks, 4)])
-        want, = fresh().propose([("r", tokens, blocks, 4)])
+        drafts, = draft.propose([ProposalAsk("r", tokens, blocks, 4)])
+        want, = fresh().propose([ProposalAsk("r", tokens, blocks, 4)])
         assert drafts == want, f"step {step}"
         tokens = tokens + drafts[:accept] + [1000 + step]  # the target's own token after those accepted
     # all 4 accepted last: the first 3 proposals' K/V kept (the 4th was never an input)

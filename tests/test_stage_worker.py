@@ -52,7 +52,7 @@ def test_two_stage_workers_give_the_inline_engines_tokens(tiny_models, kv_cache_
     assert (engine.scheduler.num_preemptions > 0) == (kv_cache_tokens < 4096)
     assert (engine.kv.stats.num_hit_tokens > 0) == caching
     for worker in stages.workers:  # every ended request was dropped, by both stages
-        assert worker.runner.requests == {}
+        assert worker.runner.requests.states == {}
 
 
 def test_a_stage_failure_comes_back_in_band_and_the_next_stage_keeps_in_step(tiny_models):
@@ -67,7 +67,7 @@ def test_a_stage_failure_comes_back_in_band_and_the_next_stage_keeps_in_step(tin
     assert errors == {"victim": "internal error in the engine's iteration: pipeline stage 0 (layers [0, 1)) "
                                 "failed: RuntimeError: failure injected at iteration 1"}
     assert len(tokens["victim"]) == 1
-    assert all(w.runner.requests == {} for w in stages.workers)  # stage 1 took note of the end too
+    assert all(w.runner.requests.states == {} for w in stages.workers)  # stage 1 took note of the end too
     tokens, errors = _drain(engine, _requests())
     assert errors == {} and tokens == expected
 
@@ -78,10 +78,11 @@ def test_a_stage_refuses_a_spec_that_is_not_its_own(tiny_models):
     worker = stages.workers[1]
     with pytest.raises(ConfigError, match=r"pipeline stage 1 \(layers \[1, 2\)\) runs in float32, "
                                           r"the serving model expects bfloat16"):
-        worker.configure(dataclasses.asdict(dataclasses.replace(engine.runner_spec, dtype="bfloat16")))
+        spec = engine.runner_spec
+        worker.configure(dataclasses.replace(spec, runner=dataclasses.replace(spec.runner, dtype="bfloat16")).to_values())
     other = dataclasses.replace(engine.runner_spec, model_path=str(tiny_models["qwen2"]))
     with pytest.raises(ConfigError, match="serves .*llama, the serving model .*qwen2"):
-        worker.configure(dataclasses.asdict(other))
+        worker.configure(other.to_values())
     with pytest.raises(ConfigError, match=r"layers \[1, 3\) are not a non-empty range within the model's 2"):
         StageWorker(1, (1, 3), str(folder), "float32", "cpu")
 

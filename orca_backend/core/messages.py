@@ -61,18 +61,11 @@ class ScheduledRequest:
     # Async scheduling: the row's last tokens are ones the runner itself sampled in the
     # iteration before, not yet fed back (the scheduler does not know them yet).
     num_placeholders: int = 0
-    # Speculative decoding: proposed tokens after the request's own, its last rows (counted in
-    # num_scheduled_tokens, never kept in the token history): the runner checks them and
-    # reports those it accepted, with one token of its own after them.
-    draft_token_ids: list[int] = field(default_factory=list)
-    # Proposal rows the runner fills itself, from its draft model, before the iteration runs
-    # (then they are in draft_token_ids, and this is 0).
+    # Speculative decoding: rows reserved after the request's own for tokens the runner's
+    # proposer fills in (counted in num_scheduled_tokens; the proposals never enter the token
+    # history): it checks them and reports those it accepted, with one token of its own after.
+    # It may propose fewer (then fewer rows run; their K/V slots stay reserved).
     num_proposals: int = 0
-
-    @property
-    def num_drafts(self) -> int:
-        """Its proposal rows, filled in or not."""
-        return len(self.draft_token_ids) + self.num_proposals
 
 
 @dataclass(slots=True)
@@ -112,7 +105,7 @@ class SchedulerOutput:
                   None if r.lora is None else [r.lora.lora_id, r.lora.name, r.lora.path]]
                  for r in self.new_requests],
                 [[s.request_id, s.num_computed_tokens, s.num_scheduled_tokens, s.new_token_ids,
-                  s.new_block_ids, s.sample, s.num_placeholders, s.draft_token_ids, s.num_proposals]
+                  s.new_block_ids, s.sample, s.num_placeholders, s.num_proposals]
                  for s in self.scheduled],
                 self.finished_request_ids, self.preempted_request_ids]
 
@@ -151,8 +144,10 @@ class RunnerOutput:
     logits: dict[str, bytes] | None = None  # float32 rows, with EngineConfig.keep_logits (tests)
     mask_seconds: float = 0.0  # computing the grammar masks of its rows (beside the forward)
     # Speculating requests: their proposed tokens that were accepted (the sampled token comes
-    # after those); a speculating request that sampled is always here.
+    # after those), and how many were proposed (0 when the proposer found none); a speculating
+    # request that sampled is in both.
     accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    num_proposed: dict[str, int] = field(default_factory=dict)
     # Requests with prompt_logprobs whose prompt rows ran: [position of the first prompt token
     # scored (from 1), one [token id, logprob, rank, [[token id, logprob, rank], ...top]] per
     # position from there].
@@ -167,16 +162,16 @@ class RunnerOutput:
                        None if t.top_logprobs is None else [[k, *v] for k, v in t.top_logprobs.items()]]
                  for rid, t in self.sampled.items()},
                 self.errors, self.forward_seconds, self.logits, self.mask_seconds, self.accepted_token_ids,
-                self.prompt_logprobs, self.embeddings]
+                self.num_proposed, self.prompt_logprobs, self.embeddings]
 
     @classmethod
     def from_wire(cls, data: list) -> RunnerOutput:
-        iteration_id, sampled, errors, forward_seconds, logits, mask_seconds, accepted, prompt, embeddings = data
+        iteration_id, sampled, errors, forward_seconds, logits, mask_seconds, accepted, proposed, prompt, embeddings = data
         return cls(iteration_id,
                    {rid: SampledToken(token_id, logprob,
                                       None if top is None else {k: (lp, rank) for k, lp, rank in top})
                     for rid, (token_id, logprob, top) in sampled.items()},
-                   errors, forward_seconds, logits, mask_seconds, accepted, prompt, embeddings)
+                   errors, forward_seconds, logits, mask_seconds, accepted, proposed, prompt, embeddings)
 
 
 def encode(message: SchedulerOutput | RunnerOutput) -> bytes:

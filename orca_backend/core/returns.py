@@ -7,6 +7,10 @@ from .kv_manager import BlockManager
 from .messages import RunnerOutput
 from .request import EndRule, Request, RequestEnd, RequestStatus, RequestUpdate
 
+# Tokens a request decodes one at a time (one step ahead, with async scheduling) after its
+# proposer found nothing, before it is asked again.
+PROPOSAL_BACKOFF = 4
+
 
 class IterationReturns:
     """Needs, from the scheduler: `kv`, `_in_flight` (iteration id -> its rows: request,
@@ -46,6 +50,11 @@ class IterationReturns:
         req.num_computed_tokens += n - num_drafts + len(accepted)
         new_token_ids = [] if token is None else [*accepted, token.token_id]
         req.num_accepted_drafts += len(accepted)
+        if num_drafts and token is not None and not output.num_proposed.get(req.request_id, 0):
+            # The proposer found none, and none of its proposals ever held (its text does not
+            # repeat itself): look again a few tokens on, decoding one step ahead meanwhile.
+            backoff = 0 if req.num_accepted_drafts else PROPOSAL_BACKOFF
+            req.next_proposal_at = req.num_output_tokens + backoff
         req.output_token_ids += new_token_ids
         self.kv.cache_computed_blocks(req)  # their K/V is written now: others may share it
         return new_token_ids

@@ -19,17 +19,14 @@ import operator
 from collections import Counter, deque
 from dataclasses import dataclass
 
+from .adapter_slots import AdapterSlots
 from .config import SchedulerConfig
 from .kv_manager import BlockManager
-from .messages import LoRARef, NewRequest, ScheduledRequest, SchedulerOutput
+from .messages import LoRARef, SchedulerOutput
 from .request import Request, RequestStatus
+from .outgoing import IterationMessages
 from .returns import IterationReturns
-from .speculative import NgramProposer, may_speculate
-
-
-# Tokens a request decodes one at a time (one step ahead, with async scheduling) after a lookup
-# found no proposal, before it looks again.
-_PROPOSAL_BACKOFF = 4
+from .speculative import may_speculate
 
 
 @dataclass(slots=True)
@@ -40,7 +37,7 @@ class SchedulerCounters:
     num_preemptions: int = 0
 
 
-class Scheduler(IterationReturns):
+class Scheduler(IterationMessages, IterationReturns):
     """Bookkeeping only: which requests run, how many tokens each, which K/V blocks they own.
 
     Several iterations may be in flight. A request in an unreturned iteration is never
@@ -63,11 +60,8 @@ class Scheduler(IterationReturns):
         self._iteration_ids = itertools.count()
         # rows: (request, tokens, samples, proposal rows)
         self._in_flight: dict[int, list[tuple[Request, int, bool, int]]] = {}
-        spec = config.speculative_config
-        # None with a draft model: the runner proposes, and the scheduler reserves its rows
-        self.proposer = NgramProposer(spec) if spec is not None and spec.method == "ngram" else None
-        # This iteration's proposals, by request id: the tokens, or with a draft model their number.
-        self._drafts: dict[str, list[int] | int] = {}
+        # This iteration's rows reserved for proposals (the runner's proposer fills them), by request id.
+        self._drafts: dict[str, int] = {}
         # For the runner, since the last message: requests to forget, tables to drop.
         self._finished_ids: list[str] = []
         self._preempted_ids: list[str] = []
@@ -110,25 +104,10 @@ class Scheduler(IterationReturns):
             del self._priorities[req.params.priority]
         if req.num_sent_tokens:
             self._finished_ids.append(req.request_id)
-        if self.proposer is not None:
-            self.proposer.forget(req.request_id)
 
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
-
-    @property
-    def has_news_for_runner(self) -> bool:
-        """Ended requests the runner has not been told of yet."""
-        return bool(self._finished_ids or self._preempted_ids)
-
-    def runner_request_ids(self) -> list[str]:
-        """Every request the runner may hold state for (to drop them all after a reset)."""
-        return [r.request_id for r in (*self.running, *self.waiting) if r.num_sent_tokens] + self._finished_ids
-
-    def forget_on_runner(self, request_ids: list[str]) -> None:
-        """Tell the runner, with the next message, to drop these requests' state."""
-        self._finished_ids += request_ids
 
     # -- one iteration ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput | None:
@@ -164,8 +143,8 @@ class Scheduler(IterationReturns):
             return
         head = self.waiting[0]
         victims = [r for r in reversed(self.running) if not r.in_flight and r.params.priority > head.params.priority]
-        loras = self.running_loras() if self.config.enable_lora else None
-        if victims and not self._fits(head) and self._adapter_fits(head, loras) and self._room_after(head, victims):
+        slots = self._adapter_slots()
+        if victims and not self._fits(head) and slots.fits(head) and self._room_after(head, victims):
             for victim in victims:
                 self._preempt(victim)
                 if self._fits(head):
@@ -209,35 +188,27 @@ class Scheduler(IterationReturns):
                     budget -= n
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            drafts = self._propose(req, budget - n) if n == 1 and self._speculate else []
-            num_drafts = drafts if isinstance(drafts, int) else len(drafts)
+            num_drafts = self._proposal_rows(req, budget - n) if n == 1 and self._speculate else 0
             if num_drafts and not self.kv.can_allocate(req.request_id, req.num_computed_tokens + n + num_drafts):
-                drafts = num_drafts = 0  # proposals never preempt anyone
+                num_drafts = 0  # proposals never preempt anyone
             n += num_drafts
             if not self._make_room(req, req.num_computed_tokens + n):
                 break  # req itself was the newest and got preempted
-            if drafts:
-                self._drafts[req.request_id] = drafts
+            if num_drafts:
+                self._drafts[req.request_id] = num_drafts
             self.kv.allocate(req.request_id, req.num_computed_tokens + n)
             scheduled.append((req, n))
             budget -= n
         return budget
 
-    def _propose(self, req: Request, room: int) -> list[int] | int:
-        """Tokens to check after a decoding request's next one (with a draft model, how many
-        the runner is to propose): at most `room` (the token budget left), and never past its
-        max_tokens (the runner adds one token of its own)."""
+    def _proposal_rows(self, req: Request, room: int) -> int:
+        """Rows to reserve for proposals after a decoding request's next token: at most `room`
+        (the token budget left), and never past its max_tokens (the runner adds one token of
+        its own)."""
         if room <= 0 or not may_speculate(req.params, req.num_output_tokens, req.wants_logprob):
-            return []
+            return 0
         limit = min(room, req.params.max_tokens - req.num_output_tokens - 1)
-        if self.proposer is None:
-            return max(0, min(limit, self.config.speculative_config.num_speculative_tokens))
-        drafts = self.proposer.propose(req.request_id, req.prompt_token_ids + req.output_token_ids, limit)
-        # Found none, and none of its proposals ever held (its text does not repeat itself): look
-        # again a few tokens on, decoding one step ahead meanwhile (async scheduling).
-        backoff = not drafts and not req.num_accepted_drafts
-        req.next_proposal_at = req.num_output_tokens + (_PROPOSAL_BACKOFF if backoff else 0)
-        return drafts
+        return max(0, min(limit, self.config.speculative_config.num_speculative_tokens))
 
     def _ahead(self, req: Request, budget: int) -> int:
         """Async scheduling: how many tokens of an in-flight request to schedule now; 0 when
@@ -285,32 +256,29 @@ class Scheduler(IterationReturns):
         if request_mode and self.running:
             return  # request-level batching: nobody joins a batch that is running
         max_running = self._max_running
-        loras = self.running_loras() if c.enable_lora else None
+        slots = self._adapter_slots()
         i = 0
         while i < len(self.waiting) and len(scheduled) < c.max_batch_size and len(self.running) < max_running:
             if budget <= 0 and not request_mode:
                 break
             req = self.waiting[i]
-            if not self._adapter_fits(req, loras):
+            if not slots.fits(req):
                 i += 1  # its adapter waits for a slot; requests behind it whose adapter has one may go
                 continue
             if not self._admit(req, i, budget):
                 break  # FCFS: the first that may run waits for room, nobody overtakes it
-            if loras is not None and req.lora is not None:
-                loras[req.lora.lora_id] = req.lora
+            slots.admit(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if n > 0:
                 scheduled.append((req, n))
                 budget -= n
 
-    def _adapter_fits(self, req: Request, loras: dict[int, LoRARef] | None) -> bool:
-        """Whether the request's adapter (if any) is running or has a free slot."""
-        return (loras is None or req.lora is None or req.lora.lora_id in loras
-                or len(loras) < self.config.max_loras)
+    def _adapter_slots(self) -> AdapterSlots:
+        return AdapterSlots(self.running, self.config.max_loras, self.config.enable_lora)
 
     def running_loras(self) -> dict[int, LoRARef]:
         """The adapters of the running requests, by id."""
-        return {r.lora.lora_id: r.lora for r in self.running if r.lora is not None}
+        return AdapterSlots(self.running, self.config.max_loras).loras
 
     def _admit(self, req: Request, position: int = 0, budget: int | None = None) -> bool:
         """Move waiting[position] to running if its blocks fit; its leading blocks found in
@@ -353,37 +321,6 @@ class Scheduler(IterationReturns):
         prompt runs every prompt row: cached K/V would skip them."""
         return [] if req.params.runs_every_prompt_row else self.kv.match_prefix(req)
 
-    def _describe(self, scheduled: list[tuple[Request, int]]) -> SchedulerOutput:
-        out = SchedulerOutput(next(self._iteration_ids), finished_request_ids=self._finished_ids,
-                              preempted_request_ids=self._preempted_ids)
-        self._finished_ids, self._preempted_ids = [], []
-        rows = []
-        for req, n in scheduled:
-            drafts = self._drafts.pop(req.request_id, [])
-            num_drafts = drafts if isinstance(drafts, int) else len(drafts)
-            if not req.num_sent_tokens:
-                out.new_requests.append(NewRequest(req.request_id, req.prompt_token_ids, req.params,
-                                                   req.wants_logprob, req.lora))
-                req.num_sent_tokens = req.num_prompt_tokens
-            start = req.num_computed_tokens + req.num_in_flight_tokens
-            end = start + n - num_drafts  # the request's own tokens end here; the proposals follow
-            known = min(end, req.num_tokens)  # beyond: tokens the runner samples and fills in
-            new_token_ids = req.token_slice(req.num_sent_tokens, known) if known > req.num_sent_tokens else []
-            num_placeholders = max(0, end - max(req.num_sent_tokens, req.num_tokens))
-            req.num_sent_tokens = max(req.num_sent_tokens, end)
-            table = self.kv.block_tables[req.request_id]
-            new_block_ids, req.num_sent_blocks = table[req.num_sent_blocks:], len(table)
-            sample = end == req.num_tokens + req.num_placeholders
-            out.scheduled.append(ScheduledRequest(req.request_id, start, n, new_token_ids, new_block_ids,
-                                                  sample, num_placeholders, [] if isinstance(drafts, int) else drafts,
-                                                  drafts if isinstance(drafts, int) else 0))
-            req.num_in_flight += 1
-            req.num_in_flight_tokens += n
-            req.num_placeholders += sample
-            req.num_in_flight_drafts += num_drafts
-            rows.append((req, n, sample, num_drafts))
-        self._in_flight[out.iteration_id] = rows
-        return out
 
 
 _rank = operator.attrgetter("rank")

@@ -1,13 +1,13 @@
-"""Speculative decoding's configuration and the n-gram proposer (prompt lookup).
+"""Speculative decoding's configuration, and when a request may speculate.
 
 A speculating request is scheduled for 1 + k rows: its last sampled token and k proposed ones.
 The runner checks the proposals against the model's own choice at each row and returns those
 it accepted, plus one token of its own (the bonus): k + 1 tokens for one pass over the weights
-when every proposal holds. Two proposers: `ngram` (here, in the scheduler) needs no model: the
-longest recent n-gram of the request's tokens is looked up earlier in them, and the tokens that
-followed it there are the proposal (text that repeats its input: editing, summarising, code).
-`draft_model` is a smaller checkpoint with the same tokenizer that the runner runs k steps
-ahead itself (`runner/drafter.py`): the scheduler only reserves the rows.
+when every proposal holds. The scheduler only reserves the rows (`ScheduledRequest.num_proposals`)
+and advances by what the runner reports; the runner's proposer fills them
+(`runner/proposers.py`): `ngram` looks the longest recent n-gram of the request's tokens up
+earlier in them (text that repeats its input: editing, summarising, code), `draft_model` runs a
+smaller checkpoint with the same tokenizer k steps ahead (`runner/drafter.py`).
 """
 from __future__ import annotations
 
@@ -84,46 +84,3 @@ def may_speculate(params, num_output_tokens: int, wants_logprob: bool) -> bool:
     return not (params.needs_penalties or params.needs_logit_rules or params.structured_outputs is not None
                 or wants_logprob
                 or num_output_tokens < params.min_tokens or (params.seed is not None and not params.greedy))
-
-
-class NgramProposer:
-    """Proposals by prompt lookup, over each request's tokens (kept here as bytes, 4 per token,
-    so that the search is `bytes.rfind` in C, not a Python loop over the context)."""
-
-    def __init__(self, config: SpeculativeConfig) -> None:
-        self.config = config
-        self._seen: dict[str, tuple[bytearray, int]] = {}  # request id -> (its tokens as bytes, count)
-
-    def propose(self, request_id: str, tokens: list[int], limit: int) -> list[int]:
-        """Up to min(k, limit) tokens to follow `tokens` (the request's prompt and output so
-        far): after the most recent earlier occurrence of its longest suffix of n tokens,
-        prompt_lookup_max >= n >= prompt_lookup_min, that has one. [] when none has."""
-        limit = min(limit, self.config.num_speculative_tokens)
-        if limit <= 0:
-            return []
-        data = self._bytes(request_id, tokens)
-        num_tokens = len(tokens)
-        for n in range(min(self.config.prompt_lookup_max, num_tokens - 1), self.config.prompt_lookup_min - 1, -1):
-            pattern = bytes(data[(num_tokens - n) * 4:])
-            end = (num_tokens - 1) * 4  # an occurrence that ends before the last token
-            while True:
-                at = data.rfind(pattern, 0, end)
-                if at < 0:
-                    break
-                if at % 4 == 0:  # aligned on a token
-                    start = at // 4 + n
-                    return tokens[start:start + limit]
-                end = at + len(pattern) - 1
-        return []
-
-    def forget(self, request_id: str) -> None:
-        self._seen.pop(request_id, None)
-
-    def _bytes(self, request_id: str, tokens: list[int]) -> bytearray:
-        data, count = self._seen.get(request_id, (bytearray(), 0))
-        if count > len(tokens):  # not this request's history any more (a recompute): start over
-            data, count = bytearray(), 0
-        for t in tokens[count:]:
-            data += t.to_bytes(4, "little")
-        self._seen[request_id] = (data, len(tokens))
-        return data

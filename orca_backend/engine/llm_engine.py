@@ -9,7 +9,7 @@ from ..core.config import DTYPE_SIZES, EngineConfig
 from ..core.errors import InvalidRequestError
 from ..core.kv_manager import BlockManager
 from ..core.messages import RunnerOutput, SchedulerOutput
-from ..core.request import Request, RequestEnd, RequestStatus, RequestUpdate
+from ..core.request import Request, RequestStatus
 from ..core.sampling_params import SamplingParams
 from ..core.scheduler import Scheduler
 from ..executors.base import Executor, ExecutorFactory, RunnerDiedError, RunnerUnavailableError
@@ -18,10 +18,10 @@ from ..grammar import compiler_for, grammar_of
 from ..lora import LoRARegistry
 from ..runner.spec import RunnerSpec
 from .model_setup import ModelSetup
-from .outputs import (EngineSnapshot, EngineStats, IterationRecord, LoRASnapshot, PreparedRequest, RequestDelta,
+from .outputs import (EngineSnapshot, EngineStats, IterationRecord, PreparedRequest, RequestDelta,
                       StepOutput)
 from .request_rules import RequestRules
-from .tracked import Tracked, embedding_delta, error_delta, output_failure
+from .output_processor import OutputProcessor, error_delta
 
 log = logging.getLogger(__name__)
 COMPILE_POLL_SECONDS = 0.05
@@ -47,7 +47,8 @@ class LLMEngine:
         self.executor: Executor = self.executor_factory(self.runner_spec)
         model = self.rules.model_config
         self.grammars = compiler_for(self.rules.model_path, model.vocab_size, model.eos_token_ids)
-        self.loras = LoRARegistry(model, config.scheduler.enable_lora, config.runner.max_lora_rank)
+        self.loras = LoRARegistry(model, config.scheduler.enable_lora, config.runner.max_lora_rank,
+                                  config.scheduler.max_loras)
         self.stats = EngineStats()
         self.reset()
 
@@ -78,7 +79,8 @@ class LLMEngine:
                                namespace=str(self.rules.model_path), stats=self.stats.prefix_cache,
                                window=self.setup.kv_window)
         self.scheduler = Scheduler(self.config.scheduler, self.kv, self.stats.scheduler)
-        self._tracked: dict[str, Tracked] = {}
+        self.outputs = OutputProcessor(self.rules, self.config.runner.pooling_normalize, self.stats.speculation,
+                                       self._end)
         # Requests whose structured_outputs grammar is compiling: tracked, not yet scheduled.
         self._compiling: dict[str, Future] = {}
         self._in_flight: dict[int, tuple[SchedulerOutput, Future[RunnerOutput]]] = {}
@@ -108,7 +110,7 @@ class LLMEngine:
         `track_logprob` keeps a cumulative log-probability even when `params.logprobs` is unset;
         `grammar`: the future `compile_grammar` gave for these params (else the compile starts here).
         """
-        if request_id in self._tracked:
+        if request_id in self.outputs.tracked:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         lora = None if lora_name is None else self.loras.get(lora_name)
         if not isinstance(prompt, PreparedRequest):
@@ -119,12 +121,10 @@ class LLMEngine:
         if grammar is not None and ready:
             grammar_of(grammar)  # a refused grammar raises its InvalidRequestError here
         req = Request(request_id, token_ids, params, track_logprob=track_logprob, lora=lora)
-        self._tracked[request_id] = Tracked(req, self.rules.detokenizer(token_ids, params),
-                                            prompt_logprobs=None if params.prompt_logprobs is None else [None])
+        self.outputs.track(req)
         if grammar is not None:
             self.stats.num_structured_requests += 1
-        if lora is not None:
-            self.stats.num_lora_requests[lora.name] = self.stats.num_lora_requests.get(lora.name, 0) + 1
+        self.loras.count(lora)
         if ready:
             self.scheduler.add(req)
         else:
@@ -139,18 +139,11 @@ class LLMEngine:
 
     def remove_lora(self, name: str) -> None:
         """Unregister an adapter; refused (InvalidRequestError) while a request uses it."""
-        users = sum(1 for t in self._tracked.values() if t.request.lora is not None and t.request.lora.name == name)
-        if users:
-            raise InvalidRequestError(f"LoRA adapter '{name}' is in use by {users} request(s); unload it "
-                                      "when they have finished")
-        self.loras.remove(name)
+        self.loras.remove_unused(name, (t.request for t in self.outputs.tracked.values()))
 
     def lora_requests(self) -> tuple[list[str], list[str]]:
         """(the adapters of running requests, those of waiting ones), by name."""
-        running = {r.lora.name for r in self.scheduler.running if r.lora is not None}
-        waiting = {t.request.lora.name for t in self._tracked.values()
-                   if t.request.lora is not None and t.request.lora.name not in running}
-        return sorted(running), sorted(waiting)
+        return self.loras.in_use(self.scheduler.running, (t.request for t in self.outputs.tracked.values()))
 
     def compile_grammar(self, params: SamplingParams) -> Future | None:
         """Start compiling a request's structured_outputs grammar (None if it has none): the
@@ -176,7 +169,7 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> bool:
         """Drop a request and free its K/V blocks (when its iteration returns, if one is in
         flight; nothing more of it is reported); False if it is unknown or finished."""
-        tracked = self._tracked.pop(request_id, None)
+        tracked = self.outputs.tracked.pop(request_id, None)
         if tracked is None:
             return False
         self._end(tracked.request, RequestStatus.FINISHED_ABORTED)
@@ -191,7 +184,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         """Requests to run, iterations still to collect, a runner to start again, or ended
         requests the runner still holds state for."""
-        return (bool(self._tracked) or bool(self._in_flight) or self._runner_died
+        return (bool(self.outputs.tracked) or bool(self._in_flight) or self._runner_died
                 or self.scheduler.has_news_for_runner)
 
     @property
@@ -200,7 +193,7 @@ class LLMEngine:
         return len(self._in_flight)
 
     def unfinished_request_ids(self) -> list[str]:
-        return list(self._tracked)
+        return list(self.outputs.tracked)
 
     def snapshot(self) -> EngineSnapshot:
         """The gauges and counters a server reports, as of now (engine thread only)."""
@@ -212,14 +205,9 @@ class LLMEngine:
             num_prefix_queried_tokens=self.kv.stats.num_queried_tokens,
             num_prefix_hit_tokens=self.kv.stats.num_hit_tokens, num_evictions=self.kv.stats.num_evictions,
             num_structured_requests=self.stats.num_structured_requests,
-            lora=self._lora_snapshot() if self.config.scheduler.enable_lora else None,
+            lora=self.loras.snapshot(self.scheduler.running, (t.request for t in self.outputs.tracked.values())),
             speculation=(self.stats.speculation.copy() if self.config.scheduler.speculative_config is not None
                          else None))
-
-    def _lora_snapshot(self) -> LoRASnapshot:
-        running, waiting = self.lora_requests()
-        return LoRASnapshot(tuple(running), tuple(waiting), self.config.scheduler.max_loras,
-                            dict(self.stats.num_lora_requests))
 
     # -- iterations -------------------------------------------------------------------------
     def step(self) -> StepOutput:
@@ -253,9 +241,9 @@ class LLMEngine:
         for request_id, future in list(self._compiling.items()):
             if not future.done():
                 continue
-            req = self._tracked[request_id].request
+            req = self.outputs.tracked[request_id].request
             if future.exception() is not None:
-                deltas.append(self._fail(req, str(future.exception())))
+                deltas.append(self.outputs.fail(req, str(future.exception())))
             else:
                 del self._compiling[request_id]
                 self.scheduler.add(req)
@@ -305,13 +293,11 @@ class LLMEngine:
             log.error("an iteration of %d requests failed", message.num_requests, exc_info=e)
             updates = self.scheduler.fail_iteration(message.iteration_id,
                                                     f"internal error in the engine's iteration: {e}")
-            return [self._delta(update, None) for update in updates]
+            return self.outputs.deltas(updates, None)
         if out.iteration_id != message.iteration_id:
             raise RunnerDiedError(f"{self.executor.name} answered iteration {message.iteration_id} "
                                   f"with iteration {out.iteration_id}'s output")
-        updates = self.scheduler.update(out, self._ends)
-        self._count_proposals(message, out, updates)
-        deltas = [delta for update in updates if (delta := self._delta(update, out)) is not None]
+        deltas = self.outputs.deltas(self.scheduler.update(out, self.outputs.ends), out)
         if not message.num_requests:
             return deltas  # it only told the runner which requests have ended
         self.stats.num_iterations += 1
@@ -330,70 +316,20 @@ class LLMEngine:
         # Unseen: waiting, or admitted with no tokens yet (request-level batching does that).
         # When no runner can start, they would wait for nothing: they end too.
         unavailable = isinstance(error, RunnerUnavailableError)
-        unseen = [] if unavailable else [t for t in self._tracked.values() if not t.request.num_sent_tokens]
+        old = self.outputs.tracked
+        unseen = [] if unavailable else [t for t in old.values() if not t.request.num_sent_tokens]
         message = (f"internal error: {error}" if unavailable
                    else f"internal error: {error}; the runner was restarted")
-        deltas = [error_delta(t.request, message) for t in self._tracked.values()
+        deltas = [error_delta(t.request, message) for t in old.values()
                   if unavailable or t.request.num_sent_tokens]
         compiling = {} if unavailable else self._compiling
         self._fresh_scheduler()
         self._runner_died = True
         for tracked in unseen:
             request_id = tracked.request.request_id
-            self._tracked[request_id] = tracked
+            self.outputs.tracked[request_id] = tracked
             if request_id in compiling:
                 self._compiling[request_id] = compiling[request_id]
             else:
                 self.scheduler.readmit(tracked.request)
         return deltas
-
-    def _ends(self, req: Request, new_token_ids: list[int]) -> RequestEnd | None:
-        """The stop rules (EOS, stop tokens and strings, lengths) over a request's new tokens in
-        turn (several when proposals were accepted before its sampled one): the first token that
-        ends it is its last. The scheduler applies what this finds."""
-        try:
-            detokenizer = self._tracked[req.request_id].detokenizer
-            for j, token_id in enumerate(new_token_ids):
-                behind = len(new_token_ids) - 1 - j
-                status = self.rules.finish_status(req.params, detokenizer, token_id,
-                                                  req.num_output_tokens - behind, req.num_tokens - behind)
-                if status is not None:
-                    return RequestEnd(status, num_kept=j + 1)
-        except Exception as e:
-            return RequestEnd(RequestStatus.FINISHED_ERROR, error=output_failure(req, e))
-        return None
-
-    def _count_proposals(self, message: SchedulerOutput, out: RunnerOutput, updates: list[RequestUpdate]) -> None:
-        """Speculative decoding's counters: each live request that checked proposals and sampled."""
-        drafts = {s.request_id: s.num_drafts for s in message.scheduled if s.num_drafts}
-        for update in updates:
-            rid = update.request.request_id
-            if rid in drafts and rid in out.sampled and rid not in out.errors and rid not in out.embeddings:
-                self.stats.speculation.add(drafts[rid], len(out.accepted_token_ids.get(rid, [])))
-
-    def _delta(self, update: RequestUpdate, out: RunnerOutput | None) -> RequestDelta | None:
-        """What a live request of a returned iteration (None: one that failed) tells its client:
-        its error, its embedding, or its new tokens and text; None when it has nothing to say
-        (a prompt chunk)."""
-        req, end = update.request, update.end
-        rid = req.request_id
-        if out is not None and rid in out.prompt_logprobs:
-            self._tracked[rid].take_prompt_logprobs(*out.prompt_logprobs[rid])
-        if end is not None and end.error is not None:
-            self._tracked.pop(rid, None)
-            return error_delta(req, end.error)
-        if end is None and not update.new_token_ids:
-            return None
-        try:
-            tracked = self._tracked.pop(rid) if end is not None else self._tracked[rid]
-            if rid in out.embeddings:
-                return embedding_delta(req, out.embeddings[rid], self.config.runner.pooling_normalize)
-            return tracked.token_delta(update, out)
-        except Exception as e:
-            return self._fail(req, output_failure(req, e))
-
-    def _fail(self, req: Request, message: str) -> RequestDelta:
-        """End one request with an error; its K/V blocks are freed at once."""
-        self._tracked.pop(req.request_id, None)
-        self._end(req, RequestStatus.FINISHED_ERROR)
-        return error_delta(req, message)

@@ -1,16 +1,19 @@
-"""What the engine keeps of each live request beyond the scheduler's bookkeeping, and the
-deltas it makes from it: its detokenizer, cumulative logprob and prompt scores."""
+"""The engine's output half: what it keeps of each live request beyond the scheduler's
+bookkeeping (its detokenizer, cumulative logprob, prompt scores), the stop rules over its new
+tokens, and the one delta per request per returned iteration its client gets."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from ..core.messages import RunnerOutput
-from ..core.request import Request, RequestUpdate
+from ..core.request import Request, RequestEnd, RequestStatus, RequestUpdate
 from .detokenizer import IncrementalDetokenizer
-from .outputs import RequestDelta
+from .outputs import RequestDelta, SpeculationStats
+from .request_rules import RequestRules
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +60,74 @@ class Tracked:
             return None
         self.prompt_logprobs_sent = True
         return self.prompt_logprobs
+
+
+class OutputProcessor:
+    """`tracked`: every live request the engine has accepted, by id. `end_request` retires a
+    request in the scheduler (the engine's), for one that fails here."""
+
+    def __init__(self, rules: RequestRules, normalize_embeddings: bool, speculation: SpeculationStats,
+                 end_request: Callable[[Request, RequestStatus], None]) -> None:
+        self.rules, self.normalize_embeddings, self.speculation = rules, normalize_embeddings, speculation
+        self.end_request = end_request
+        self.tracked: dict[str, Tracked] = {}
+
+    def track(self, req: Request) -> None:
+        params = req.params
+        self.tracked[req.request_id] = Tracked(req, self.rules.detokenizer(req.prompt_token_ids, params),
+                                               prompt_logprobs=None if params.prompt_logprobs is None else [None])
+
+    def ends(self, req: Request, new_token_ids: list[int]) -> RequestEnd | None:
+        """The stop rules (EOS, stop tokens and strings, lengths) over a request's new tokens in
+        turn (several when proposals were accepted before its sampled one): the first token that
+        ends it is its last. The scheduler applies what this finds."""
+        try:
+            detokenizer = self.tracked[req.request_id].detokenizer
+            for j, token_id in enumerate(new_token_ids):
+                behind = len(new_token_ids) - 1 - j
+                status = self.rules.finish_status(req.params, detokenizer, token_id,
+                                                  req.num_output_tokens - behind, req.num_tokens - behind)
+                if status is not None:
+                    return RequestEnd(status, num_kept=j + 1)
+        except Exception as e:
+            return RequestEnd(RequestStatus.FINISHED_ERROR, error=output_failure(req, e))
+        return None
+
+    def deltas(self, updates: list[RequestUpdate], out: RunnerOutput | None) -> list[RequestDelta]:
+        """The deltas of a returned iteration's live requests (`out` None: one that failed as a
+        whole), those with something to say."""
+        return [delta for update in updates if (delta := self._delta(update, out)) is not None]
+
+    def fail(self, req: Request, message: str) -> RequestDelta:
+        """End one request with an error; its K/V blocks are freed at once."""
+        self.tracked.pop(req.request_id, None)
+        self.end_request(req, RequestStatus.FINISHED_ERROR)
+        return error_delta(req, message)
+
+    def _delta(self, update: RequestUpdate, out: RunnerOutput | None) -> RequestDelta | None:
+        req, end = update.request, update.end
+        rid = req.request_id
+        if out is not None:
+            self._count(rid, out)
+        if end is not None and end.error is not None:
+            self.tracked.pop(rid, None)
+            return error_delta(req, end.error)
+        if end is None and not update.new_token_ids:
+            return None  # a prompt chunk
+        try:
+            tracked = self.tracked.pop(rid) if end is not None else self.tracked[rid]
+            if rid in out.embeddings:
+                return embedding_delta(req, out.embeddings[rid], self.normalize_embeddings)
+            return tracked.token_delta(update, out)
+        except Exception as e:
+            return self.fail(req, output_failure(req, e))
+
+    def _count(self, rid: str, out: RunnerOutput) -> None:
+        """What the runner reported beside the tokens: prompt scores, proposals checked."""
+        if rid in out.prompt_logprobs:
+            self.tracked[rid].take_prompt_logprobs(*out.prompt_logprobs[rid])
+        if out.num_proposed.get(rid) and rid in out.sampled:
+            self.speculation.add(out.num_proposed[rid], len(out.accepted_token_ids.get(rid, [])))
 
 
 def embedding_delta(req: Request, pooled: bytes, normalize: bool) -> RequestDelta:

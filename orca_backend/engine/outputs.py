@@ -8,6 +8,7 @@ import torch
 from ..core.kv_manager import PrefixCacheStats
 from ..core.sampling_params import SamplingParams
 from ..core.scheduler import SchedulerCounters
+from ..lora.registry import LoRASnapshot
 
 
 @dataclass(slots=True)
@@ -104,19 +105,10 @@ class EngineStats:
     forward_seconds: float = 0.0  # the runner's model forward, as it reports it
     num_runner_restarts: int = 0
     num_structured_requests: int = 0  # requests added with a structured_outputs grammar
-    num_lora_requests: dict[str, int] = field(default_factory=dict)  # requests added, by adapter name
     speculation: SpeculationStats = field(default_factory=SpeculationStats)
     # Handed to each scheduler and K/V pool, so that they run on across resets.
     scheduler: SchedulerCounters = field(default_factory=SchedulerCounters)
     prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
-
-
-@dataclass(slots=True, frozen=True)
-class LoRASnapshot:
-    running: tuple[str, ...]  # the adapters of running requests, by name
-    waiting: tuple[str, ...]  # those only waiting requests have
-    max_loras: int
-    num_requests: dict[str, int]  # requests added so far, by adapter name
 
 
 @dataclass(slots=True)

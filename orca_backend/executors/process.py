@@ -8,7 +8,6 @@ every later submit; the engine then restarts the runner (see `LLMEngine.step`).
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import queue
 import subprocess
@@ -43,7 +42,7 @@ class ProcessExecutor(Executor):
         self._closing = False
         self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()  # None: stop writing
         try:
-            self._to_child.send_bytes(frame(Frame.SPEC, dataclasses.asdict(spec)))
+            self._to_child.send_bytes(frame(Frame.SPEC, spec.to_values()))
             self._wait_ready(start_timeout)
         except BaseException:
             self._stop_process()

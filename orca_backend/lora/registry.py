@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,11 +28,47 @@ class LoRARequest:
     lora_path: str = ""
 
 
+@dataclass(slots=True, frozen=True)
+class LoRASnapshot:
+    running: tuple[str, ...]  # the adapters of running requests, by name
+    waiting: tuple[str, ...]  # those only waiting requests have
+    max_loras: int
+    num_requests: dict[str, int]  # requests added so far, by adapter name
+
+
 class LoRARegistry:
-    def __init__(self, model: ModelConfig, enabled: bool, max_rank: int) -> None:
-        self.model, self.enabled, self.max_rank = model, enabled, max_rank
+    def __init__(self, model: ModelConfig, enabled: bool, max_rank: int, max_loras: int = 1) -> None:
+        self.model, self.enabled, self.max_rank, self.max_loras = model, enabled, max_rank, max_loras
         self._by_name: dict[str, LoRARef] = {}
         self._ids = itertools.count(1)
+        self.num_requests: dict[str, int] = {}  # requests added with each adapter, by name
+
+    def count(self, ref: LoRARef | None) -> None:
+        """A request was added with this adapter (None: the base model)."""
+        if ref is not None:
+            self.num_requests[ref.name] = self.num_requests.get(ref.name, 0) + 1
+
+    def remove_unused(self, name: str, requests: Iterable) -> None:
+        """Unregister an adapter; refused (InvalidRequestError) while one of `requests` (those
+        unfinished) uses it."""
+        users = sum(1 for r in requests if r.lora is not None and r.lora.name == name)
+        if users:
+            raise InvalidRequestError(f"LoRA adapter '{name}' is in use by {users} request(s); unload it "
+                                      "when they have finished")
+        self.remove(name)
+
+    def in_use(self, running: Iterable, unfinished: Iterable) -> tuple[list[str], list[str]]:
+        """(the adapters of running requests, those of the other unfinished ones), by name."""
+        names = {r.lora.name for r in running if r.lora is not None}
+        others = {r.lora.name for r in unfinished if r.lora is not None and r.lora.name not in names}
+        return sorted(names), sorted(others)
+
+    def snapshot(self, running: Iterable, unfinished: Iterable) -> LoRASnapshot | None:
+        """The adapters' gauges and counters (None with LoRA off)."""
+        if not self.enabled:
+            return None
+        names, others = self.in_use(running, unfinished)
+        return LoRASnapshot(tuple(names), tuple(others), self.max_loras, dict(self.num_requests))
 
     @property
     def names(self) -> list[str]:

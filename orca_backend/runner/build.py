@@ -9,12 +9,14 @@ import torch
 
 from ..checkpoint.config import ModelConfig
 from ..core.errors import ConfigError
+from ..core.speculative import SpeculativeConfig
 from ..grammar import GrammarCompiler, compiler_for
 from ..lora import LoRASlots
 from .devices import make_current
 from .drafter import DraftModel
 from .model_runner import ModelRunner
 from .null_runner import NullRunner
+from .proposers import NgramProposer, Proposer
 from .models import load_model
 from .models.attention import TorchPagedAttention
 from .models.kernel_attention import KernelPagedAttention
@@ -27,33 +29,33 @@ START_TIMEOUT_SECONDS = 600  # every rank loading its shard
 
 def build_runner(spec: RunnerSpec, model=None, rank: int = 0) -> ModelRunner | NullRunner:
     """Load the weights (unless `model` is already loaded) and allocate the K/V pool."""
-    if spec.engine == "null":
-        return NullRunner(spec.model_path, spec.null_step_seconds, grammar_compiler(spec))
-    if spec.engine == "tensorrt":
-        if spec.tensor_parallel_size > 1:
+    if spec.runner.engine == "null":
+        return NullRunner(spec.model_path, spec.runner.null_step_seconds, grammar_compiler(spec))
+    if spec.runner.engine == "tensorrt":
+        if spec.parallel.tensor_parallel_size > 1:
             raise ConfigError("engine 'tensorrt' builds single-rank engines; tensor_parallel_size "
-                              f"{spec.tensor_parallel_size} needs engine 'torch'")
+                              f"{spec.parallel.tensor_parallel_size} needs engine 'torch'")
         from .tensorrt_runner import build_tensorrt_runner  # imports trt_plugins' builder
 
         runner = build_tensorrt_runner(spec)
         runner.grammars = grammar_compiler(spec)
         return runner
-    if spec.tensor_parallel_size > 1:
+    if spec.parallel.tensor_parallel_size > 1:
         return _build_rank(spec, rank)
-    dtype, device = getattr(torch, spec.dtype), torch.device(spec.device)
+    dtype, device = getattr(torch, spec.runner.dtype), torch.device(spec.runner.device)
     make_current(device)  # kernels launch on the current device
-    backend = linear_backend(device, dtype, spec.quantization, spec.linear)  # refused before loading
+    backend = linear_backend(device, dtype, spec.runner.quantization, spec.runner.linear)  # refused before loading
     if model is None:
         layers = range(*spec.layer_range) if spec.layer_range else None
         model = load_model(Path(spec.model_path), dtype, device, layers)
     pack_linears(model, backend)  # a stage's model, loaded before, keeps the backend it has
-    runner = ModelRunner(model, spec.num_blocks, spec.block_size, device, dtype, spec.seed,
-                         spec.keep_logits, _attention(spec, device), grammars=grammar_compiler(spec),
-                         loras=_lora_slots(spec, model, dtype, device))
-    runner.drafter = _drafter(spec, runner, backend)
-    runner.pooling_type = spec.pooling_type
-    if spec.cuda_graphs and spec.attention == "triton" and not spec.layer_range:
-        runner.enable_decode_graphs(spec.max_batch_size, -(-spec.max_model_len // spec.block_size),
+    attention = _attention(spec, device)
+    runner = ModelRunner(model, spec.num_blocks, spec.cache.block_size, device, dtype, spec.runner.seed,
+                         spec.runner.keep_logits, attention, grammars=grammar_compiler(spec),
+                         loras=_lora_slots(spec, model, dtype, device),
+                         proposer=_proposer(spec, model, attention, backend, device), pooling_type=spec.runner.pooling_type)
+    if spec.runner.cuda_graphs and spec.runner.attention_backend == "triton" and not spec.layer_range:
+        runner.enable_decode_graphs(spec.scheduler.max_batch_size, -(-spec.max_model_len // spec.cache.block_size),
                                     capture=device.type == "cuda")
     return runner
 
@@ -65,30 +67,32 @@ def grammar_compiler(spec: RunnerSpec) -> GrammarCompiler:
 
 
 def _lora_slots(spec: RunnerSpec, model, dtype: torch.dtype, device: torch.device) -> LoRASlots | None:
-    if not spec.enable_lora:
+    if not spec.scheduler.enable_lora:
         return None
-    return LoRASlots(model, spec.max_loras, spec.max_cpu_loras, spec.max_lora_rank, dtype, device)
+    return LoRASlots(model, spec.scheduler.max_loras, spec.runner.max_cpu_loras, spec.runner.max_lora_rank, dtype, device)
 
 
-def _drafter(spec: RunnerSpec, runner: ModelRunner, backend) -> DraftModel | None:
-    """The draft model (whole, on the runner's device, its K/V beside the target's), if any.
-    The model's own checkpoint drafting for it (a test of the machinery: every proposal holds)
-    shares its weights when the runner has the whole model."""
-    if not spec.draft_model_path:
+def _proposer(spec: RunnerSpec, model, attention, backend, device: torch.device) -> Proposer | None:
+    """Speculative decoding's proposer, if any. A draft model runs whole, on the runner's
+    device, its K/V beside the target's; the model's own checkpoint drafting for it (a test
+    of the machinery: every proposal holds) shares its weights when the runner has the whole
+    model."""
+    config = SpeculativeConfig.parse(spec.scheduler.speculative_config)
+    if config is None:
         return None
-    whole = spec.tensor_parallel_size == 1 and not spec.layer_range
-    if whole and Path(spec.draft_model_path).resolve() == Path(spec.model_path).resolve():
-        model = runner.model
-    else:
-        model = load_model(Path(spec.draft_model_path), runner.dtype, runner.device)
+    if config.method == "ngram":
+        return NgramProposer(config)
+    dtype = getattr(torch, spec.runner.dtype)
+    whole = spec.parallel.tensor_parallel_size == 1 and not spec.layer_range
+    if not (whole and Path(config.model).resolve() == Path(spec.model_path).resolve()):
+        model = load_model(Path(config.model), dtype, device)
         pack_linears(model, backend)
-    return DraftModel(model, spec.num_blocks, runner.device, runner.dtype, runner.attention,
-                      spec.max_num_batched_tokens)
+    return DraftModel(model, spec.num_blocks, device, dtype, attention, spec.scheduler.max_num_batched_tokens)
 
 
 def _attention(spec: RunnerSpec, device: torch.device):
-    backend = KernelPagedAttention if spec.attention == "triton" else TorchPagedAttention
-    return backend(spec.block_size, device)
+    backend = KernelPagedAttention if spec.runner.attention_backend == "triton" else TorchPagedAttention
+    return backend(spec.cache.block_size, device)
 
 
 def _build_rank(spec: RunnerSpec, rank: int) -> ModelRunner:
@@ -97,9 +101,9 @@ def _build_rank(spec: RunnerSpec, rank: int) -> ModelRunner:
     graphs are not used with more than one rank."""
     from .tensor_parallel import GroupCollectives, TensorParallelGroup
 
-    size = spec.tensor_parallel_size
+    size = spec.parallel.tensor_parallel_size
     ModelConfig.from_folder(Path(spec.model_path)).check_tensor_parallel(size)
-    device = _rank_device(spec.device, rank, size)
+    device = _rank_device(spec.runner.device, rank, size)
     group = TensorParallelGroup(spec) if rank == 0 else None
     if device.type == "cuda":
         make_current(device)
@@ -111,18 +115,19 @@ def _build_rank(spec: RunnerSpec, rank: int) -> ModelRunner:
             torch.set_num_threads(threads)
     collectives = GroupCollectives(rank, size, device)
     try:
-        backend = linear_backend(device, getattr(torch, spec.dtype), spec.quantization, spec.linear)
+        backend = linear_backend(device, getattr(torch, spec.runner.dtype), spec.runner.quantization, spec.runner.linear)
         layers = range(*spec.layer_range) if spec.layer_range else None
-        model = load_model(Path(spec.model_path), getattr(torch, spec.dtype), device, layers,
+        model = load_model(Path(spec.model_path), getattr(torch, spec.runner.dtype), device, layers,
                            Shard(rank, size), collectives)
         pack_linears(model, backend)
-        runner = ModelRunner(model, spec.num_blocks, spec.block_size, device, getattr(torch, spec.dtype),
-                             spec.seed, spec.keep_logits, _attention(spec, device), group,
+        attention = _attention(spec, device)
+        runner = ModelRunner(model, spec.num_blocks, spec.cache.block_size, device, getattr(torch, spec.runner.dtype),
+                             spec.runner.seed, spec.runner.keep_logits, attention, group,
                              grammars=grammar_compiler(spec) if rank == 0 else None,
-                             loras=_lora_slots(spec, model, getattr(torch, spec.dtype), device))
-        runner.pooling_type = spec.pooling_type
+                             loras=_lora_slots(spec, model, getattr(torch, spec.runner.dtype), device),
+                             proposer=_proposer(spec, model, attention, backend, device) if rank == 0 else None,
+                             pooling_type=spec.runner.pooling_type)
         if group is not None:
-            runner.drafter = _drafter(spec, runner, backend)
             group.connect(collectives, START_TIMEOUT_SECONDS)
     except BaseException:
         if group is not None:

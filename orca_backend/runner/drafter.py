@@ -17,9 +17,12 @@ from __future__ import annotations
 import torch
 
 from .models.attention import AttentionBackend, BatchLayout
+from .proposers import ProposalAsk
 
 
 class DraftModel:
+    reads_block_tables = True  # its whole history's K/V, through the target's tables
+
     def __init__(self, model, num_blocks: int, device: torch.device, dtype: torch.dtype,
                  attention: AttentionBackend, max_chunk: int = 512) -> None:
         """`max_chunk`: the most tokens of one request a catch-up forward runs (the model's
@@ -37,11 +40,11 @@ class DraftModel:
         self._written: dict[str, tuple[int, list[int]]] = {}
 
     @torch.inference_mode()
-    def propose(self, items: list[tuple[str, list[int], list[int], int]]) -> list[list[int]]:
-        """For each (request id, its tokens ending with the newest (no K/V yet), its block
-        table, k): k proposed tokens. Step 1 runs every request's tokens not yet in the draft's
-        K/V (a long history first in chunks of max_chunk, one request at a time); steps 2..k
-        one row each."""
+    def propose(self, asks: list[ProposalAsk]) -> list[list[int]]:
+        """`ask.limit` proposed tokens for each. Step 1 runs every request's tokens not yet in
+        the draft's K/V (a long history first in chunks of max_chunk, one request at a time);
+        the next steps one row each."""
+        items = [(a.request_id, a.token_ids, a.block_ids, a.limit) for a in asks]
         layout = BatchLayout([], [], [])
         input_ids: list[int] = []
         for request_id, tokens, blocks, _ in items:

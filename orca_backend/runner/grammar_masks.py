@@ -19,10 +19,6 @@ class Masks:
     rows: list[int]  # the rows under a grammar
     seconds: float  # computing them
 
-    def row(self, i: int) -> Masks | None:
-        """Row i's alone, as a batch of one (None if it has no grammar)."""
-        return Masks(self.bitmask[i:i + 1], [0], 0.0) if i in self.rows else None
-
 
 class GrammarMasks:
     def __init__(self, vocab_size: int) -> None:

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 
 from ..checkpoint.config import ModelConfig
 from ..core.messages import NewRequest, RunnerOutput, SampledToken, SchedulerOutput
-from ..grammar import GrammarCompiler
+from ..grammar import GrammarCompiler, apply_bitmask
 from .grammar_masks import GrammarMasks
 from .state import RunnerRequest
 
@@ -79,7 +79,9 @@ class NullRunner:
             self._states[new.request_id] = RunnerRequest.new(new, _HOST, self._grammars)
 
     def _constrain(self, out: RunnerOutput) -> None:
-        """Tokens the grammars allow, for the rows under one; matchers advanced."""
+        """Tokens the grammars allow, for the rows under one (the text's token where it is
+        allowed, else the first allowed: the argmax of logits that favour the text's token,
+        masked as a model's are); matchers advanced."""
         states = []
         for rid in [rid for rid in out.sampled if rid in self._states]:
             state = self._states[rid]
@@ -93,24 +95,18 @@ class NullRunner:
             return
         done = masks.result()
         out.mask_seconds = done.seconds
-        for i in done.rows:
-            state = states[i]
-            token = out.sampled.get(state.request_id)
-            allowed = done.bitmask[i]
-            if token is None:
-                continue
-            if not (int(allowed[token.token_id // 32]) >> (token.token_id % 32)) & 1:
-                words = allowed.nonzero().flatten()  # the first word with a bit set holds the first token
-                if not len(words):
-                    del out.sampled[state.request_id]
-                    out.errors[state.request_id] = "structured_outputs grammar allows no token here"
-                    continue
-                word = int(words[0])
-                bits = int(allowed[word]) & 0xFFFFFFFF
-                token.token_id = word * 32 + ((bits & -bits).bit_length() - 1)
-            if not state.matcher.accept(token.token_id):
+        logits = torch.zeros(len(states), self._masks.vocab_size)
+        logits[torch.arange(len(states)), [out.sampled[s.request_id].token_id for s in states]] = 1.0
+        apply_bitmask(logits, done.bitmask)
+        for state, token_id, allowed in zip(states, logits.argmax(dim=-1).tolist(), logits.amax(dim=-1).tolist()):
+            if allowed == float("-inf"):
                 del out.sampled[state.request_id]
-                out.errors[state.request_id] = f"internal error: the grammar refused token {token.token_id}"
+                out.errors[state.request_id] = "structured_outputs grammar allows no token here"
+            elif not state.matcher.accept(token_id):
+                del out.sampled[state.request_id]
+                out.errors[state.request_id] = f"internal error: the grammar refused token {token_id}"
+            else:
+                out.sampled[state.request_id].token_id = token_id
 
     def check_health(self) -> None:
         pass

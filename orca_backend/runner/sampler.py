@@ -1,25 +1,32 @@
-"""Token sampling with per-request parameters, vectorized over the rows of one iteration.
+"""Token sampling with per-request parameters, vectorized over the rows of one iteration:
+the grammar masks, the logits processors (`logits_processors.py`), then temperature, top-k,
+top-p, min-p and the draw.
 
 The sampler reads the runner's per-request state (parameters, token history, the seeded
-generator the runner made) and changes none of it but by drawing from those generators.
+generator the runner made) and changes none of it but by drawing from those generators. A
+row whose rules or draw fail gets an error of its own; its neighbours still get their token.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
 from ..grammar import apply_bitmask
 from .grammar_masks import Masks
+from .logits_processors import LogitsProcessors
 from .state import RunnerRequest
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
 class SamplerOutput:
-    token_ids: list[int]
+    token_ids: list[int | None]
     sampled_logprobs: list[float | None]  # raw log-probability of the sampled token, if wanted
     top_logprobs: list[dict[int, tuple[float, int]] | None]  # {token_id: (logprob, rank)}
-    errors: list[str | None] = field(default_factory=list)  # per row, when sampled row by row
+    errors: list[str | None] = field(default_factory=list)  # per row: why it has no token
 
 
 class Sampler:
@@ -27,71 +34,70 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.eos_token_ids = eos_token_ids
+        self.processors = LogitsProcessors(device, eos_token_ids)
+
+    def add(self, state: RunnerRequest) -> None:
+        """A request joins the runner that samples: its rules' state is made."""
+        self.processors.add(state)
+
+    def remove(self, state: RunnerRequest) -> None:
+        self.processors.remove(state)
 
     def __call__(self, logits: torch.Tensor, requests: list[RunnerRequest],
                  masks: Masks | None = None) -> SamplerOutput:
-        """logits [num_requests, vocab] fp32, one row per request that samples this iteration;
-        `masks`: the allowed tokens of the rows under a grammar, applied before anything else."""
+        """logits [num_requests, vocab] fp32, one row per request that samples this iteration
+        (changed in place: they are the iteration's own); `masks`: the allowed tokens of the
+        rows under a grammar, applied before anything else."""
+        errors = [state.failure for state in requests]
         logprob_rows = [i for i, r in enumerate(requests) if r.wants_logprob]
         # Raw model log-probabilities (before penalties and temperature), only where asked:
         # a full-vocabulary softmax per row is a visible share of a CPU iteration.
         raw_logprobs = logits[logprob_rows].log_softmax(dim=-1) if logprob_rows else None
-        if masks is not None:  # in place: the runner's logits are this iteration's own
+        if masks is not None:
             apply_bitmask(logits, masks.bitmask)
-        logits = self._adjust(logits, requests)
+        try:
+            self.processors.apply(logits, requests)
+        except Exception as e:  # rows without rules are untouched: only those with rules fail
+            log.exception("applying the logits processors failed")
+            errors = [error or (f"internal error while applying this request's logits rules: {e}"
+                                if self.processors.touches(r) else None) for r, error in zip(requests, errors)]
+        token_list = self._draw_rows(logits, requests, errors)
+        sampled: list[float | None] = [None] * len(requests)
+        top: list[dict | None] = [None] * len(requests)
+        for j, i in enumerate(logprob_rows):
+            if errors[i] is None:
+                sampled[i] = float(raw_logprobs[j, token_list[i]])
+                n = requests[i].params.logprobs
+                if n is not None:
+                    top[i] = _top_logprobs(raw_logprobs[j], token_list[i], n)
+        return SamplerOutput(token_list, sampled, top, errors)
+
+    def _draw_rows(self, logits: torch.Tensor, requests: list[RunnerRequest], errors: list[str | None]) -> list:
+        """The token of every row without an error, drawn at once; if that fails, row by row,
+        so that a request whose parameters break the draw fails alone (each seeded generator
+        drawn from once, a failed row's never)."""
+        rows = [i for i, error in enumerate(errors) if error is None]
+        tokens: list[int | None] = [None] * len(requests)
+        try:
+            drawn = self._draw(logits if len(rows) == len(requests) else logits[rows], [requests[i] for i in rows])
+            for i, token in zip(rows, drawn.tolist()):
+                tokens[i] = token
+            return tokens
+        except Exception:
+            log.exception("batched sampling failed; sampling row by row")
+        for i in rows:
+            try:
+                tokens[i] = int(self._draw(logits[i:i + 1], [requests[i]])[0])
+            except Exception as e:
+                errors[i] = f"internal error while sampling this request's token: {e}"
+        return tokens
+
+    def _draw(self, logits: torch.Tensor, requests: list[RunnerRequest]) -> torch.Tensor:
         token_ids = logits.argmax(dim=-1)  # greedy rows keep this
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if random_rows:
             token_ids[random_rows] = self._sample(logits[random_rows], [requests[i] for i in random_rows])
-        token_list = token_ids.tolist()
-        sampled: list[float | None] = [None] * len(requests)
-        top: list[dict | None] = [None] * len(requests)
-        for j, i in enumerate(logprob_rows):
-            sampled[i] = float(raw_logprobs[j, token_list[i]])
-            n = requests[i].params.logprobs
-            if n is not None:
-                top[i] = _top_logprobs(raw_logprobs[j], token_list[i], n)
-        return SamplerOutput(token_list, sampled, top)
-
-    def _adjust(self, logits: torch.Tensor, requests: list[RunnerRequest]) -> torch.Tensor:
-        """Allowed tokens, logit bias, penalties, bad words and min_tokens, row by row, only
-        for the rows that ask for them."""
-        changed = False
-        for i, req in enumerate(requests):
-            p = req.params
-            banned = self._banned_tokens(req)
-            if not (p.needs_penalties or banned or p.logit_bias or p.allowed_token_ids is not None):
-                continue
-            if not changed:
-                logits, changed = logits.clone(), True
-            if p.allowed_token_ids is not None:
-                allowed = torch.tensor(p.allowed_token_ids, device=logits.device)
-                kept = logits[i, allowed]
-                logits[i] = float("-inf")
-                logits[i, allowed] = kept
-            if p.logit_bias:
-                ids = torch.tensor(list(p.logit_bias), device=logits.device)
-                logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
-            if p.needs_penalties:
-                _apply_penalties(logits[i], req, self.device)
-            if banned:
-                logits[i, banned] = float("-inf")
-        return logits
-
-    def _banned_tokens(self, req: RunnerRequest) -> list[int]:
-        """min_tokens' stops before it is reached, and each bad word's last token where the
-        output ends with the rest of the word."""
-        p = req.params
-        banned = []
-        if p.bad_words_token_ids:
-            output = req.output_token_ids
-            for word in p.bad_words_token_ids:
-                rest = len(word) - 1
-                if not rest or (len(output) >= rest and output[-rest:] == word[:-1]):
-                    banned.append(word[-1])
-        if req.num_output_tokens >= p.min_tokens:
-            return banned
-        return banned + p.stop_token_ids + ([] if p.ignore_eos else self.eos_token_ids)
+        return token_ids
 
     def verify(self, logits: torch.Tensor, req: RunnerRequest, drafts: list[int]) -> tuple[int, int]:
         """Speculative decoding: logits [k + 1, vocab] of a request's row and its k proposed
@@ -140,19 +146,6 @@ class Sampler:
             if req.generator is not None:
                 q[i].exponential_(generator=req.generator)
         return (probs / q).argmax(dim=-1)
-
-
-def _apply_penalties(row: torch.Tensor, req: RunnerRequest, device: torch.device) -> None:
-    p = req.params
-    vocab = row.shape[0]
-    output = torch.tensor(req.output_token_ids, dtype=torch.long, device=device)
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(req.token_ids, device=device).unique()
-        vals = row[seen]
-        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if len(output) and (p.frequency_penalty or p.presence_penalty):
-        counts = torch.bincount(output, minlength=vocab)[:vocab].to(row.dtype)
-        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
 
 def _top_k_top_p(logits: torch.Tensor, requests: list[RunnerRequest]) -> torch.Tensor:

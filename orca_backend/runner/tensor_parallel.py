@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from ..core.errors import RunnerDiedError
 from ..core.messages import SchedulerOutput
+from .requests import Fills
 from .spawn import Frame, ending, frame, read_frame, spawn, stop_process
 from .spec import RunnerSpec
 
@@ -123,7 +124,7 @@ class TensorParallelGroup:
     """Rank 0's side: the other ranks' processes, their pipes, and their watcher."""
 
     def __init__(self, spec: RunnerSpec) -> None:
-        self.size = spec.tensor_parallel_size
+        self.size = spec.parallel.tensor_parallel_size
         self.timeout_seconds = spec.collective_timeout_seconds
         self._lock = threading.Lock()
         self.failure: str | None = None  # the first rank failure, named; the group is over
@@ -140,7 +141,7 @@ class TensorParallelGroup:
                 process, inbox, outbox = spawn("orca_backend.runner.tp_rank")
                 rank = _Rank(k, process, inbox, outbox, queue.SimpleQueue())
                 self.ranks.append(rank)
-                inbox.send_bytes(frame(Frame.SPEC, [dataclasses.asdict(spec), k, self.store.port]))
+                inbox.send_bytes(frame(Frame.SPEC, [spec.to_values(), k, self.store.port]))
                 for target in (self._read, self._write):
                     threading.Thread(target=target, args=(rank,), daemon=True,
                                      name=f"orca-tp-rank-{k}-{target.__name__[1:]}").start()
@@ -177,12 +178,13 @@ class TensorParallelGroup:
         except Exception as e:
             raise self.failed(e, None) from e
 
-    def send(self, message: SchedulerOutput, run: bool = True) -> None:
-        """Hand the iteration to every rank (their writer threads do the writing, so a rank
-        that stops reading never blocks rank 0); `run=False`: only to keep in step with."""
+    def send(self, message: SchedulerOutput, fills: Fills, run: bool = True) -> None:
+        """Hand the iteration, with the tokens rank 0 fills in, to every rank (their writer
+        threads do the writing, so a rank that stops reading never blocks rank 0);
+        `run=False`: only to keep in step with."""
         self.check()
         start = time.perf_counter()
-        data = frame(Frame.ITERATION if run else Frame.APPLY, message.to_wire())
+        data = frame(Frame.ITERATION if run else Frame.APPLY, [message.to_wire(), fills.to_wire()])
         for rank in self.ranks:
             rank.outgoing.put(data)
         self.handoff_seconds += time.perf_counter() - start

@@ -121,32 +121,32 @@ def build_tensorrt_runner(spec) -> TensorRTRunner:
 
     from .models import load_model
 
-    dtype, device = getattr(torch, spec.dtype), torch.device(spec.device)
+    dtype, device = getattr(torch, spec.runner.dtype), torch.device(spec.runner.device)
     config = ModelConfig.from_folder(Path(spec.model_path))
-    shapes = EngineShapes.from_limits(config.num_layers, spec.max_num_batched_tokens,
-                                      spec.max_batch_size, spec.max_model_len, spec.block_size)
-    if spec.tensorrt_runtime == "torch":
+    shapes = EngineShapes.from_limits(config.num_layers, spec.scheduler.max_num_batched_tokens,
+                                      spec.scheduler.max_batch_size, spec.max_model_len, spec.cache.block_size)
+    if spec.runner.tensorrt_runtime == "torch":
         model = load_model(Path(spec.model_path), dtype, device)
         graph = TorchGraph()
-        define_llama(graph, model, shapes, spec.block_size)
+        define_llama(graph, model, shapes, spec.cache.block_size)
         engine = GraphEngine(graph, shapes)
     else:
         if device.type != "cuda":
-            raise ConfigError(f"engine 'tensorrt' runs on a GPU; device is {spec.device!r}")
+            raise ConfigError(f"engine 'tensorrt' runs on a GPU; device is {spec.runner.device!r}")
         from trt_plugins.plugin import gpu_arch, import_tensorrt, register_plugin
 
         make_current(device)
         trt = import_tensorrt()
         register_plugin()
-        key = engine_key(Path(spec.model_path), spec.dtype, shapes, spec.block_size,
+        key = engine_key(Path(spec.model_path), spec.runner.dtype, shapes, spec.cache.block_size,
                          trt.__version__, gpu_arch())
 
         def build() -> bytes:
             log.info("building the TensorRT engine for %s (cached for later starts)", spec.model_path)
             return build_engine(load_model(Path(spec.model_path), dtype, torch.device("cpu")),
-                                shapes, spec.block_size)
+                                shapes, spec.cache.block_size)
 
         plan = cached_engine(Path(spec.engine_cache_dir), key, build)
         engine = TensorRTEngine(trt, plan, shapes, device)
-    return TensorRTRunner(config, engine, spec.num_blocks, spec.block_size, device, dtype,
-                          spec.seed, spec.keep_logits)
+    return TensorRTRunner(config, engine, spec.num_blocks, spec.cache.block_size, device, dtype,
+                          spec.runner.seed, spec.runner.keep_logits)

@@ -16,6 +16,7 @@ from multiprocessing.connection import Connection
 
 from ..core.messages import SchedulerOutput
 from .build import build_runner
+from .requests import Fills
 from .spawn import Frame, child_connections, frame, read_frame
 from .spec import RunnerSpec
 
@@ -43,11 +44,11 @@ def main(inbox: Connection, outbox: Connection) -> None:
             kind, body = read_frame(inbox)
             if kind == Frame.STOP:
                 return
-            message = SchedulerOutput.from_wire(body)
+            message, fills = SchedulerOutput.from_wire(body[0]), Fills.from_wire(body[1])
             if kind == Frame.APPLY:
-                runner.apply_only(message)
+                runner.apply_only(message, fills)
             else:
-                runner.execute(message)
+                runner.execute(message, fills=fills)
                 outbox.send_bytes(frame(Frame.DONE, message.iteration_id))
     except EOFError:
         return  # rank 0 is gone

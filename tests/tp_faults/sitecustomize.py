@@ -14,7 +14,7 @@ if _FAULT:
     kind, iteration, *rest = _FAULT.split(":", 2)
     _execute = ModelRunner._execute
 
-    def _execute_with_fault(self, message, hidden):
+    def _execute_with_fault(self, message, hidden, fills=None):
         if self.shard.rank == 1 and message.iteration_id == int(iteration):
             if kind == "raise":
                 raise RuntimeError(f"failure injected at iteration {message.iteration_id}")
@@ -22,6 +22,6 @@ if _FAULT:
                 f.write(str(os.getpid()))
             os.replace(rest[0] + ".tmp", rest[0])
             time.sleep(120)
-        return _execute(self, message, hidden)
+        return _execute(self, message, hidden, fills)
 
     ModelRunner._execute = _execute_with_fault

@@ -25,7 +25,7 @@ from .parsing import REASONING_PARSERS, TOOL_PARSERS
 DEFAULT_PORT = 9000  # Triton's own OpenAI frontend's
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--url", default="localhost:8001", help="tritonserver's gRPC address")
     p.add_argument("--model", action="append", metavar="NAME",
@@ -59,6 +59,11 @@ def main(argv: list[str] | None = None) -> None:
                    help="name LoRA adapters <model><SEP><adapter> (Triton's frontend), in /v1/models and in a "
                         "request's model; default: by the adapter's own name (vLLM)")
     p.add_argument("--log-level", default="info")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = _parser()
     args = p.parse_args(argv)
     if args.workers < 1:
         p.error("--workers must be 1 or more")

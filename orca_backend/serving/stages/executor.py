@@ -32,7 +32,6 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, InvalidStateError
-from dataclasses import asdict
 
 import msgpack
 import numpy as np
@@ -135,7 +134,7 @@ class TritonStagesExecutor(StageLoop, Executor):
     # -- configuring the stages -------------------------------------------------------------
     def _configure(self) -> None:
         """Every stage builds its runner from our spec; their layers must chain over the model."""
-        call = json.dumps({"op": "configure", "spec": asdict(self.spec)})
+        call = json.dumps({"op": "configure", "spec": self.spec.to_values()})
         replies = [self._control(i, call) for i in range(len(self.models))]
         ranges = [tuple(r["layers"]) for r in replies]
         try:

@@ -18,7 +18,6 @@ fails: the serving model takes the pipeline down and configures every stage afre
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -70,15 +69,15 @@ class StageWorker:
         spec = RunnerSpec(**spec_values)
         if Path(spec.model_path).resolve() != self.model_path.resolve():
             raise ConfigError(f"{self.name} serves {self.model_path}, the serving model {spec.model_path}")
-        if spec.dtype != self.dtype:
-            raise ConfigError(f"{self.name} runs in {self.dtype}, the serving model expects {spec.dtype}")
-        if spec.tensor_parallel_size != self.tensor_parallel_size:
+        if spec.runner.dtype != self.dtype:
+            raise ConfigError(f"{self.name} runs in {self.dtype}, the serving model expects {spec.runner.dtype}")
+        if spec.parallel.tensor_parallel_size != self.tensor_parallel_size:
             raise ConfigError(f"{self.name} has tensor_parallel_size {self.tensor_parallel_size}, the "
-                              f"serving model {spec.tensor_parallel_size}")
+                              f"serving model {spec.parallel.tensor_parallel_size}")
         if self.runner is not None:  # the old K/V cache (and ranks) go before the new ones come
             self.runner.shutdown()
             self.runner = None
-        spec = dataclasses.replace(spec, device=str(self.device), layer_range=self.layers)
+        spec = spec.on(str(self.device), self.layers)
         self.runner = build_runner(spec, model=self.model)
         return {"stage": self.index, "layers": list(self.layers), "num_layers": self.config.num_layers,
                 "hidden_size": self.config.hidden_size}

@@ -194,25 +194,9 @@ class JsonCallsParser(ToolParser):
             self.state = "sep" if self._call_ends(complete=True) and not self._reader_failed else "content"
             return True
         if state == "start":
-            if self.tag and rest.startswith(self.tag):
-                self._buf, self.state = rest[len(self.tag):], "open"
-            elif self.bare_start and rest[:1] in ("{", "["):
-                self.state = "open"
-            elif not self._final and (not rest or (self.tag and self.tag.startswith(rest))):
-                return False
-            else:
-                self.state = "content"
-            return True
+            return self._start(rest)
         if state == "content":
-            i = self._buf.find(self.tag) if self.tag else -1
-            if i < 0:
-                keep = 0 if self._final or not self.tag else partial_suffix(self._buf, self.tag)
-                self._content(self._buf[:len(self._buf) - keep])
-                self._buf = self._buf[len(self._buf) - keep:]
-                return False
-            self._content(self._buf[:i])
-            self._buf, self.state = self._buf[i + len(self.tag):], "open"
-            return True
+            return self._text()
         if not rest:  # open, calls, sep: the next non-blank character decides
             if self._final:
                 self.state = "content"
@@ -237,6 +221,30 @@ class JsonCallsParser(ToolParser):
             self._buf, self.state, self._in_list = rest[1:], "content", False
             return True
         self.state = "content"  # anything else after the calls is content
+        return True
+
+    def _start(self, rest: str) -> bool:
+        """The output's beginning: the tag, a bare call (where the format allows one), or text."""
+        if self.tag and rest.startswith(self.tag):
+            self._buf, self.state = rest[len(self.tag):], "open"
+        elif self.bare_start and rest[:1] in ("{", "["):
+            self.state = "open"
+        elif not self._final and (not rest or (self.tag and self.tag.startswith(rest))):
+            return False
+        else:
+            self.state = "content"
+        return True
+
+    def _text(self) -> bool:
+        """Content up to the next tag (a tag's beginning at the end is held back)."""
+        i = self._buf.find(self.tag) if self.tag else -1
+        if i < 0:
+            keep = 0 if self._final or not self.tag else partial_suffix(self._buf, self.tag)
+            self._content(self._buf[:len(self._buf) - keep])
+            self._buf = self._buf[len(self._buf) - keep:]
+            return False
+        self._content(self._buf[:i])
+        self._buf, self.state = self._buf[i + len(self.tag):], "open"
         return True
 
     def _read_call(self) -> bool:
