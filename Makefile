@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install model serve test test-fast bench bench-full bench-prefix bench-engine bench-cpu bench-executors bench-pipeline bench-tp bench-startup bench-host bench-structured bench-tools bench-models bench-lora bench-spec eval-harness perf simulate clean
+.PHONY: install model serve test test-fast bench bench-full bench-prefix bench-engine bench-cpu bench-executors bench-pipeline bench-tp bench-startup bench-host bench-structured bench-tools bench-models bench-lora bench-spec bench-sampler eval-harness perf simulate clean
 
 install: $(STAMP)
 
@@ -102,6 +102,12 @@ bench-models: model
 
 bench-lora: model
 	$(PY) -m benchmarks.bench_lora --markdown docs/benchmarks/lora.md
+
+# The sampler alone at batch 1, 32 and 256, without and with logits rules on every row, this tree
+# beside another revision (SAMPLER_BASE, a git revision; default HEAD) in one run; prints figures.
+SAMPLER_BASE ?= HEAD
+bench-sampler: model
+	$(PY) -m benchmarks.bench_sampler --compare $(SAMPLER_BASE)
 
 # Speculative decoding (n-gram) against none and llama-server, batch 1 to 32; writes docs/benchmarks/speculative.md
 bench-spec: model

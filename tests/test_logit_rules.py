@@ -1,5 +1,5 @@
 """Per-request logits rules: OpenAI's `logit_bias` and vLLM's `allowed_token_ids` and
-`bad_words`, applied in the sampler row by row beside requests without them; refused by name
+`bad_words`, applied by the sampler's batched processors beside requests without them; refused by name
 when malformed; served through the OpenAI API."""
 from __future__ import annotations
 

@@ -128,3 +128,30 @@ def test_each_head_alone_on_hand_made_rows():
         out = RunnerOutput(0)
         pool.emit(torch.tensor(rows), out)
     assert torch.frombuffer(bytearray(out.embeddings["e"]), dtype=torch.float32).tolist() == [1.0, 2.0]
+
+
+def test_a_rule_beyond_the_vocabulary_fails_its_request_alone_and_a_bad_word_beyond_it_is_dropped():
+    sampler = Sampler(CPU, 0, EOS, VOCAB)
+    bad = _state("bad", [2], temperature=0, logit_bias={VOCAB + 1: 5.0})
+    word = _state("word", [2], temperature=0, presence_penalty=0.5, bad_words_token_ids=[[VOCAB + 5], [3, VOCAB]])
+    plain = _state("plain", [2], temperature=0, presence_penalty=0.5)
+    for state in (bad, word, plain):
+        sampler.add(state)
+    out = sampler(torch.eye(VOCAB)[[3, 4, 5]] * 5, [bad, word, plain])
+    assert "logit_bias holds a token id outside the model's 64 tokens" in out.errors[0]
+    assert out.errors[1:] == [None, None] and out.token_ids[1:] == [4, 5]
+
+
+def test_a_processor_that_fails_fails_only_the_rows_with_rules(monkeypatch):
+    from orca_backend.runner import logits_processors
+
+    def broken(self, logits, states):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(logits_processors.TokenBans, "apply", broken)
+    sampler = Sampler(CPU, 0, EOS, VOCAB)
+    ruled, plain = _state("ruled", [2], temperature=0, min_tokens=2, max_tokens=4), _state("plain", [2], temperature=0)
+    for state in (ruled, plain):
+        sampler.add(state)
+    out = sampler(torch.eye(VOCAB)[[3, 4]] * 5, [ruled, plain])
+    assert "injected" in out.errors[0] and out.errors[1] is None and out.token_ids[1] == 4

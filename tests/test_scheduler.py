@@ -206,3 +206,21 @@ def test_update_ends_a_request_at_the_token_its_rule_names_and_drops_the_tokens_
     assert update.end.status == req.status == RequestStatus.FINISHED_STOPPED
     assert not scheduler.num_unfinished and kv.num_used_blocks == 0
     kv.check_integrity()
+
+
+def test_a_request_whose_proposer_found_nothing_decodes_ahead_until_it_is_asked_again():
+    """Rows are reserved for proposals; when the runner proposed none (and none ever held), the
+    request decodes a few tokens without reserving any, one step ahead with async scheduling."""
+    kv = BlockManager(num_blocks=32, block_size=4)
+    config = SchedulerConfig(speculative_config=SpeculativeConfig(num_speculative_tokens=3), async_scheduling=True)
+    scheduler = Scheduler(config, kv)
+    req = Request("a", [1, 2, 3, 4], SamplingParams(max_tokens=20, temperature=0))
+    scheduler.add(req)
+    scheduler.update(RunnerOutput(scheduler.schedule().iteration_id, {"a": SampledToken(5)}))
+    asked = scheduler.schedule()
+    assert asked.scheduled[0].num_proposals == 3
+    scheduler.update(RunnerOutput(asked.iteration_id, {"a": SampledToken(6)}))  # it proposed none
+    plain = scheduler.schedule()
+    assert plain.scheduled[0].num_proposals == 0 and plain.scheduled[0].num_scheduled_tokens == 1
+    ahead = scheduler.schedule()  # the request is in flight: scheduled again, its token a placeholder
+    assert ahead is not None and ahead.scheduled[0].num_placeholders == 1

@@ -204,8 +204,10 @@ class Scheduler(IterationMessages, IterationReturns):
     def _proposal_rows(self, req: Request, room: int) -> int:
         """Rows to reserve for proposals after a decoding request's next token: at most `room`
         (the token budget left), and never past its max_tokens (the runner adds one token of
-        its own)."""
-        if room <= 0 or not may_speculate(req.params, req.num_output_tokens, req.wants_logprob):
+        its own). None while it backs off (its proposer found nothing lately: it decodes one
+        step ahead meanwhile, with async scheduling)."""
+        if (room <= 0 or req.num_output_tokens < req.next_proposal_at
+                or not may_speculate(req.params, req.num_output_tokens, req.wants_logprob)):
             return 0
         limit = min(room, req.params.max_tokens - req.num_output_tokens - 1)
         return max(0, min(limit, self.config.speculative_config.num_speculative_tokens))

@@ -157,17 +157,11 @@ class ScoreHead(Head):
         N, from the raw model logits."""
         start = 0
         for state, count, position in self.scoring:
-            logprobs = rows[start:start + count].float().log_softmax(dim=-1)
-            start += count
-            targets = torch.tensor(state.token_ids[position:position + count], device=logprobs.device)
-            chosen = logprobs.gather(1, targets[:, None])[:, 0]
-            ranks = ((logprobs > chosen[:, None]).sum(dim=-1) + 1).tolist()
-            n = state.params.prompt_logprobs
-            top_values, top_ids = logprobs.topk(n, dim=-1) if n else (logprobs[:, :0], logprobs[:, :0].long())
-            out.prompt_logprobs[state.request_id] = [position, [
-                [t, lp, rank, [[i, v, r + 1] for r, (v, i) in enumerate(zip(values, ids))]]
-                for t, lp, rank, values, ids in zip(targets.tolist(), chosen.tolist(), ranks,
-                                                    top_values.tolist(), top_ids.tolist())]]
+            own, start = rows[start:start + count], start + count
+            try:
+                out.prompt_logprobs[state.request_id] = [position, _scores(own, state, position, count)]
+            except Exception as e:
+                out.errors[state.request_id] = f"internal error while scoring this request's prompt: {e}"
 
 
 class PoolHead(Head):
@@ -202,17 +196,36 @@ class PoolHead(Head):
         out when the prompt has ended."""
         start = 0
         for state, count, ended in self.pooling:
-            chunk = rows[start:start + count].float()
-            start += count
-            if self.pooling_type == "mean":
-                total = chunk.sum(dim=0)
-                state.pooled = total if state.pooled is None else state.pooled + total
-                vector = state.pooled / state.num_prompt_tokens if ended else None
-            else:
-                vector = chunk[-1]
-            if ended:
+            chunk, start = rows[start:start + count].float(), start + count
+            try:
+                self._pool(state, chunk, ended, out)
+            except Exception as e:
                 state.pooled = None
-                out.embeddings[state.request_id] = vector.cpu().numpy().tobytes()
+                out.errors[state.request_id] = f"internal error while pooling this request's prompt: {e}"
+
+    def _pool(self, state: RunnerRequest, chunk: torch.Tensor, ended: bool, out: RunnerOutput) -> None:
+        if self.pooling_type == "mean":
+            total = chunk.sum(dim=0)
+            state.pooled = total if state.pooled is None else state.pooled + total
+            vector = state.pooled / state.num_prompt_tokens if ended else None
+        else:
+            vector = chunk[-1]
+        if ended:
+            state.pooled = None
+            out.embeddings[state.request_id] = vector.cpu().numpy().tobytes()
+
+
+def _scores(rows: torch.Tensor, state: RunnerRequest, position: int, count: int) -> list:
+    """[token id, logprob, rank, [[token id, logprob, rank], ...top N]] of each prompt row."""
+    logprobs = rows.float().log_softmax(dim=-1)
+    targets = torch.tensor(state.token_ids[position:position + count], device=logprobs.device)
+    chosen = logprobs.gather(1, targets[:, None])[:, 0]
+    ranks = ((logprobs > chosen[:, None]).sum(dim=-1) + 1).tolist()
+    n = state.params.prompt_logprobs
+    top_values, top_ids = logprobs.topk(n, dim=-1) if n else (logprobs[:, :0], logprobs[:, :0].long())
+    return [[t, lp, rank, [[i, v, r + 1] for r, (v, i) in enumerate(zip(values, ids))]]
+            for t, lp, rank, values, ids in zip(targets.tolist(), chosen.tolist(), ranks,
+                                                top_values.tolist(), top_ids.tolist())]
 
 
 def _collect(out: RunnerOutput, sampled: SamplerOutput, states: list[RunnerRequest]) -> None:

@@ -93,6 +93,10 @@ class Penalties:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._reset()
+
+    def _reset(self) -> None:
+        device = self.device
         self._slot: dict[RunnerRequest, int] = {}
         self._free: list[int] = []
         self._seen: list[dict[int, int]] = []  # per slot: token -> its column
@@ -114,6 +118,8 @@ class Penalties:
         if slot is not None:
             self._free.append(slot)
             self._seen[slot] = {}
+        if not self._slot and self._seen:  # nobody left: give the memory back
+            self._reset()
 
     def apply(self, logits: torch.Tensor, states: list[RunnerRequest]) -> None:
         mine = [(i, s, self._slot[s]) for i, s in enumerate(states) if s in self._slot]
@@ -125,8 +131,9 @@ class Penalties:
         slots = torch.tensor([slot for _, _, slot in mine], device=device)
         # [rows, columns] padded: a pad repeats the row's first token, with its count, so that
         # the scatter writes that token's one new value more than once (nothing else)
-        used = torch.arange(self.ids.shape[1], device=device)[None, :] < self.num_ids[slots][:, None]
-        ids, counts = self.ids[slots], self.counts[slots]
+        width = max(len(self._seen[slot]) for _, _, slot in mine)  # the batch's own, not the widest ever
+        used = torch.arange(width, device=device)[None, :] < self.num_ids[slots][:, None]
+        ids, counts = self.ids[slots, :width], self.counts[slots, :width]
         ids, counts = torch.where(used, ids, ids[:, :1]), torch.where(used, counts, counts[:, :1])
         params = torch.tensor([[s.params.repetition_penalty, s.params.frequency_penalty, s.params.presence_penalty]
                                for _, s, _ in mine], device=device)
@@ -187,9 +194,10 @@ class TokenBans:
     end of sequence) until it has min_tokens outputs, each one-token bad word always, and a
     longer bad word's last token where the output ends with the rest of it."""
 
-    def __init__(self, device: torch.device, eos_token_ids: list[int]) -> None:
+    def __init__(self, device: torch.device, eos_token_ids: list[int], vocab_size: int | None = None) -> None:
         self.device = device
         self.eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size
         self._until_min: dict[RunnerRequest, torch.Tensor] = {}
         self._always: dict[RunnerRequest, torch.Tensor] = {}
         self._words: dict[RunnerRequest, list[list[int]]] = {}  # bad words of two tokens or more
@@ -200,10 +208,11 @@ class TokenBans:
         stops = p.stop_token_ids + ([] if p.ignore_eos else self.eos_token_ids)
         if p.min_tokens and stops:
             self._until_min[state] = torch.tensor(stops, device=self.device)
-        single = [word[0] for word in p.bad_words_token_ids if len(word) == 1]
+        words = [w for w in p.bad_words_token_ids if self.vocab_size is None or max(w) < self.vocab_size]
+        single = [word[0] for word in words if len(word) == 1]
         if single:
             self._always[state] = torch.tensor(single, device=self.device)
-        longer = [word for word in p.bad_words_token_ids if len(word) > 1]
+        longer = [word for word in words if len(word) > 1]
         if longer:
             self._words[state] = longer
 
@@ -230,12 +239,28 @@ class TokenBans:
 class LogitsProcessors:
     """The chain, in order; `add` and `remove` as requests join and leave the runner that samples."""
 
-    def __init__(self, device: torch.device, eos_token_ids: list[int]) -> None:
-        self.chain = (AllowedTokens(device), LogitBias(device), Penalties(device), TokenBans(device, eos_token_ids))
+    def __init__(self, device: torch.device, eos_token_ids: list[int], vocab_size: int | None = None) -> None:
+        """`vocab_size`: the logits' width (None: not checked). A rule's token beyond it is
+        refused when its request joins; a bad word with one is dropped (it cannot be written)."""
+        self.chain = (AllowedTokens(device), LogitBias(device), Penalties(device),
+                      TokenBans(device, eos_token_ids, vocab_size))
+        self.vocab_size = vocab_size
 
     def add(self, state: RunnerRequest) -> None:
-        for processor in self.chain:
-            processor.add(state)
+        """A request joins; one whose rules cannot be applied fails alone (`state.failure`)."""
+        try:
+            self._check(state)
+            for processor in self.chain:
+                processor.add(state)
+        except Exception as e:
+            self.remove(state)
+            state.failure = state.failure or f"its logits rules cannot be applied: {e}"
+
+    def _check(self, state: RunnerRequest) -> None:
+        p = state.params
+        for name, ids in (("allowed_token_ids", p.allowed_token_ids or ()), ("logit_bias", p.logit_bias or ())):
+            if self.vocab_size is not None and any(not 0 <= t < self.vocab_size for t in ids):
+                raise ValueError(f"{name} holds a token id outside the model's {self.vocab_size} tokens")
 
     def remove(self, state: RunnerRequest) -> None:
         for processor in self.chain:

@@ -62,9 +62,8 @@ class ModelRunner:
         caches = self.attention.allocate_kv_cache(len(layers), num_blocks,
                                                   cfg.num_local_kv_heads(self.shard.size), cfg.head_dim, dtype)
         self.kv_caches = dict(zip(layers, caches))  # layer index -> its cache: only this model's layers
-        self.sampler = Sampler(device, seed, cfg.eos_token_ids) if self.samples else None
+        self.sampler = Sampler(device, seed, cfg.eos_token_ids, cfg.vocab_size) if self.samples else None
         self.masks = GrammarMasks(cfg.vocab_size)
-        self.proposer = proposer
         self.requests = RunnerRequests(num_blocks, block_size, self.sampler, grammars, loras, proposer)
         self.loras = loras
         self.decode_graphs = None
@@ -72,6 +71,10 @@ class ModelRunner:
         # only the one that samples reads them.
         self.heads: list[Head] = [SampleHead(self.sampler, self.masks, keep_logits), VerifyHead(self.sampler),
                                   ScoreHead(), PoolHead(pooling_type)] if self.is_last_stage else []
+
+    @property
+    def proposer(self) -> Proposer | None:
+        return self.requests.proposer
 
     @property
     def is_last_stage(self) -> bool:
@@ -110,9 +113,14 @@ class ModelRunner:
     def apply_only(self, message: SchedulerOutput, fills: Fills | None = None) -> None:
         """Keep the per-request state in step with an iteration that is not run here (an
         earlier pipeline stage failed it), so that later messages still match."""
-        _, fills = self.requests.take(message, fills)
-        if self.group is not None:
+        if self.group is None:
+            self.requests.take(message, fills)
+            return
+        try:
+            _, fills = self.requests.take(message, fills)
             self.group.send(message, fills, run=False)
+        except Exception as e:
+            raise self.group.failed(e, message.iteration_id) from e
 
     def check_health(self) -> None:
         """Raise RunnerDiedError if one of its tensor-parallel ranks has failed (even idle)."""

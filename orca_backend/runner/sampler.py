@@ -30,11 +30,11 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int, eos_token_ids: list[int]) -> None:
+    def __init__(self, device: torch.device, seed: int, eos_token_ids: list[int], vocab_size: int | None = None) -> None:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.eos_token_ids = eos_token_ids
-        self.processors = LogitsProcessors(device, eos_token_ids)
+        self.processors = LogitsProcessors(device, eos_token_ids, vocab_size)
 
     def add(self, state: RunnerRequest) -> None:
         """A request joins the runner that samples: its rules' state is made."""
@@ -53,29 +53,37 @@ class Sampler:
         # Raw model log-probabilities (before penalties and temperature), only where asked:
         # a full-vocabulary softmax per row is a visible share of a CPU iteration.
         raw_logprobs = logits[logprob_rows].log_softmax(dim=-1) if logprob_rows else None
+        # Each step changes only the rows it is for: if it fails, those rows fail, the rest go on.
         if masks is not None:
-            apply_bitmask(logits, masks.bitmask)
-        try:
-            self.processors.apply(logits, requests)
-        except Exception as e:  # rows without rules are untouched: only those with rules fail
-            log.exception("applying the logits processors failed")
-            errors = [error or (f"internal error while applying this request's logits rules: {e}"
-                                if self.processors.touches(r) else None) for r, error in zip(requests, errors)]
+            self._step(errors, masks.rows, "its grammar's mask", apply_bitmask, logits, masks.bitmask)
+        self._step(errors, [i for i, r in enumerate(requests) if self.processors.touches(r)], "its logits rules",
+                   self.processors.apply, logits, requests)
         token_list = self._draw_rows(logits, requests, errors)
         sampled: list[float | None] = [None] * len(requests)
         top: list[dict | None] = [None] * len(requests)
         for j, i in enumerate(logprob_rows):
             if errors[i] is None:
-                sampled[i] = float(raw_logprobs[j, token_list[i]])
-                n = requests[i].params.logprobs
-                if n is not None:
-                    top[i] = _top_logprobs(raw_logprobs[j], token_list[i], n)
+                try:
+                    sampled[i] = float(raw_logprobs[j, token_list[i]])
+                    n = requests[i].params.logprobs
+                    top[i] = _top_logprobs(raw_logprobs[j], token_list[i], n) if n is not None else None
+                except Exception as e:
+                    errors[i] = f"internal error while reading this request's log-probabilities: {e}"
         return SamplerOutput(token_list, sampled, top, errors)
+
+    @staticmethod
+    def _step(errors: list[str | None], rows: list[int], what: str, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception as e:
+            log.exception("applying %s failed for %d rows", what.split(" ", 1)[1], len(rows))
+            for i in rows:
+                errors[i] = errors[i] or f"internal error while applying {what}: {e}"
 
     def _draw_rows(self, logits: torch.Tensor, requests: list[RunnerRequest], errors: list[str | None]) -> list:
         """The token of every row without an error, drawn at once; if that fails, row by row,
-        so that a request whose parameters break the draw fails alone (each seeded generator
-        drawn from once, a failed row's never)."""
+        so that a request whose parameters break the draw fails alone (a failed row's seeded
+        generator is never drawn from; a draw that failed halfway may have drawn from others)."""
         rows = [i for i, error in enumerate(errors) if error is None]
         tokens: list[int | None] = [None] * len(requests)
         try:
