@@ -247,10 +247,11 @@ def test_our_kernel_interpreted(kind, family):
 
 
 @pytest.mark.subprocess
-@pytest.mark.parametrize("kind", ["phi3", "gemma3"])
+@pytest.mark.parametrize("kind", ["phi3", "gemma3", "qwen2-moe"])
 def test_two_tensor_parallel_ranks(kind, family):
     """Phi-3's fused q|k|v and gate|up split by rows, Gemma 3's per-head norms and sandwich
-    norms, over two gloo ranks."""
+    norms, Qwen2-MoE's experts and gated shared expert split by their intermediate size, over
+    two gloo ranks."""
     folder, ref = family(kind)
     tokens, _ = _generate(folder, tensor_parallel_size=2)
     check_tokens(tokens, ref, kind)
@@ -306,7 +307,8 @@ def test_engine_tensorrt_refuses_what_it_does_not_build_by_name(kind, feature, t
 
 @pytest.mark.parametrize("kind, targets, ranks", [
     ("phi3", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], 2),  # fused projections, split over ranks
-    ("gemma2", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 1)])
+    ("gemma2", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 1),
+    ("qwen3-moe", ["q_proj", "k_proj", "v_proj", "o_proj"], 2)])  # attention only: experts are refused
 def test_lora_adapters_on_each_family_s_projection_names(kind, targets, ranks, tmp_path, default_model):
     """PEFT adapters on the checkpoint's own module names (Phi-3's fused qkv_proj and
     gate_up_proj, over two tensor-parallel ranks), mixed with the base model: greedy tokens
@@ -323,3 +325,51 @@ def test_lora_adapters_on_each_family_s_projection_names(kind, targets, ranks, t
                                                                    ignore_eos=True), lora_request=requests)
     assert [o.token_ids for o in outs] == [adapters.greedy[c] for c in cases]
     assert any(adapters.greedy[("all", p)] != adapters.greedy[(None, p)] for p in LORA_PROMPTS)
+
+
+@pytest.mark.parametrize("targets, message", [
+    (["gate_proj", "up_proj", "down_proj"], "adapts a mixture of experts"),  # the shared expert's
+    (["q_proj", "shared_expert_gate"], "shared_expert_gate")])
+def test_lora_on_a_mixture_of_experts_is_refused_by_name(targets, message, tmp_path, default_model):
+    """Qwen2-MoE: PEFT's gate_proj etc. match the shared expert's projections (the routed experts
+    are not nn.Linear modules), the shared expert's gate is a projection of its own; neither is
+    applied, so both are refused, and the server's base model is untouched."""
+    from conftest import make_lora_adapters
+    from orca_backend.lora import LoRARequest
+
+    folder = save_family("qwen2-moe", tmp_path / "moe", default_model / "tokenizer.json", vocab_size=49152)
+    adapters = make_lora_adapters(folder, tmp_path / "adapters", {"x": dict(r=4, lora_alpha=8, target_modules=targets)})
+    with LLM(str(folder), enable_lora=True, kv_cache_tokens=256) as llm:
+        with pytest.raises(ConfigError, match=message):
+            llm.generate(["a prompt"], SamplingParams(max_tokens=2), lora_request=LoRARequest("x", 0, str(adapters.paths["x"])))
+        out, = llm.generate(["a prompt"], SamplingParams(max_tokens=2))
+        assert len(out.token_ids) == 2 and llm.engine.kv.num_used_blocks == 0
+
+
+def test_lora_on_a_sparse_layer_s_mlp_is_refused_by_name(tmp_path):
+    """An adapter naming a routed layer's mlp.gate_proj (as a dense model's would): refused for
+    that layer; Qwen2-MoE's dense layer (mlp_only_layers) may be adapted."""
+    from safetensors.torch import save_file
+
+    from orca_backend.lora.adapter import inspect_adapter
+
+    raw = _class_fields("Qwen2MoeForCausalLM", **{**TINY, **FAMILIES["qwen2-moe"][1]})
+    config = ModelConfig.from_folder(_write_config(tmp_path / "model", raw))
+    for layer, ok in ((1, True), (0, False)):
+        folder = tmp_path / f"adapter{layer}"
+        folder.mkdir()
+        (folder / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8, "target_modules": ["gate_proj"]}))
+        key = f"base_model.model.model.layers.{layer}.mlp.gate_proj"
+        save_file({f"{key}.lora_A.weight": torch.zeros(4, 64), f"{key}.lora_B.weight": torch.zeros(128, 4)},
+                  folder / "adapter_model.safetensors")
+        if ok:
+            assert inspect_adapter("a", folder, 16, config) == 4
+        else:
+            with pytest.raises(ConfigError, match="layer 0's gate_proj, but that layer's MLP is a mixture of experts"):
+                inspect_adapter("a", folder, 16, config)
+
+
+def test_int8_quantization_of_a_mixture_of_experts_is_refused_by_name(family):
+    folder, _ = family("mixtral")
+    with pytest.raises(ConfigError, match="quantization 'int8' is not built for MixtralForCausalLM's experts"):
+        LLM(str(folder), quantization="int8")

@@ -44,6 +44,16 @@ FAMILIES = {
     "smollm3": ("SmolLM3ForCausalLM", dict(num_hidden_layers=4, no_rope_layer_interval=2, use_sliding_window=True,
                                            sliding_window=8)),
     "olmo2": ("Olmo2ForCausalLM", dict()),
+    # Mixtures of experts: top-1, 2 and 4; experts that a batch leaves idle; dense layers among
+    # sparse ones (mlp_only_layers, decoder_sparse_step); a gated shared expert.
+    "mixtral": ("MixtralForCausalLM", dict(num_local_experts=4, intermediate_size=64)),
+    "qwen2-moe": ("Qwen2MoeForCausalLM", dict(num_hidden_layers=3, num_experts=6, num_experts_per_tok=4,
+                                              moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                              mlp_only_layers=[1])),
+    "qwen3-moe": ("Qwen3MoeForCausalLM", dict(num_hidden_layers=3, head_dim=16, num_experts=5, num_experts_per_tok=1,
+                                              moe_intermediate_size=48, decoder_sparse_step=2)),
+    "olmoe": ("OlmoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32,
+                                       norm_topk_prob=True)),
 }
 # (prompt length, max_tokens): longer than the windows (8), past the pretraining lengths of the
 # scaled RoPEs (32, and 24 for dynamic), some longer than the token budget of 16.

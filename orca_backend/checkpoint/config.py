@@ -12,9 +12,10 @@ from pathlib import Path
 
 from ..core.errors import ConfigError
 from .families import PARSERS, SUPPORTED_ARCHITECTURES, ConfigFields
+from .families.experts import MoESpec
 from .families.rope import RopeSpec
 
-__all__ = ["ModelConfig", "RopeSpec", "SUPPORTED_ARCHITECTURES"]
+__all__ = ["ModelConfig", "MoESpec", "RopeSpec", "SUPPORTED_ARCHITECTURES"]
 
 
 @dataclass(slots=True)
@@ -53,6 +54,7 @@ class ModelConfig:
     attn_softcap: float | None = None
     final_softcap: float | None = None
     logits_divisor: float = 1.0
+    moe: MoESpec | None = None  # the mixture of experts of its sparse layers; None: every MLP dense
     unknown_fields: tuple[str, ...] = ()  # in config.json, not the family's: logged when the weights load
 
     @classmethod
@@ -107,6 +109,10 @@ class ModelConfig:
         """What q.k is multiplied by before the softmax."""
         return self.attention_scale if self.attention_scale is not None else self.head_dim ** -0.5
 
+    def is_sparse(self, layer: int) -> bool:
+        """Whether the layer's MLP is a mixture of experts."""
+        return self.moe is not None and self.moe.is_sparse(layer)
+
     def projection_shapes(self) -> dict[str, tuple[int, int]]:
         """[out, in] of each projection of one layer, by the checkpoint's module names (those
         a LoRA adapter targets)."""
@@ -139,6 +145,9 @@ class ModelConfig:
                               "together (and all key heads), which ranks holding a share of the heads cannot")
         shapes = [("attention heads", self.num_heads), ("intermediate size", self.intermediate_size),
                   ("vocabulary size", self.vocab_size)]
+        if self.moe is not None:  # each expert split as a dense MLP is
+            shapes += [("experts' intermediate size", self.moe.intermediate_size),
+                       ("shared expert's intermediate size", self.moe.shared_size)]
         if self.num_kv_heads >= t:
             shapes.append(("key/value heads", self.num_kv_heads))
         elif t % self.num_kv_heads:  # replicated: each K/V head on T / Hkv ranks

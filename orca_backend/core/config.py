@@ -30,6 +30,7 @@ ENGINES = ("torch", "tensorrt", "null")
 # The projections' GEMM: "auto" is oneDNN with prepacked weights on the CPU, torch's own
 # elsewhere (runner/models/linear.py). Quantization "int8": int8 weights on the CPU (fbgemm).
 LINEARS = ("auto", "onednn", "torch")
+MOE_KERNELS = ("auto", "torch", "triton")
 QUANTIZATIONS = ("none", "int8")
 # Embeddings: a model with a pooling type also answers embedding requests, pooling its prompt's
 # final hidden states (after the last norm): the last token's, or the mean over the prompt.
@@ -170,6 +171,7 @@ class RunnerConfig:
     grammar_compile_timeout_seconds: float = 10.0
     linear: str = "auto"  # the projections' GEMM: one of LINEARS
     quantization: str = "none"  # "int8": weights quantized per channel, activations per token (CPU)
+    moe_kernel: str = "auto"  # a mixture of experts' grouped GEMM: one of MOE_KERNELS
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # LoRA adapters kept in host memory; None: max_loras
     # Embeddings (vLLM's pooler config): how an embedding request's prompt is pooled ("none": the
@@ -193,6 +195,7 @@ class RunnerConfig:
         _need_counts(self, "max_prompt_bytes", "max_lora_rank")
         _need_counts(self, "max_model_len", unset=True)
         _need_one_of(self, "attention", ATTENTION_BACKENDS)
+        _need_one_of(self, "moe_kernel", MOE_KERNELS)
         _need_one_of(self, "pooling_type", POOLING_TYPES)
         _need(self.pooling_type == "none" or self.engine == "torch", "pooling_type", self.pooling_type,
               "'none' with engine 'tensorrt' or 'null' (embeddings need the model's hidden states)")
@@ -208,6 +211,13 @@ class RunnerConfig:
             _need(self.tensorrt_runtime == "torch" or self.device != "cpu", "device", self.device,
                   "a GPU ('cuda[:N]') with engine 'tensorrt' (tensorrt_runtime 'torch' evaluates "
                   "its graph on the CPU, for checks)")
+
+    @property
+    def moe_kernel_backend(self) -> str:
+        """The experts' kernel "auto" stands for: torch's grouped GEMM on the CPU, ours on GPUs."""
+        if self.moe_kernel != "auto":
+            return self.moe_kernel
+        return "torch" if self.device == "cpu" else "triton"
 
     @property
     def attention_backend(self) -> str:

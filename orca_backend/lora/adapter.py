@@ -26,8 +26,10 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 # says which a model has.
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
                "gate_up_proj")
+_MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
 _KEY = re.compile(r"(?P<module>(?:.*\.)?layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<proj>\w+))"
                   r"\.lora_(?P<ab>[AB])(?:\.\w+)?\.weight$")
+_EXPERTS = re.compile(r"\.(?:block_sparse_moe|experts|shared_experts?)\.")
 # Options whose other values change the math in ways this engine does not compute.
 _UNSUPPORTED = {"use_dora": (None, False), "bias": (None, "none"), "modules_to_save": (None, []),
                 "fan_in_fan_out": (None, False), "lora_bias": (None, False)}
@@ -71,6 +73,10 @@ def inspect_adapter(name: str, folder: str | Path, max_rank: int, model: ModelCo
         if layer >= model.num_layers:
             raise ConfigError(f"LoRA adapter '{name}' has weights for layer {layer}; the model has "
                               f"{model.num_layers} layers")
+        if model.is_sparse(layer) and proj in _MLP_PROJECTIONS:
+            raise ConfigError(f"LoRA adapter '{name}' targets layer {layer}'s {proj}, but that layer's MLP is a "
+                              "mixture of experts; this server applies LoRA to attention and dense MLP projections "
+                              "only")
         if proj not in shapes:
             raise ConfigError(f"LoRA adapter '{name}' targets {proj}, which {model.architecture} does not have "
                               f"(its projections: {', '.join(shapes)})")
@@ -118,6 +124,9 @@ def _scan(name: str, folder: Path, max_rank: int, read, config: dict | None = No
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
                 m = _KEY.match(key)
+                if m is None and _EXPERTS.search(key):
+                    raise ConfigError(f"LoRA adapter '{name}': tensor {key!r} adapts a mixture of experts; this "
+                                      "server applies LoRA to attention and dense MLP projections only")
                 if m is None or m["proj"] not in PROJECTIONS:
                     raise ConfigError(f"LoRA adapter '{name}': tensor {key!r} is not a LoRA weight of a projection "
                                       f"this server applies ({', '.join(PROJECTIONS)})")

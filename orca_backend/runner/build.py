@@ -21,6 +21,7 @@ from .models import load_model
 from .models.attention import TorchPagedAttention
 from .models.kernel_attention import KernelPagedAttention
 from .models.linear import linear_backend, pack_linears
+from .models.moe import prepare_experts
 from .models.parallel import Shard
 from .spec import RunnerSpec
 
@@ -48,7 +49,7 @@ def build_runner(spec: RunnerSpec, model=None, rank: int = 0) -> ModelRunner | N
     if model is None:
         layers = range(*spec.layer_range) if spec.layer_range else None
         model = load_model(Path(spec.model_path), dtype, device, layers)
-    pack_linears(model, backend)  # a stage's model, loaded before, keeps the backend it has
+    _prepare(model, spec, backend)  # a stage's model, loaded before, keeps the backend it has
     attention = _attention(spec, device)
     runner = ModelRunner(model, spec.num_blocks, spec.cache.block_size, device, dtype, spec.runner.seed,
                          spec.runner.keep_logits, attention, grammars=grammar_compiler(spec),
@@ -58,6 +59,12 @@ def build_runner(spec: RunnerSpec, model=None, rank: int = 0) -> ModelRunner | N
         runner.enable_decode_graphs(spec.scheduler.max_batch_size, -(-spec.max_model_len // spec.cache.block_size),
                                     capture=device.type == "cuda")
     return runner
+
+
+def _prepare(model, spec: RunnerSpec, backend: str) -> None:
+    """The kernels a loaded model runs on: its projections' GEMM, its experts'."""
+    prepare_experts(model, spec.runner.moe_kernel_backend, backend)
+    pack_linears(model, backend)
 
 
 def grammar_compiler(spec: RunnerSpec) -> GrammarCompiler:
@@ -86,7 +93,7 @@ def _proposer(spec: RunnerSpec, model, attention, backend, device: torch.device)
     whole = spec.parallel.tensor_parallel_size == 1 and not spec.layer_range
     if not (whole and Path(config.model).resolve() == Path(spec.model_path).resolve()):
         model = load_model(Path(config.model), dtype, device)
-        pack_linears(model, backend)
+        _prepare(model, spec, backend)
     return DraftModel(model, spec.num_blocks, device, dtype, attention, spec.scheduler.max_num_batched_tokens)
 
 
@@ -119,7 +126,7 @@ def _build_rank(spec: RunnerSpec, rank: int) -> ModelRunner:
         layers = range(*spec.layer_range) if spec.layer_range else None
         model = load_model(Path(spec.model_path), getattr(torch, spec.runner.dtype), device, layers,
                            Shard(rank, size), collectives)
-        pack_linears(model, backend)
+        _prepare(model, spec, backend)
         attention = _attention(spec, device)
         runner = ModelRunner(model, spec.num_blocks, spec.cache.block_size, device, getattr(torch, spec.runner.dtype),
                              spec.runner.seed, spec.runner.keep_logits, attention, group,

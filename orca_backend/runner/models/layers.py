@@ -57,7 +57,7 @@ class Attention:
         kv = slice(first_kv * d, (first_kv + self.num_kv_heads) * d)
         q_total, kv_total = config.num_heads * d, config.num_kv_heads * d
         if p + "qkv_proj.weight" in w:  # a fused checkpoint: this rank's rows of each part
-            parts = [q, _shift(kv, q_total), _shift(kv, q_total + kv_total)]
+            parts = [q, shift(kv, q_total), shift(kv, q_total + kv_total)]
             weight = w.take(p + "qkv_proj.weight", 0, parts if shard.size > 1 else None)
             bias = w.take(p + "qkv_proj.bias", 0, parts if shard.size > 1 else None) if config.qkv_bias else None
             lora_parts = (("qkv_proj", slice(None), weight.shape[0]),) if shard.size == 1 else tuple(
@@ -114,11 +114,12 @@ class MLP:
     """down(act(gate) * up), gate|up in one column-parallel projection; or GPT-2's down(act(fc))."""
 
     def __init__(self, config: ModelConfig, w: Weights, index: int, p: str, shard: Shard,
-                 collectives: Collectives) -> None:
-        inter, total = shard.part(config.intermediate_size), config.intermediate_size
+                 collectives: Collectives, size: int | None = None) -> None:
+        total = size or config.intermediate_size  # `size`: a shared expert's
+        inter = shard.part(total)
         bias = config.mlp_bias
         if p + "gate_up_proj.weight" in w:  # fused: this rank's rows of gate, then of up
-            parts = [inter, _shift(inter, total)] if shard.size > 1 else None
+            parts = [inter, shift(inter, total)] if shard.size > 1 else None
             self.gate_up = Linear(w.take(p + "gate_up_proj.weight", 0, parts),
                                   w.take(p + "gate_up_proj.bias", 0, parts) if bias else None)
             rows = self.gate_up.out_features // 2
@@ -137,6 +138,9 @@ class MLP:
         self.lora = {"gate_up": LoRAProjection("out", lora_parts, hidden, 2 * rows),
                      "down": LoRAProjection("in", (("down_proj", inter, rows),), rows, hidden)}
 
+    def linears(self):
+        yield from (self.gate_up, self.down)
+
     def __call__(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         gate_up = self.gate_up(x)
         if lora is not None:
@@ -150,5 +154,5 @@ class MLP:
         return down if self.down_bias is None else down + self.down_bias
 
 
-def _shift(s: slice, offset: int) -> slice:
+def shift(s: slice, offset: int) -> slice:
     return slice((s.start or 0) + offset, (s.stop or 0) + offset)
