@@ -234,7 +234,21 @@ def served_family(tmp_path_factory, default_model) -> Path:
 
 
 @pytest.fixture(scope="session")
-def feature_server(tmp_path_factory, default_model, lora_adapters, served_family):
+def served_moe(tmp_path_factory, default_model) -> Path:
+    """A tiny random Qwen3-MoE (top-2 of 5 experts in its sparse layer, dense layers beside it)
+    with the default model's vocabulary, tokenizer and ChatML template: the mixture of experts
+    the servers' tests serve."""
+    from tools.model_zoo import save_family
+
+    folder = save_family("qwen3-moe", tmp_path_factory.mktemp("served_moe"), default_model / "tokenizer.json",
+                         vocab_size=49152, num_experts_per_tok=2, max_position_embeddings=512)
+    for name in ("tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(default_model / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def feature_server(tmp_path_factory, default_model, lora_adapters, served_family, served_moe):
     """One tritonserver for the features that need models of their own configuration:
     `lora`: LoRA options in config.pbtxt, adapters a and b from multi_lora.json, run-time
     loading on; `lora_json`: LoRA on through model.json (as Triton's vLLM backend reads it, a
@@ -242,7 +256,8 @@ def feature_server(tmp_path_factory, default_model, lora_adapters, served_family
     `spec`: speculative decoding (n-gram, 4 tokens) from config.pbtxt; `draft`: the default
     model drafting for itself; `prio`: no model (engine null, 20 ms a step), one request at a
     time, for priorities; `embed`: mean pooling for embeddings, prompts in chunks of 8 tokens;
-    `family`: `served_family`, in blocks of 4 (the window releases them), chunks of 16."""
+    `family`: `served_family`, in blocks of 4 (the window releases them), chunks of 16; `moe`:
+    `served_moe`, in blocks of 4 with prefix caching, chunks of 16."""
     import json
 
     from helpers import serving
@@ -267,5 +282,7 @@ def feature_server(tmp_path_factory, default_model, lora_adapters, served_family
     write_model(repo, "embed", {"pooling_type": "mean", "kv_cache_tokens": "2048", "max_num_batched_tokens": "8"})
     write_model(repo, "family", {"model": str(served_family), "kv_cache_tokens": "1024", "block_size": "4",
                                  "max_num_batched_tokens": "16"})
+    write_model(repo, "moe", {"model": str(served_moe), "kv_cache_tokens": "1024", "block_size": "4",
+                              "max_num_batched_tokens": "16", "enable_prefix_caching": "true"})
     with serving(Server(tmp_path_factory.mktemp("feature_triton"), repo, ["--exit-timeout-secs=20"])) as server:
         yield server

@@ -36,12 +36,16 @@ def _class_fields(arch: str, **fields) -> dict:
 
 
 # -- config.json, field by field ----------------------------------------------------------------
+# Fields whose class default no model runs with (transformers' own forward fails on it).
+CLASS_DEFAULT_GAPS = {"DeepseekV2ForCausalLM": dict(num_experts_per_tok=6)}
+
+
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHITECTURES)
 def test_every_field_of_the_config_class_is_used_known_or_refused(arch, tmp_path):
     """The walk: each field of transformers' config class is read by the family's parser
     (used, or checked and refused when set to what we do not implement) or listed as not
     changing the math; none is left over."""
-    config = ModelConfig.from_folder(_write_config(tmp_path, _class_fields(arch)))
+    config = ModelConfig.from_folder(_write_config(tmp_path, _class_fields(arch, **CLASS_DEFAULT_GAPS.get(arch, {}))))
     assert config.unknown_fields == (), f"{arch}: fields nobody accounts for: {config.unknown_fields}"
     assert config.architecture == arch
 
@@ -246,12 +250,24 @@ def test_our_kernel_interpreted(kind, family):
                                                         ref.prompt_rows), kind)
 
 
+@pytest.mark.numerics
+@pytest.mark.parametrize("kind", ["qwen2-moe", "deepseek-v3", "gpt-oss"])
+def test_our_moe_kernel_interpreted(kind, family):
+    """The experts through our fused-MoE kernel (Triton interpreter): top-4 beside a gated
+    shared expert, grouped routing with latent attention, the clamped SwiGLU with biases;
+    chunks of 16 mixing prompts and decodes."""
+    folder, ref = family(kind)
+    tokens, _ = _generate(folder, moe_kernel="triton")
+    check_tokens(tokens, ref, kind)
+
+
 @pytest.mark.subprocess
-@pytest.mark.parametrize("kind", ["phi3", "gemma3", "qwen2-moe"])
+@pytest.mark.parametrize("kind", ["phi3", "gemma3", "qwen2-moe", "gpt-oss", "deepseek-v3"])
 def test_two_tensor_parallel_ranks(kind, family):
     """Phi-3's fused q|k|v and gate|up split by rows, Gemma 3's per-head norms and sandwich
-    norms, Qwen2-MoE's experts and gated shared expert split by their intermediate size, over
-    two gloo ranks."""
+    norms, Qwen2-MoE's experts and gated shared expert split by their intermediate size,
+    gpt-oss's interleaved experts, biases and sinks, DeepSeek-V3's heads of latent attention
+    (the latent on both ranks), over two gloo ranks."""
     folder, ref = family(kind)
     tokens, _ = _generate(folder, tensor_parallel_size=2)
     check_tokens(tokens, ref, kind)
@@ -373,3 +389,48 @@ def test_int8_quantization_of_a_mixture_of_experts_is_refused_by_name(family):
     folder, _ = family("mixtral")
     with pytest.raises(ConfigError, match="quantization 'int8' is not built for MixtralForCausalLM's experts"):
         LLM(str(folder), quantization="int8")
+
+
+def test_latent_attention_s_pool_holds_one_latent_per_token_and_layer(family):
+    """DeepSeek-V3's cache: one [kv_lora_rank + qk_rope_head_dim] entry per token and layer, no
+    per-head K and V; the same byte budget holds that many more tokens than plain attention's
+    would. Prompts are decoded with the pool in use (the greedy test checks the tokens)."""
+    folder, _ = family("deepseek-v3")
+    config = ModelConfig.from_folder(folder)
+    latent = config.mla.kv_lora_rank + config.mla.qk_rope_head_dim  # 32 + 8
+    budget = 3 * 40 * 4 * 16 * 64  # bytes: 64 blocks of 16 tokens of 3 layers' latents in fp32
+    with LLM(str(folder), kv_cache_bytes=budget, block_size=16) as llm:
+        cache, values = llm.engine.executor.runner.kv_caches[0]
+        assert values is None and tuple(cache.shape) == (64, 16, 1, latent)
+        assert llm.engine.kv.num_blocks == 64
+        out, = llm.generate([prompts()[1]], SamplingParams(temperature=0, max_tokens=4))
+        assert len(out.token_ids) == 4 and llm.engine.kv.num_used_blocks == 0
+    plain_heads = 2 * config.num_heads * (config.mla.qk_nope_head_dim + config.mla.qk_rope_head_dim)
+    assert config.kv_elements_per_rank_token() == 3 * latent < 3 * plain_heads
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(enable_lora=True), "enable_lora: LoRA adapters are not built for DeepseekV2ForCausalLM's latent attention"),
+    (dict(attention="triton"), "attention 'triton': our kernel does not build DeepseekV2ForCausalLM's latent")])
+def test_what_latent_attention_does_not_build_is_refused_by_name(options, message, family):
+    folder, _ = family("deepseek-v2")
+    with pytest.raises(ConfigError, match=message):
+        LLM(str(folder), **options)
+
+
+def test_multi_token_prediction_layers_in_a_checkpoint_are_left_unread(tmp_path, default_model):
+    """A DeepSeek-V3 checkpoint holding its MTP layer (layer num_hidden_layers) loads: those
+    tensors are not run, and no others are left over."""
+    from safetensors.torch import load_file, save_file
+
+    folder = save_family("deepseek-v3", tmp_path / "v3", default_model / "tokenizer.json")
+    tensors = load_file(folder / "model.safetensors")
+    tensors.update({k.replace("layers.2.", "layers.3."): v.clone() for k, v in tensors.items() if "layers.2." in k})
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with LLM(str(folder), kv_cache_tokens=256) as llm:
+        out, = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
+    assert len(out.token_ids) == 2
+    tensors["model.layers.4.mlp.gate.weight"] = tensors["model.layers.3.mlp.gate.weight"].clone()  # past the MTP layer
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match="model.layers.4.mlp.gate.weight"):
+        LLM(str(folder), kv_cache_tokens=256)

@@ -54,6 +54,25 @@ FAMILIES = {
                                               moe_intermediate_size=48, decoder_sparse_step=2)),
     "olmoe": ("OlmoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32,
                                        norm_topk_prob=True)),
+    # Attention sinks, alternating windowed and full layers, YaRN untruncated, top-k softmax
+    # routing with a router bias, the clamped SwiGLU (a limit low enough to clamp) with biases.
+    "gpt-oss": ("GptOssForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, head_dim=16,
+                                          sliding_window=8, swiglu_limit=0.5, rope_theta=1000.0, rope_scaling=dict(
+                                              rope_type="yarn", factor=4.0, original_max_position_embeddings=64,
+                                              beta_fast=32.0, beta_slow=1.0, truncate=False))),
+    # Latent attention (MLA): queries through a low rank or not, the first layer dense, routing
+    # greedy or grouped (V2's max, V3's top-2 sum after the correction bias), shared experts.
+    "deepseek-v2": ("DeepseekV2ForCausalLM", dict(
+        num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+        first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=3, topk_group=2,
+        routed_scaling_factor=1.5)),
+    "deepseek-v3": ("DeepseekV3ForCausalLM", dict(
+        num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=24, n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, n_shared_experts=2,
+        first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+        rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32, beta_fast=32,
+                          beta_slow=1, mscale=1.0, mscale_all_dim=1.0))),
 }
 # (prompt length, max_tokens): longer than the windows (8), past the pretraining lengths of the
 # scaled RoPEs (32, and 24 for dynamic), some longer than the token budget of 16.
@@ -61,8 +80,9 @@ SHAPES = [(5, 12), (40, 8), (17, 12), (1, 8), (33, 10)]
 
 
 def save_family(kind: str, folder: Path, tokenizer_json: Path | None, **overrides) -> Path:
-    """The `FAMILIES[kind]` checkpoint (biases and norm weights perturbed, so that a dropped
-    one shows) in `folder`, with a copy of `tokenizer_json` (None: the caller writes one)."""
+    """The `FAMILIES[kind]` checkpoint (biases and norm weights perturbed, routers' correction
+    biases and experts' stacked biases too, so that a dropped one shows) in `folder`, with a copy of `tokenizer_json`
+    (None: the caller writes one)."""
     import transformers as tf
 
     arch, fields = FAMILIES[kind]
@@ -72,9 +92,13 @@ def save_family(kind: str, folder: Path, tokenizer_json: Path | None, **override
     torch.manual_seed(0)
     model = model_class(config).float()
     with torch.no_grad():
-        for param in model.parameters():
+        biases = [b for name, b in model.named_buffers() if name.endswith("correction_bias")]  # DeepSeek-V3's
+        stacked = [p for name, p in model.named_parameters() if name.endswith("_bias") and p.dim() > 1]  # gpt-oss's
+        for param in [*model.parameters(), *biases]:
             if param.dim() == 1:
                 param.add_(torch.randn_like(param) * 0.2)
+        for param in stacked:
+            param.add_(torch.randn_like(param) * 0.2)
     model.save_pretrained(folder)
     if tokenizer_json is not None:
         shutil.copy(tokenizer_json, folder / "tokenizer.json")

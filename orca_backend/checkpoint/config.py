@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..core.errors import ConfigError
 from .families import PARSERS, SUPPORTED_ARCHITECTURES, ConfigFields
+from .families.deepseek import MLASpec
 from .families.experts import MoESpec
 from .families.rope import RopeSpec
 
@@ -52,9 +53,12 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_scale: float | None = None  # None: head_dim ** -0.5
     attn_softcap: float | None = None
+    attention_sinks: bool = False  # a learnt logit per head in every softmax, its share dropped (gpt-oss)
     final_softcap: float | None = None
     logits_divisor: float = 1.0
     moe: MoESpec | None = None  # the mixture of experts of its sparse layers; None: every MLP dense
+    mla: MLASpec | None = None  # multi-head latent attention (DeepSeek); None: q/k/v heads
+    extra_layers: int = 0  # layers a checkpoint may hold after the last that the model does not run (MTP)
     unknown_fields: tuple[str, ...] = ()  # in config.json, not the family's: logged when the weights load
 
     @classmethod
@@ -105,6 +109,14 @@ class ModelConfig:
         return windows.pop() if len(windows) == 1 else None
 
     @property
+    def kernel_gap(self) -> str | None:
+        """What of this model's attention our paged-attention kernel does not compute, named;
+        None if it computes all of it (SDPA's backend computes every model's)."""
+        gaps = [what for has, what in ((self.mla is not None, "latent attention (MLA)"),
+                                       (self.attention_sinks, "attention sinks")) if has]
+        return " and ".join(gaps) or None
+
+    @property
     def scale(self) -> float:
         """What q.k is multiplied by before the softmax."""
         return self.attention_scale if self.attention_scale is not None else self.head_dim ** -0.5
@@ -126,8 +138,17 @@ class ModelConfig:
     # -- tensor parallelism ---------------------------------------------------------------
     def kv_elements_per_rank_token(self, tensor_parallel_size: int = 1) -> int:
         """K and V elements per token over all layers (multiply by the dtype's size) that each
-        of T ranks holds: its K/V heads only."""
-        return 2 * self.num_layers * self.num_local_kv_heads(tensor_parallel_size) * self.head_dim
+        of T ranks holds: its K/V heads only (MLA: the whole latent, on every rank)."""
+        heads, dim, values = self.kv_layout(tensor_parallel_size)
+        return (2 if values else 1) * self.num_layers * heads * dim
+
+    def kv_layout(self, tensor_parallel_size: int = 1) -> tuple[int, int, bool]:
+        """(heads, dims per head, whether V is stored apart from K) of one layer's cache entry
+        per token on each of T ranks. MLA stores one latent per token; its first kv_lora_rank
+        dims serve as the values."""
+        if self.mla is not None:
+            return 1, self.mla.latent_dim, False
+        return self.num_local_kv_heads(tensor_parallel_size), self.head_dim, True
 
     def num_local_kv_heads(self, tensor_parallel_size: int) -> int:
         """K/V heads each of T ranks holds: its share, or one (replicated) when there are

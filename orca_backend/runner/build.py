@@ -50,12 +50,12 @@ def build_runner(spec: RunnerSpec, model=None, rank: int = 0) -> ModelRunner | N
         layers = range(*spec.layer_range) if spec.layer_range else None
         model = load_model(Path(spec.model_path), dtype, device, layers)
     _prepare(model, spec, backend)  # a stage's model, loaded before, keeps the backend it has
-    attention = _attention(spec, device)
+    attention = _attention(spec, device, model)
     runner = ModelRunner(model, spec.num_blocks, spec.cache.block_size, device, dtype, spec.runner.seed,
                          spec.runner.keep_logits, attention, grammars=grammar_compiler(spec),
                          loras=_lora_slots(spec, model, dtype, device),
                          proposer=_proposer(spec, model, attention, backend, device), pooling_type=spec.runner.pooling_type)
-    if spec.runner.cuda_graphs and spec.runner.attention_backend == "triton" and not spec.layer_range:
+    if spec.runner.cuda_graphs and isinstance(attention, KernelPagedAttention) and not spec.layer_range:
         runner.enable_decode_graphs(spec.scheduler.max_batch_size, -(-spec.max_model_len // spec.cache.block_size),
                                     capture=device.type == "cuda")
     return runner
@@ -97,9 +97,11 @@ def _proposer(spec: RunnerSpec, model, attention, backend, device: torch.device)
     return DraftModel(model, spec.num_blocks, device, dtype, attention, spec.scheduler.max_num_batched_tokens)
 
 
-def _attention(spec: RunnerSpec, device: torch.device):
-    backend = KernelPagedAttention if spec.runner.attention_backend == "triton" else TorchPagedAttention
-    return backend(spec.cache.block_size, device)
+def _attention(spec: RunnerSpec, device: torch.device, model):
+    """The attention backend: SDPA's for models whose attention our kernel does not compute
+    (`ModelConfig.kernel_gap`, refused when asked for by name)."""
+    kernel = spec.runner.attention_backend == "triton" and not model.config.kernel_gap
+    return (KernelPagedAttention if kernel else TorchPagedAttention)(spec.cache.block_size, device)
 
 
 def _build_rank(spec: RunnerSpec, rank: int) -> ModelRunner:
@@ -127,7 +129,7 @@ def _build_rank(spec: RunnerSpec, rank: int) -> ModelRunner:
         model = load_model(Path(spec.model_path), getattr(torch, spec.runner.dtype), device, layers,
                            Shard(rank, size), collectives)
         _prepare(model, spec, backend)
-        attention = _attention(spec, device)
+        attention = _attention(spec, device, model)
         runner = ModelRunner(model, spec.num_blocks, spec.cache.block_size, device, getattr(torch, spec.runner.dtype),
                              spec.runner.seed, spec.runner.keep_logits, attention, group,
                              grammars=grammar_compiler(spec) if rank == 0 else None,

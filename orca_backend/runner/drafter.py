@@ -33,8 +33,8 @@ class DraftModel:
         self.attention = attention
         attention.rope_lens = attention.rope_lens or getattr(model, "needs_rope_lens", False)
         self.device = device
-        caches = attention.allocate_kv_cache(cfg.num_layers, num_blocks, cfg.num_local_kv_heads(1),
-                                             cfg.head_dim, dtype)
+        heads, dim, values = cfg.kv_layout(1)
+        caches = attention.allocate_kv_cache(cfg.num_layers, num_blocks, heads, dim, dtype, values)
         self.kv_caches = dict(zip(model.layer_range, caches))
         # request id -> (tokens of its history whose K/V is written, proposals written after them)
         self._written: dict[str, tuple[int, list[int]]] = {}

@@ -59,8 +59,8 @@ class ModelRunner:
         self.attention = attention or TorchPagedAttention(block_size, device)
         self.attention.rope_lens = self.attention.rope_lens or getattr(model, "needs_rope_lens", False)
         layers = model.layer_range
-        caches = self.attention.allocate_kv_cache(len(layers), num_blocks,
-                                                  cfg.num_local_kv_heads(self.shard.size), cfg.head_dim, dtype)
+        heads, dim, values = cfg.kv_layout(self.shard.size)
+        caches = self.attention.allocate_kv_cache(len(layers), num_blocks, heads, dim, dtype, values)
         self.kv_caches = dict(zip(layers, caches))  # layer index -> its cache: only this model's layers
         self.sampler = Sampler(device, seed, cfg.eos_token_ids, cfg.vocab_size) if self.samples else None
         self.masks = GrammarMasks(cfg.vocab_size)

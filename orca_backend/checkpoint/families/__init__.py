@@ -9,10 +9,10 @@ here and a line below; docs/models.md says how.
 """
 from __future__ import annotations
 
-from . import gemma, gpt2, granite, llama, mistral, mixtral, olmo2, olmoe, phi3, qwen, smollm3
+from . import deepseek, gemma, gpt2, gpt_oss, granite, llama, mistral, mixtral, olmo2, olmoe, phi3, qwen, smollm3
 from .fields import ConfigFields
 
-_FAMILIES = (llama, qwen, mistral, gemma, phi3, granite, smollm3, olmo2, gpt2, mixtral, olmoe)
+_FAMILIES = (llama, qwen, mistral, gemma, phi3, granite, smollm3, olmo2, gpt2, mixtral, olmoe, deepseek, gpt_oss)
 PARSERS = {arch: parse for family in _FAMILIES for arch, parse in family.ARCHITECTURES.items()}
 SUPPORTED_ARCHITECTURES = tuple(PARSERS)
 

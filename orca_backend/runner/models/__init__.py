@@ -51,9 +51,23 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device,
 
 def _unused(weights: Weights, model) -> list[str]:
     names = weights.leftover()
+    extra = set(_beyond_the_last_layer(names, model.config, model.LAYER_PREFIX))
+    if extra:
+        log.info("%d tensors of layers after the model's last %d (multi-token prediction) left unread",
+                 len(extra), model.config.num_layers)
+        names = [n for n in names if n not in extra]
     if len(model.layer_range) == model.config.num_layers:
         return names
     # A stage leaves the other stages' tensors unread; its own layers' must all be used.
     prefix = model.LAYER_PREFIX
     return [n for n in names if n.startswith(prefix)
             and int(n[len(prefix):].split(".", 1)[0]) in model.layer_range]
+
+
+def _beyond_the_last_layer(names: list[str], config: ModelConfig, prefix: str) -> list[str]:
+    """Tensors of the layers a checkpoint holds after the model's last (DeepSeek-V3's
+    multi-token prediction layers), which the model does not run."""
+    last = config.num_layers + config.extra_layers
+    if last == config.num_layers:
+        return []
+    return [n for n in names if n.startswith(prefix) and config.num_layers <= int(n[len(prefix):].split(".", 1)[0]) < last]

@@ -38,16 +38,20 @@ class AttentionPlan(Protocol):
     rope_lens: torch.Tensor | None  # [num_tokens]: each row's sequence length for RoPE, where asked for
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: Any,
-               scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D], one layer's cache; returns [T, Hq * D]. With a
+               scale: float, window: int | None = None, softcap: float | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv], one layer's cache; returns [T, Hq * Dv].
+        A cache allocated without values holds k only, and v must be k's first Dv dims. With a
         `window`, a query attends to the last `window` positions only (itself included);
-        `softcap` caps the scaled scores at softcap * tanh(s / softcap)."""
+        `softcap` caps the scaled scores at softcap * tanh(s / softcap); `sinks` [Hq]: one more
+        logit per head in each softmax, whose share is dropped."""
 
 
 class AttentionBackend(Protocol):
     def allocate_kv_cache(self, num_layers: int, num_blocks: int, num_kv_heads: int,
-                          head_dim: int, dtype: torch.dtype) -> list[Any]:
-        """One cache object per layer, in whatever layout the backend's kernels want."""
+                          head_dim: int, dtype: torch.dtype, values: bool = True) -> list[Any]:
+        """One cache object per layer, in whatever layout the backend's kernels want; with
+        `values=False`, keys only (their first dims are the values: MLA's latent)."""
 
     def plan(self, layout: BatchLayout) -> AttentionPlan: ...
 
@@ -61,11 +65,13 @@ class TorchPagedAttention:
         self.device = device
         self.rope_lens = False
 
-    def allocate_kv_cache(self, num_layers: int, num_blocks: int, num_kv_heads: int,
-                          head_dim: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def allocate_kv_cache(self, num_layers: int, num_blocks: int, num_kv_heads: int, head_dim: int,
+                          dtype: torch.dtype, values: bool = True) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """(K, V) per layer; `values=False`: (K, None), the values read from K's first dims (MLA's
+        latent)."""
         shape = (num_blocks, self.block_size, num_kv_heads, head_dim)
         return [(torch.zeros(shape, dtype=dtype, device=self.device),
-                 torch.zeros(shape, dtype=dtype, device=self.device)) for _ in range(num_layers)]
+                 torch.zeros(shape, dtype=dtype, device=self.device) if values else None) for _ in range(num_layers)]
 
     def plan(self, layout: BatchLayout) -> AttentionMetadata:
         return AttentionMetadata.build(layout, self.block_size, self.device, self.rope_lens)
@@ -189,34 +195,42 @@ class AttentionMetadata:
         return views
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               kv_cache: tuple[torch.Tensor, torch.Tensor], scale: float, window: int | None = None,
-               softcap: float | None = None) -> torch.Tensor:
-        return paged_attention(q, k, v, *kv_cache, self, scale, window, softcap)
+               kv_cache: tuple[torch.Tensor, torch.Tensor | None], scale: float, window: int | None = None,
+               softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        return paged_attention(q, k, v, *kv_cache, self, scale, window, softcap, sinks)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor | None,
                     meta: AttentionMetadata, scale: float, window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
-    """q [T, Hq, D], k/v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]. Returns [T, Hq * D]."""
+                    softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv]; caches [num_blocks, block_size, Hkv, D]
+    (v_cache None: the values are the keys' first Dv dims). Returns [T, Hq * Dv]."""
     k_cache.view(-1, *k.shape[1:])[meta.slot_mapping] = k
-    v_cache.view(-1, *v.shape[1:])[meta.slot_mapping] = v
+    if v_cache is not None:
+        v_cache.view(-1, *v.shape[1:])[meta.slot_mapping] = v
+    value_dim = v.shape[-1]
+
+    def gather_kv(blocks):
+        keys = _gather(k_cache, blocks)
+        return keys, (keys[..., :value_dim] if v_cache is None else _gather(v_cache, blocks))
+
     views = meta.view(window)
-    out = torch.empty_like(q)
+    out = q.new_empty(*q.shape[:-1], value_dim)
     if views.decode_rows is not None:
         qd = q[views.decode_rows].unsqueeze(2)  # [B, Hq, 1, D]
-        kd = _gather(k_cache, views.decode_blocks).transpose(1, 2)  # [B, Hkv, L, D]
-        vd = _gather(v_cache, views.decode_blocks).transpose(1, 2)
-        od = _attention(qd, kd, vd, views.decode_mask, scale, softcap)  # [B, Hq, 1, D]
+        kd, vd = gather_kv(views.decode_blocks)  # [B, L, Hkv, D]
+        od = _attention(qd, kd.transpose(1, 2), vd.transpose(1, 2), views.decode_mask, scale, softcap,
+                        sinks=sinks)  # [B, Hq, 1, Dv]
         out[views.decode_rows] = od.squeeze(2)
     for span in views.prefills:
         rows = slice(span.start_row, span.end_row)
         if span.context_blocks is None:
             kp, vp = k[rows], v[rows]
         else:
-            kp, vp = _gather(k_cache, span.context_blocks), _gather(v_cache, span.context_blocks)
+            kp, vp = gather_kv(span.context_blocks)
         op = _attention(q[rows].transpose(0, 1), kp.transpose(0, 1), vp.transpose(0, 1),
-                        span.mask, scale, softcap, causal=span.mask is None)  # [Hq, n, D]
+                        span.mask, scale, softcap, causal=span.mask is None, sinks=sinks)  # [Hq, n, Dv]
         out[rows] = op.transpose(0, 1)
     return out.flatten(1)
 
@@ -229,19 +243,24 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return rows.view(*blocks.shape[:-1], blocks.shape[-1] * cache.shape[1], *cache.shape[2:])
 
 
-def _attention(q, k, v, mask, scale, softcap=None, causal=False):
-    """SDPA, or with a soft cap the same written out (SDPA has no cap). Grouped-query
+def _attention(q, k, v, mask, scale, softcap=None, causal=False, sinks=None):
+    """SDPA, or with a soft cap or sinks the same written out (SDPA has neither). Grouped-query
     attention without copying K/V: query head h reads K/V head h // groups."""
-    if softcap is None:
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
                                               enable_gqa=q.shape[-3] != k.shape[-3])
     group = q.shape[-3] // k.shape[-3]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if causal:
         n, m = scores.shape[-2:]
         mask = torch.ones(n, m, dtype=torch.bool, device=q.device).tril(m - n)
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(q.dtype), v)
+    if sinks is None:
+        return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(q.dtype), v)
+    sink = sinks.to(scores.dtype).view(-1, 1, 1).expand(*scores.shape[:-1], 1)  # [..., Hq, n, 1]
+    probs = torch.cat([scores, sink], dim=-1).softmax(-1, dtype=torch.float32)[..., :-1]
+    return torch.matmul(probs.to(q.dtype), v)

@@ -16,6 +16,7 @@ from ...lora.batch import LoRABatch, LoRAProjection
 from .attention import AttentionPlan
 from .layers import MLP, Attention, Norm
 from .linear import Linear
+from .mla import LatentAttention
 from .moe import SparseMLP
 from .parallel import NO_COLLECTIVES, ONE_RANK, Collectives, Shard, hold_stage
 from .rope import Rotary
@@ -66,7 +67,7 @@ class DecoderModel:
     def linears(self):
         """Every projection, the LM head's included."""
         for layer in self.layers.values():
-            yield from (layer.attn.qkv, layer.attn.o, *layer.mlp.linears())
+            yield from (*layer.attn.linears(), *layer.mlp.linears())
         if hasattr(self, "lm_head"):
             yield self.lm_head
 
@@ -107,7 +108,8 @@ class DecoderModel:
 class DecoderLayer:
     def __init__(self, config: ModelConfig, w: Weights, index: int, p: str, shard: Shard,
                  collectives: Collectives) -> None:
-        self.attn = Attention(config, w, index, p + "self_attn.", shard, collectives)
+        attention = LatentAttention if config.mla is not None else Attention
+        self.attn = attention(config, w, index, p + "self_attn.", shard, collectives)
         self.mlp = (SparseMLP(config, w, index, p, shard, collectives) if config.is_sparse(index)
                     else MLP(config, w, index, p + "mlp.", shard, collectives))
         self.norms = [Norm(w.take(p + name + ".weight"), config.norm_eps, config.norm) if name else None

@@ -77,11 +77,16 @@ class Attention:
             self.q_norm = Norm(w.take(p + "q_norm.weight"), config.norm_eps, kind)
             self.k_norm = Norm(w.take(p + "k_norm.weight"), config.norm_eps, kind)
         self.per_head_norm = config.qk_norm == "head"
+        heads = slice(shard.rank * self.num_heads, (shard.rank + 1) * self.num_heads)
+        self.sinks = w.take(p + "sinks", 0, heads, dtype=torch.float32) if config.attention_sinks else None
         self.window, self.softcap, self.scale = config.window_of(index), config.attn_softcap, config.scale
         self.index, self.all_reduce = index, collectives.all_reduce
         hidden, q_rows = config.hidden_size, self.num_heads * d
         self.lora = {"qkv": LoRAProjection("out", lora_parts, hidden, self.qkv.out_features),
                      "o": LoRAProjection("in", (("o_proj", q, q_rows),), q_rows, hidden)}
+
+    def linears(self):
+        yield from (self.qkv, self.o)
 
     def __call__(self, x, meta: AttentionPlan, rope, kv_cache, lora: LoRABatch | None) -> torch.Tensor:
         qkv = self.qkv(x)  # [T, (Hq + 2 Hkv) * D]
@@ -102,7 +107,8 @@ class Attention:
             if rope is not None:
                 q, k = rotate(q, *rope), rotate(k, *rope)
         v = v.view(-1, hkv, d)
-        attn = meta.attend(q, k, v, kv_cache, self.scale, window=self.window, softcap=self.softcap)  # [T, Hq * D]
+        attn = meta.attend(q, k, v, kv_cache, self.scale, window=self.window, softcap=self.softcap,
+                           sinks=self.sinks)  # [T, Hq * D]
         o = self.o(attn)
         if lora is not None:
             lora.add(o, attn, self.index, "o")

@@ -19,6 +19,8 @@ partial sum included.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -35,7 +37,7 @@ from .weights import Weights
 def prepare_experts(model, kernel: str, backend: str) -> None:
     """Every sparse layer of `model` on `kernel` ("torch" or "triton"); refused where the
     projections' `backend` is one the experts do not have (int8 quantizes `Linear`s only)."""
-    sparse = [layer.mlp for layer in getattr(model, "layers", {}).values() if isinstance(layer.mlp, SparseMLP)]
+    sparse = [mlp for layer in model.layers.values() if isinstance(mlp := getattr(layer, "mlp", None), SparseMLP)]
     if sparse and backend == "int8":
         raise ConfigError(f"quantization 'int8' is not built for {model.config.architecture}'s experts "
                           "(a mixture of experts); use quantization 'none'")
@@ -43,30 +45,86 @@ def prepare_experts(model, kernel: str, backend: str) -> None:
         mlp.kernel = kernel
 
 
-def route(logits: torch.Tensor, spec: MoESpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] float32, expert ids [T, k]) from the router's logits [T, E]."""
-    probs = logits.float().softmax(dim=-1)
-    weights, ids = probs.topk(spec.top_k, dim=-1)
+def route(logits: torch.Tensor, spec: MoESpec,
+          correction: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, expert ids [T, k]) from the router's logits [T, E]: scores
+    by softmax or sigmoid; the experts chosen by score (plus the `correction` bias, where the
+    family has one) among the kept groups; weighed by their scores, rescaled to sum to 1 where
+    the family says, times its scaling factor."""
+    logits = logits.float()
+    if spec.scoring == "topk_softmax":
+        top, ids = logits.topk(spec.top_k, dim=-1)
+        return top.softmax(dim=-1), ids
+    scores = logits.softmax(dim=-1) if spec.scoring == "softmax" else logits.sigmoid()
+    choice = scores if correction is None else scores + correction
+    if spec.groups > 1:
+        choice = _best_groups(choice, spec)
+    ids = choice.topk(spec.top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
     if spec.normalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if spec.scoring == "sigmoid" else 0.0))
     return (weights * spec.scaling if spec.scaling != 1.0 else weights), ids
 
 
-def grouped_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                    ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
-    """sum_j weights[t, j] * down_e(act(gate_e(x[t])) * up_e(x[t])), e = ids[t, j], for every
-    token t: x [T, H], w1 [E, H, 2I] (gate | up), w2 [E, I, H]."""
+def _best_groups(choice: torch.Tensor, spec: MoESpec) -> torch.Tensor:
+    """`choice` [T, E] with the experts outside each token's best `topk_groups` groups ruled
+    out (-inf; 0 under DeepSeek-V2's rule, which scores groups by their best softmax score)."""
+    grouped = choice.view(choice.shape[0], spec.groups, -1)
+    if spec.group_score == "max":
+        group_scores, fill = grouped.amax(dim=-1), 0.0
+    else:  # "top2_sum"
+        group_scores, fill = grouped.topk(2, dim=-1).values.sum(dim=-1), float("-inf")
+    kept = torch.zeros_like(group_scores, dtype=torch.bool)
+    kept.scatter_(1, group_scores.topk(spec.topk_groups, dim=-1).indices, True)
+    return grouped.masked_fill(~kept.unsqueeze(-1), fill).view_as(choice)
+
+
+def grouped_experts(x: torch.Tensor, experts: Experts, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """sum_j weights[t, j] * down_e(act(gate_e(x[t]), up_e(x[t]))), e = ids[t, j], for every
+    token t of x [T, H]."""
     num_tokens, k = ids.shape
     flat = ids.reshape(-1)
     order = flat.argsort(stable=True)  # pairs by expert, each expert's in token order
-    ends = torch.bincount(flat, minlength=w1.shape[0]).cumsum(0).to(torch.int32)
+    ends = torch.bincount(flat, minlength=experts.w1.shape[0]).cumsum(0).to(torch.int32)
     rows = x[order // k]  # [T*k, H], expert by expert
-    gate, up = F.grouped_mm(rows, w1, offs=ends).chunk(2, dim=-1)
-    out = F.grouped_mm(activate(gate, activation) * up, w2, offs=ends)  # [T*k, H]
+    gate_up = F.grouped_mm(rows, experts.w1, offs=ends)
+    if experts.b1 is not None:
+        gate_up += experts.b1[flat[order]]
+    out = F.grouped_mm(experts.activate(gate_up), experts.w2, offs=ends)  # [T*k, H]
+    if experts.b2 is not None:
+        out += experts.b2[flat[order]]
     pairs = torch.empty_like(out)
     pairs[order] = out
     pairs = pairs.view(num_tokens, k, -1) * weights.to(x.dtype).unsqueeze(-1)
     return pairs.sum(dim=1)
+
+
+@dataclass(slots=True)
+class Experts:
+    """One layer's experts, stacked: w1 [E, H, 2I] (gate | up), w2 [E, I, H], their biases
+    b1 [E, 2I] and b2 [E, H] if any, and the activation of (gate, up)."""
+
+    w1: torch.Tensor
+    w2: torch.Tensor
+    b1: torch.Tensor | None
+    b2: torch.Tensor | None
+    activation: str  # silu, gelu, gelu_tanh, or swiglu_clamp (with limit and alpha)
+    limit: float | None = None
+    alpha: float | None = None
+
+    def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        if self.activation != "swiglu_clamp":
+            return activate(gate, self.activation) * up
+        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+
+    def fused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The same through our Triton kernel."""
+        from .moe_kernel import fused_experts
+
+        return fused_experts(x, self.w1, self.w2, weights, ids, self.activation, self.b1, self.b2,
+                             self.limit, self.alpha)
 
 
 class SparseMLP:
@@ -78,14 +136,20 @@ class SparseMLP:
                  collectives: Collectives) -> None:
         spec = self.spec = config.moe
         p = p + spec.block + "."  # `p`: the layer's prefix
-        self.router = Linear(w.take(p + spec.router + ".weight"))  # [E, H], every rank whole
-        self.w1, self.w2 = _stacked_experts(spec, w, p + "experts.", shard, config.hidden_size)
+        router_dtype = torch.float32 if spec.router_fp32 else None
+        self.router = Linear(w.take(p + spec.router + ".weight", dtype=router_dtype),  # [E, H], every rank whole
+                             w.take(p + spec.router + ".bias", dtype=router_dtype) if spec.router_bias else None)
+        self.correction = (w.take(p + spec.router + ".e_score_correction_bias", dtype=torch.float32)
+                           if spec.correction_bias else None)
+        self.experts = _load_experts(spec, w, p + "experts.", shard, config)
+        # The experts' down biases [E, H], weighed like their outputs, added once after the all-reduce.
+        self.down_bias = w.take(p + "experts.down_proj_bias") if spec.expert_bias else None
         self.shared = self.shared_gate = None
         if spec.shared_size:  # a partial sum on each rank, like the experts': joined by one all-reduce
             self.shared = MLP(config, w, index, p + spec.shared + ".", shard, NO_COLLECTIVES, spec.shared_size)
             if spec.shared_gate:
                 self.shared_gate = Linear(w.take(p + spec.shared + "_gate.weight"))  # [1, H]
-        self.activation, self.all_reduce = config.activation, collectives.all_reduce
+        self.all_reduce = collectives.all_reduce
         self.kernel = "torch"
         self.lora: dict = {}
 
@@ -97,26 +161,40 @@ class SparseMLP:
             yield self.shared_gate
 
     def __call__(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
-        weights, ids = route(self.router(x), self.spec)
+        weights, ids = route(self.router(x.float() if self.spec.router_fp32 else x), self.spec, self.correction)
         if self.kernel == "triton":
-            from .moe_kernel import fused_experts
-            y = fused_experts(x, self.w1, self.w2, weights, ids, self.activation)
+            y = self.experts.fused(x, weights, ids)
         else:
-            y = grouped_experts(x, self.w1, self.w2, weights, ids, self.activation)
+            y = grouped_experts(x, self.experts, weights, ids)
         if self.shared is not None:
             shared = self.shared(x, None)
             if self.shared_gate is not None:
                 shared = torch.sigmoid(self.shared_gate(x)) * shared
             y = y + shared
-        return self.all_reduce(y)
+        y = self.all_reduce(y)
+        if self.down_bias is not None:
+            y = y + (self.down_bias[ids] * weights.to(y.dtype).unsqueeze(-1)).sum(dim=1)
+        return y
+
+
+def _load_experts(spec: MoESpec, w: Weights, p: str, shard: Shard, config: ModelConfig) -> Experts:
+    w1, w2 = _stacked_experts(spec, w, p, shard, config.hidden_size)
+    b1 = None
+    if spec.expert_bias:  # gpt-oss's [E, 2I], interleaved like its weights (down's: `SparseMLP.down_bias`)
+        b1 = _gate_up_columns(w.take(p + "gate_up_proj_bias"), shard, spec.intermediate_size)
+    return Experts(w1, w2, b1, None, spec.activation or config.activation, spec.swiglu_limit, spec.swiglu_alpha)
 
 
 def _stacked_experts(spec: MoESpec, w: Weights, p: str, shard: Shard,
                      hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(w1 [E, H, 2I'], w2 [E, I', H]) with I' this rank's share of each expert's intermediate
-    size, from either layout a checkpoint uses: one tensor per expert and projection (hub
-    checkpoints), or transformers' stacked `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I]."""
+    size, from each layout a checkpoint uses: one tensor per expert and projection (hub
+    checkpoints), transformers' stacked `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I], or
+    gpt-oss's stacked [E, H, 2I] (gate and up columns alternating) and [E, I, H]."""
     inter, size = shard.part(spec.intermediate_size), spec.intermediate_size
+    if spec.interleaved:
+        w1 = _gate_up_columns(w.take(p + "gate_up_proj"), shard, size)
+        return w1.contiguous(), w.take(p + "down_proj", 1, inter).contiguous()
     if p + "gate_up_proj" in w:
         gate_up = w.take(p + "gate_up_proj", 1, [inter, shift(inter, size)] if shard.size > 1 else None)
         return gate_up.transpose(1, 2).contiguous(), w.take(p + "down_proj", 2, inter).transpose(1, 2).contiguous()
@@ -130,3 +208,8 @@ def _stacked_experts(spec: MoESpec, w: Weights, p: str, shard: Shard,
         w2[e] = w.take(f"{p}{e}.{down}.weight", 1, inter).T
     return w1, w2
 
+
+def _gate_up_columns(t: torch.Tensor, shard: Shard, size: int) -> torch.Tensor:
+    """gpt-oss's interleaved gate/up columns (last dim 2I) as this rank's gate | up."""
+    inter = shard.part(size)
+    return torch.cat([t[..., 0::2][..., inter], t[..., 1::2][..., inter]], dim=-1)

@@ -47,20 +47,21 @@ class Weights:
     def __contains__(self, name: str) -> bool:
         return name in self._sources
 
-    def take_optional(self, name: str, dim: int = 0,
-                      part: slice | list[slice] | None = None) -> torch.Tensor | None:
-        """The tensor, or with `part` only those indices along `dim` (a rank's share; several
-        slices are read one by one and joined along `dim`)."""
+    def take_optional(self, name: str, dim: int = 0, part: slice | list[slice] | None = None,
+                      dtype: torch.dtype | None = None) -> torch.Tensor | None:
+        """The tensor in the model's dtype (or `dtype`), or with `part` only those indices along
+        `dim` (a rank's share; several slices are read one by one and joined along `dim`)."""
         if name not in self._sources:
             return None
         read = self._sources.pop(name)
         parts = part if isinstance(part, list) else [part or slice(None)]
         pieces = [read((slice(None),) * dim + (p,)) for p in parts]
         t = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
-        return t.to(device=self.device, dtype=self.dtype)
+        return t.to(device=self.device, dtype=dtype or self.dtype)
 
-    def take(self, name: str, dim: int = 0, part: slice | list[slice] | None = None) -> torch.Tensor:
-        t = self.take_optional(name, dim, part)
+    def take(self, name: str, dim: int = 0, part: slice | list[slice] | None = None,
+             dtype: torch.dtype | None = None) -> torch.Tensor:
+        t = self.take_optional(name, dim, part, dtype)
         if t is None:
             raise ConfigError(f"model folder {self.folder} lacks tensor {name!r}")
         return t
