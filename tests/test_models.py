@@ -273,6 +273,42 @@ def test_two_tensor_parallel_ranks(kind, family):
     check_tokens(tokens, ref, kind)
 
 
+@pytest.mark.subprocess
+@pytest.mark.parametrize("kind, options", [
+    ("qwen2-moe", {}), ("qwen2-moe", dict(tensor_parallel_size=2)), ("deepseek-v3", {}),
+    ("gpt-oss", dict(tensor_parallel_size=2)), ("qwen2-moe", dict(executor="pipeline", pipeline_stages=2))])
+def test_expert_parallel_ranks(kind, options, family):
+    """Two ranks each holding half the experts, whole, attention replicated on both or split
+    between them (tensor_parallel_size 2), and two such groups as pipeline stages: the gated
+    shared expert added once, latent attention, biases and sinks; the 40-token prompt's
+    logprobs as one rank's within 1e-4."""
+    folder, ref = family(kind)
+    tokens, _ = _generate(folder, expert_parallel_size=2, **options)
+    check_tokens(tokens, ref, kind)
+    with LLM(str(folder), kv_cache_tokens=1024, expert_parallel_size=2, **options) as llm:
+        out, = llm.generate([prompts()[1]], SamplingParams(max_tokens=1, prompt_logprobs=0))
+    ids = prompts()[1]
+    for i in range(1, len(ids)):
+        (logprob, _), = out.prompt_logprobs[i].values()
+        assert abs(logprob - ref.prompt_rows[i - 1, ids[i]].item()) < 1e-4, f"{kind}: prompt token {i}"
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(expert_parallel_size=4), "expert_parallel_size 4 does not divide the model's 6 experts"),
+    (dict(expert_parallel_size=2, tensor_parallel_size=4), "tensor_parallel_size"),
+    (dict(expert_parallel_size=2, executor="stages"), "executor")])
+def test_expert_parallel_sizes_that_do_not_fit_are_refused_by_name(options, message, family):
+    folder, _ = family("qwen2-moe")
+    with pytest.raises(ConfigError, match=message):
+        LLM(str(folder), **options)
+
+
+def test_expert_parallelism_of_a_dense_model_is_refused_by_name(family):
+    folder, _ = family("qwen3")
+    with pytest.raises(ConfigError, match="expert_parallel_size 2: Qwen3ForCausalLM has no mixture of experts"):
+        LLM(str(folder), expert_parallel_size=2)
+
+
 @pytest.mark.numerics
 def test_a_request_four_windows_long_holds_the_window_s_blocks(family):
     """Mistral with an 8-token window over blocks of 4: while decoding, a request of 40+

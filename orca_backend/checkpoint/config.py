@@ -155,6 +155,15 @@ class ModelConfig:
         fewer K/V heads than ranks."""
         return max(1, self.num_kv_heads // tensor_parallel_size)
 
+    def check_parallel(self, tensor_parallel_size: int, expert_parallel_size: int = 1) -> None:
+        """`check_tensor_parallel`, and that E ranks can split the experts of every MoE layer."""
+        self.check_tensor_parallel(tensor_parallel_size)
+        e = expert_parallel_size
+        if e > 1 and self.moe is None:
+            raise ConfigError(f"expert_parallel_size {e}: {self.architecture} has no mixture of experts to split")
+        if e > 1 and self.moe.num_experts % e:
+            raise ConfigError(f"expert_parallel_size {e} does not divide the model's {self.moe.num_experts} experts")
+
     def check_tensor_parallel(self, tensor_parallel_size: int) -> None:
         """Refuse a rank count that does not divide the shapes every rank takes 1/T of,
         naming both numbers."""

@@ -121,16 +121,31 @@ class ParallelConfig:
     # Ranks of the runner (and of each pipeline stage), each holding 1/T of every layer:
     # processes on the CPU (gloo), one GPU each from the instance's first (NCCL).
     tensor_parallel_size: int = 1
+    # Ranks E that split a mixture of experts' experts between them (whole experts, E of the
+    # group's ranks); attention and dense layers are then split over tensor_parallel_size =
+    # E ranks, or replicated on each (tensor_parallel_size 1).
+    expert_parallel_size: int = 1
     iteration_timeout_seconds: int = 600  # a runner silent this long is treated as dead
 
     def __post_init__(self) -> None:
         _need_one_of(self, "executor", EXECUTORS)
         _need_one_of(self, "stage_transport", STAGE_TRANSPORTS)
-        _need_counts(self, "pipeline_stages", "tensor_parallel_size", "iteration_timeout_seconds")
+        _need_counts(self, "pipeline_stages", "tensor_parallel_size", "expert_parallel_size",
+                     "iteration_timeout_seconds")
+        e, t = self.expert_parallel_size, self.tensor_parallel_size
+        _need(e == 1 or t in (1, e), "tensor_parallel_size", t, f"1 or {e} with expert_parallel_size {e} (attention "
+              "replicated on every rank, or split over the same ranks as the experts)")
+        _need(e == 1 or self.executor in ("inline", "process", "pipeline"), "executor", self.executor,
+              "'inline', 'process' or 'pipeline' with expert_parallel_size > 1")
         if self.executor == "stages" and self.stage_transport == "grpc":
             _need(len(self.stage_url_list) == self.pipeline_stages, "stage_urls", self.stage_urls,
                   f"{self.pipeline_stages} comma-separated gRPC URLs (host:port; empty: this server), "
                   f"one per stage, with stage_transport 'grpc'")
+
+    @property
+    def num_ranks(self) -> int:
+        """Processes of the runner (of each pipeline stage): tensor- or expert-parallel ranks."""
+        return max(self.tensor_parallel_size, self.expert_parallel_size)
 
     @property
     def one_stage(self) -> bool:

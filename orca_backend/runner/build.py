@@ -33,15 +33,16 @@ def build_runner(spec: RunnerSpec, model=None, rank: int = 0) -> ModelRunner | N
     if spec.runner.engine == "null":
         return NullRunner(spec.model_path, spec.runner.null_step_seconds, grammar_compiler(spec))
     if spec.runner.engine == "tensorrt":
-        if spec.parallel.tensor_parallel_size > 1:
+        if spec.parallel.num_ranks > 1:
             raise ConfigError("engine 'tensorrt' builds single-rank engines; tensor_parallel_size "
-                              f"{spec.parallel.tensor_parallel_size} needs engine 'torch'")
+                              f"{spec.parallel.tensor_parallel_size} and expert_parallel_size "
+                              f"{spec.parallel.expert_parallel_size} need engine 'torch'")
         from .tensorrt_runner import build_tensorrt_runner  # imports trt_plugins' builder
 
         runner = build_tensorrt_runner(spec)
         runner.grammars = grammar_compiler(spec)
         return runner
-    if spec.parallel.tensor_parallel_size > 1:
+    if spec.parallel.num_ranks > 1:
         return _build_rank(spec, rank)
     dtype, device = getattr(torch, spec.runner.dtype), torch.device(spec.runner.device)
     make_current(device)  # kernels launch on the current device
@@ -90,7 +91,7 @@ def _proposer(spec: RunnerSpec, model, attention, backend, device: torch.device)
     if config.method == "ngram":
         return NgramProposer(config)
     dtype = getattr(torch, spec.runner.dtype)
-    whole = spec.parallel.tensor_parallel_size == 1 and not spec.layer_range
+    whole = spec.parallel.num_ranks == 1 and not spec.layer_range
     if not (whole and Path(config.model).resolve() == Path(spec.model_path).resolve()):
         model = load_model(Path(config.model), dtype, device)
         _prepare(model, spec, backend)
@@ -110,8 +111,12 @@ def _build_rank(spec: RunnerSpec, rank: int) -> ModelRunner:
     graphs are not used with more than one rank."""
     from .tensor_parallel import GroupCollectives, TensorParallelGroup
 
-    size = spec.parallel.tensor_parallel_size
-    ModelConfig.from_folder(Path(spec.model_path)).check_tensor_parallel(size)
+    parallel = spec.parallel
+    size = parallel.num_ranks
+    ModelConfig.from_folder(Path(spec.model_path)).check_parallel(parallel.tensor_parallel_size,
+                                                                   parallel.expert_parallel_size)
+    shard = Shard(rank, size, replicated=parallel.tensor_parallel_size == 1,
+                  experts=parallel.expert_parallel_size > 1)
     device = _rank_device(spec.runner.device, rank, size)
     group = TensorParallelGroup(spec) if rank == 0 else None
     if device.type == "cuda":
@@ -127,7 +132,7 @@ def _build_rank(spec: RunnerSpec, rank: int) -> ModelRunner:
         backend = linear_backend(device, getattr(torch, spec.runner.dtype), spec.runner.quantization, spec.runner.linear)
         layers = range(*spec.layer_range) if spec.layer_range else None
         model = load_model(Path(spec.model_path), getattr(torch, spec.runner.dtype), device, layers,
-                           Shard(rank, size), collectives)
+                           shard, collectives)
         _prepare(model, spec, backend)
         attention = _attention(spec, device, model)
         runner = ModelRunner(model, spec.num_blocks, spec.cache.block_size, device, getattr(torch, spec.runner.dtype),

@@ -59,7 +59,7 @@ class ModelRunner:
         self.attention = attention or TorchPagedAttention(block_size, device)
         self.attention.rope_lens = self.attention.rope_lens or getattr(model, "needs_rope_lens", False)
         layers = model.layer_range
-        heads, dim, values = cfg.kv_layout(self.shard.size)
+        heads, dim, values = cfg.kv_layout(self.shard.tensor.size)
         caches = self.attention.allocate_kv_cache(len(layers), num_blocks, heads, dim, dtype, values)
         self.kv_caches = dict(zip(layers, caches))  # layer index -> its cache: only this model's layers
         self.sampler = Sampler(device, seed, cfg.eos_token_ids, cfg.vocab_size) if self.samples else None

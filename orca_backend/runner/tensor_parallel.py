@@ -124,7 +124,7 @@ class TensorParallelGroup:
     """Rank 0's side: the other ranks' processes, their pipes, and their watcher."""
 
     def __init__(self, spec: RunnerSpec) -> None:
-        self.size = spec.parallel.tensor_parallel_size
+        self.size = spec.parallel.num_ranks
         self.timeout_seconds = spec.collective_timeout_seconds
         self._lock = threading.Lock()
         self.failure: str | None = None  # the first rank failure, named; the group is over

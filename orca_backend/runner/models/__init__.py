@@ -29,7 +29,7 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device,
     """The whole model, or a pipeline stage's `layer_range` of it (reading only those tensors);
     with a `shard`, only that rank's slices of them."""
     config = ModelConfig.from_folder(folder)
-    config.check_tensor_parallel(shard.size)
+    config.check_parallel(shard.tensor.size, shard.size if shard.experts else 1)
     if layer_range is not None and not (0 <= layer_range.start < layer_range.stop <= config.num_layers):
         raise ConfigError(f"layers [{layer_range.start}, {layer_range.stop}) are not a non-empty "
                           f"range within the model's {config.num_layers} layers")

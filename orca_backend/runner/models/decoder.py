@@ -18,7 +18,7 @@ from .layers import MLP, Attention, Norm
 from .linear import Linear
 from .mla import LatentAttention
 from .moe import SparseMLP
-from .parallel import NO_COLLECTIVES, ONE_RANK, Collectives, Shard, hold_stage
+from .parallel import NO_COLLECTIVES, ONE_RANK, Collectives, Shard, hold_stage, tensor_view
 from .rope import Rotary
 from .weights import Weights
 
@@ -42,6 +42,7 @@ class DecoderModel:
     def __init__(self, config: ModelConfig, w: Weights, layer_range: range | None = None,
                  shard: Shard = ONE_RANK, collectives: Collectives = NO_COLLECTIVES) -> None:
         first, last, tied, vocab = hold_stage(self, config, w, layer_range, shard, collectives)
+        self.tp_shard, self.tp_collectives = tensor_view(shard, collectives)
         if first or (last and tied):
             self.embed = w.take("model.embed_tokens.weight", 0, vocab)  # [vocab / T, hidden]
         self.layers = {i: DecoderLayer(config, w, i, f"{self.LAYER_PREFIX}{i}.", shard, collectives)
@@ -72,7 +73,7 @@ class DecoderModel:
             yield self.lm_head
 
     def embed_tokens(self, input_ids: torch.Tensor, meta: AttentionPlan) -> torch.Tensor:
-        h = self.shard.vocab_embed(self.embed, input_ids, self.collectives)  # [num_tokens, hidden]
+        h = self.tp_shard.vocab_embed(self.embed, input_ids, self.tp_collectives)  # [num_tokens, hidden]
         return h if self.embedding_multiplier == 1.0 else h * self.embedding_multiplier
 
     def lora_projections(self) -> dict[tuple[int, str], LoRAProjection]:
@@ -98,7 +99,7 @@ class DecoderModel:
             logits = logits / c.logits_divisor
         if c.final_softcap:
             logits = torch.tanh(logits / c.final_softcap) * c.final_softcap
-        return self.collectives.gather_vocab(logits.float())
+        return self.tp_collectives.gather_vocab(logits.float())
 
     def final_hidden(self, h: torch.Tensor) -> torch.Tensor:
         """The last layer's output after the final norm (transformers' last_hidden_state)."""
@@ -109,9 +110,10 @@ class DecoderLayer:
     def __init__(self, config: ModelConfig, w: Weights, index: int, p: str, shard: Shard,
                  collectives: Collectives) -> None:
         attention = LatentAttention if config.mla is not None else Attention
-        self.attn = attention(config, w, index, p + "self_attn.", shard, collectives)
+        tp, tp_collectives = tensor_view(shard, collectives)  # `shard`: the rank's, experts split by it
+        self.attn = attention(config, w, index, p + "self_attn.", tp, tp_collectives)
         self.mlp = (SparseMLP(config, w, index, p, shard, collectives) if config.is_sparse(index)
-                    else MLP(config, w, index, p + "mlp.", shard, collectives))
+                    else MLP(config, w, index, p + "mlp.", tp, tp_collectives))
         self.norms = [Norm(w.take(p + name + ".weight"), config.norm_eps, config.norm) if name else None
                       for name in _NORMS[config.norm_layout]]
         self.residual_multiplier = config.residual_multiplier

@@ -29,7 +29,7 @@ from ...core.errors import ConfigError
 from ...lora.batch import LoRABatch
 from .layers import MLP, activate, shift
 from .linear import Linear
-from .parallel import NO_COLLECTIVES, Collectives, Shard
+from .parallel import NO_COLLECTIVES, ONE_RANK, Collectives, Shard, tensor_view
 from .weights import Weights
 
 
@@ -81,19 +81,23 @@ def _best_groups(choice: torch.Tensor, spec: MoESpec) -> torch.Tensor:
 
 def grouped_experts(x: torch.Tensor, experts: Experts, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """sum_j weights[t, j] * down_e(act(gate_e(x[t]), up_e(x[t]))), e = ids[t, j], for every
-    token t of x [T, H]."""
+    token t of x [T, H], over the experts this rank holds (the others' pairs count 0)."""
     num_tokens, k = ids.shape
     flat = ids.reshape(-1)
     order = flat.argsort(stable=True)  # pairs by expert, each expert's in token order
-    ends = torch.bincount(flat, minlength=experts.w1.shape[0]).cumsum(0).to(torch.int32)
-    rows = x[order // k]  # [T*k, H], expert by expert
+    counts = torch.bincount(flat, minlength=experts.total)
+    held = counts[experts.first:experts.first + experts.count]
+    ends = held.cumsum(0).to(torch.int32)
+    whole = experts.count == experts.total
+    if not whole:  # this rank's experts' pairs: a run of the sorted order
+        start = int(counts[:experts.first].sum())
+        order = order[start:start + int(ends[-1])]
+    rows = x[order // k]  # [pairs, H], expert by expert
     gate_up = F.grouped_mm(rows, experts.w1, offs=ends)
     if experts.b1 is not None:
-        gate_up += experts.b1[flat[order]]
-    out = F.grouped_mm(experts.activate(gate_up), experts.w2, offs=ends)  # [T*k, H]
-    if experts.b2 is not None:
-        out += experts.b2[flat[order]]
-    pairs = torch.empty_like(out)
+        gate_up += experts.b1[flat[order] - experts.first]
+    out = F.grouped_mm(experts.activate(gate_up), experts.w2, offs=ends)  # [pairs, H]
+    pairs = out.new_empty(num_tokens * k, out.shape[1]) if whole else out.new_zeros(num_tokens * k, out.shape[1])
     pairs[order] = out
     pairs = pairs.view(num_tokens, k, -1) * weights.to(x.dtype).unsqueeze(-1)
     return pairs.sum(dim=1)
@@ -111,6 +115,12 @@ class Experts:
     activation: str  # silu, gelu, gelu_tanh, or swiglu_clamp (with limit and alpha)
     limit: float | None = None
     alpha: float | None = None
+    first: int = 0  # the global id of the first expert held (expert parallelism: this rank's)
+    total: int = 0  # the layer's experts, on all ranks
+
+    @property
+    def count(self) -> int:
+        return self.w1.shape[0]
 
     def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
@@ -120,9 +130,13 @@ class Experts:
         return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
 
     def fused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The same through our Triton kernel."""
+        """The same through our Triton kernel. Pairs routed to another rank's experts go to
+        expert 0 with weight 0 (computed and dropped: the kernel never reads the device's counts)."""
         from .moe_kernel import fused_experts
 
+        if self.count < self.total:
+            held = (ids >= self.first) & (ids < self.first + self.count)
+            ids, weights = torch.where(held, ids - self.first, 0), torch.where(held, weights, 0.0)
         return fused_experts(x, self.w1, self.w2, weights, ids, self.activation, self.b1, self.b2,
                              self.limit, self.alpha)
 
@@ -141,14 +155,19 @@ class SparseMLP:
                              w.take(p + spec.router + ".bias", dtype=router_dtype) if spec.router_bias else None)
         self.correction = (w.take(p + spec.router + ".e_score_correction_bias", dtype=torch.float32)
                            if spec.correction_bias else None)
-        self.experts = _load_experts(spec, w, p + "experts.", shard, config)
+        # Each expert split like a dense MLP (tensor parallelism), or whole on the rank holding it.
+        self.experts = _load_experts(spec, w, p + "experts.", ONE_RANK if shard.experts else shard,
+                                     shard.expert_range(spec.num_experts), config)
         # The experts' down biases [E, H], weighed like their outputs, added once after the all-reduce.
         self.down_bias = w.take(p + "experts.down_proj_bias") if spec.expert_bias else None
         self.shared = self.shared_gate = None
         if spec.shared_size:  # a partial sum on each rank, like the experts': joined by one all-reduce
-            self.shared = MLP(config, w, index, p + spec.shared + ".", shard, NO_COLLECTIVES, spec.shared_size)
+            tp, _ = tensor_view(shard, collectives)
+            self.shared = MLP(config, w, index, p + spec.shared + ".", tp, NO_COLLECTIVES, spec.shared_size)
             if spec.shared_gate:
                 self.shared_gate = Linear(w.take(p + spec.shared + "_gate.weight"))  # [1, H]
+        # Replicated (expert parallelism alone), the shared expert's whole output is added on rank 0 only.
+        self.shared_here = not shard.replicated or shard.rank == 0
         self.all_reduce = collectives.all_reduce
         self.kernel = "torch"
         self.lora: dict = {}
@@ -166,7 +185,7 @@ class SparseMLP:
             y = self.experts.fused(x, weights, ids)
         else:
             y = grouped_experts(x, self.experts, weights, ids)
-        if self.shared is not None:
+        if self.shared is not None and self.shared_here:
             shared = self.shared(x, None)
             if self.shared_gate is not None:
                 shared = torch.sigmoid(self.shared_gate(x)) * shared
@@ -177,36 +196,50 @@ class SparseMLP:
         return y
 
 
-def _load_experts(spec: MoESpec, w: Weights, p: str, shard: Shard, config: ModelConfig) -> Experts:
-    w1, w2 = _stacked_experts(spec, w, p, shard, config.hidden_size)
+def _load_experts(spec: MoESpec, w: Weights, p: str, shard: Shard, held: range, config: ModelConfig) -> Experts:
+    """The experts in `held` (the others' tensors skipped), each split by `shard`."""
+    w1, w2 = _stacked_experts(spec, w, p, shard, held, config.hidden_size)
     b1 = None
     if spec.expert_bias:  # gpt-oss's [E, 2I], interleaved like its weights (down's: `SparseMLP.down_bias`)
-        b1 = _gate_up_columns(w.take(p + "gate_up_proj_bias"), shard, spec.intermediate_size)
-    return Experts(w1, w2, b1, None, spec.activation or config.activation, spec.swiglu_limit, spec.swiglu_alpha)
+        b1 = _gate_up_columns(w.take(p + "gate_up_proj_bias", 0, _as_slice(held)), shard, spec.intermediate_size)
+    return Experts(w1, w2, b1, None, spec.activation or config.activation, spec.swiglu_limit, spec.swiglu_alpha,
+                   held.start, spec.num_experts)
 
 
-def _stacked_experts(spec: MoESpec, w: Weights, p: str, shard: Shard,
+def _stacked_experts(spec: MoESpec, w: Weights, p: str, shard: Shard, held: range,
                      hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(w1 [E, H, 2I'], w2 [E, I', H]) with I' this rank's share of each expert's intermediate
-    size, from each layout a checkpoint uses: one tensor per expert and projection (hub
-    checkpoints), transformers' stacked `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I], or
-    gpt-oss's stacked [E, H, 2I] (gate and up columns alternating) and [E, I, H]."""
-    inter, size = shard.part(spec.intermediate_size), spec.intermediate_size
+    """(w1 [E', H, 2I'], w2 [E', I', H]) for the E' experts `held`, with I' this rank's share
+    of each expert's intermediate size, from each layout a checkpoint uses: one tensor per
+    expert and projection (hub checkpoints), transformers' stacked `gate_up_proj` [E, 2I, H]
+    and `down_proj` [E, H, I], or gpt-oss's stacked [E, H, 2I] (gate and up columns
+    alternating) and [E, I, H]."""
+    inter, size, experts = shard.part(spec.intermediate_size), spec.intermediate_size, _as_slice(held)
     if spec.interleaved:
-        w1 = _gate_up_columns(w.take(p + "gate_up_proj"), shard, size)
-        return w1.contiguous(), w.take(p + "down_proj", 1, inter).contiguous()
+        w1 = _gate_up_columns(w.take(p + "gate_up_proj", 0, experts), shard, size)
+        return w1.contiguous(), w.take(p + "down_proj", 0, experts)[:, inter].contiguous()
     if p + "gate_up_proj" in w:
-        gate_up = w.take(p + "gate_up_proj", 1, [inter, shift(inter, size)] if shard.size > 1 else None)
-        return gate_up.transpose(1, 2).contiguous(), w.take(p + "down_proj", 2, inter).transpose(1, 2).contiguous()
+        gate_up = w.take(p + "gate_up_proj", 0, experts)
+        gate_up = torch.cat([gate_up[:, inter], gate_up[:, shift(inter, size)]], dim=1) if shard.size > 1 else gate_up
+        return gate_up.transpose(1, 2).contiguous(), w.take(p + "down_proj", 0, experts)[..., inter].transpose(1, 2).contiguous()
     gate, up, down = spec.projections
     local = size // shard.size
-    w1 = torch.empty(spec.num_experts, hidden, 2 * local, dtype=w.dtype, device=w.device)
-    w2 = torch.empty(spec.num_experts, local, hidden, dtype=w.dtype, device=w.device)
+    w1 = torch.empty(len(held), hidden, 2 * local, dtype=w.dtype, device=w.device)
+    w2 = torch.empty(len(held), local, hidden, dtype=w.dtype, device=w.device)
     for e in range(spec.num_experts):  # one expert at a time: never a second full copy of the layer
-        w1[e, :, :local] = w.take(f"{p}{e}.{gate}.weight", 0, inter).T
-        w1[e, :, local:] = w.take(f"{p}{e}.{up}.weight", 0, inter).T
-        w2[e] = w.take(f"{p}{e}.{down}.weight", 1, inter).T
+        names = [f"{p}{e}.{name}.weight" for name in (gate, up, down)]
+        if e not in held:
+            for name in names:
+                w.skip(name)
+            continue
+        i = e - held.start
+        w1[i, :, :local] = w.take(names[0], 0, inter).T
+        w1[i, :, local:] = w.take(names[1], 0, inter).T
+        w2[i] = w.take(names[2], 1, inter).T
     return w1, w2
+
+
+def _as_slice(r: range) -> slice:
+    return slice(r.start, r.stop)
 
 
 def _gate_up_columns(t: torch.Tensor, shard: Shard, size: int) -> torch.Tensor:

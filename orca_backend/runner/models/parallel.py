@@ -47,6 +47,21 @@ class Shard:
 
     rank: int = 0
     size: int = 1
+    replicated: bool = False  # attention and dense layers whole on every rank (expert parallelism alone)
+    experts: bool = False  # whole experts split over the ranks (expert parallelism), not each expert
+
+    @property
+    def tensor(self) -> Shard:
+        """The split of attention, dense layers and the vocabulary: this one, or one rank's
+        whole model where those are replicated."""
+        return ONE_RANK if self.replicated else Shard(self.rank, self.size)
+
+    def expert_range(self, num_experts: int) -> range:
+        """The experts this rank holds: all, or its 1/size of them under expert parallelism."""
+        if not self.experts:
+            return range(num_experts)
+        n = num_experts // self.size
+        return range(self.rank * n, (self.rank + 1) * n)
 
     def part(self, total: int) -> slice:
         """This rank's indices of a dimension of `total` split evenly (one rank: all of it,
@@ -86,7 +101,13 @@ def hold_stage(model, config: ModelConfig, w, layer_range: range | None, shard: 
     model.layer_range = range(config.num_layers) if layer_range is None else layer_range
     first, last = model.layer_range.start == 0, model.layer_range.stop == config.num_layers
     tied = config.tie_word_embeddings or "lm_head.weight" not in w
-    return first, last, tied, shard.part(config.vocab_size)
+    return first, last, tied, shard.tensor.part(config.vocab_size)
+
+
+def tensor_view(shard: Shard, collectives: Collectives) -> tuple[Shard, Collectives]:
+    """What attention, dense layers and the vocabulary are split by, and what joins their
+    shares (nothing where they are replicated)."""
+    return (ONE_RANK, NO_COLLECTIVES) if shard.replicated else (shard, collectives)
 
 
 ONE_RANK = Shard()  # the defaults of a model that is not sharded

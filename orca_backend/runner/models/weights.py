@@ -66,6 +66,11 @@ class Weights:
             raise ConfigError(f"model folder {self.folder} lacks tensor {name!r}")
         return t
 
+    def skip(self, name: str) -> None:
+        """Count `name` as used without reading it (another rank's expert)."""
+        if self._sources.pop(name, None) is None:
+            raise ConfigError(f"model folder {self.folder} lacks tensor {name!r}")
+
     def leftover(self) -> list[str]:
         return sorted(self._sources)
 
