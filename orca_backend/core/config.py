@@ -121,10 +121,7 @@ class ParallelConfig:
     # Ranks of the runner (and of each pipeline stage), each holding 1/T of every layer:
     # processes on the CPU (gloo), one GPU each from the instance's first (NCCL).
     tensor_parallel_size: int = 1
-    # Ranks E that split a mixture of experts' experts between them (whole experts, E of the
-    # group's ranks); attention and dense layers are then split over tensor_parallel_size =
-    # E ranks, or replicated on each (tensor_parallel_size 1).
-    expert_parallel_size: int = 1
+    expert_parallel_size: int = 1  # ranks splitting MoE experts, whole (attention: over T = E ranks, or T = 1)
     iteration_timeout_seconds: int = 600  # a runner silent this long is treated as dead
 
     def __post_init__(self) -> None:
@@ -230,16 +227,12 @@ class RunnerConfig:
     @property
     def moe_kernel_backend(self) -> str:
         """The experts' kernel "auto" stands for: torch's grouped GEMM on the CPU, ours on GPUs."""
-        if self.moe_kernel != "auto":
-            return self.moe_kernel
-        return "torch" if self.device == "cpu" else "triton"
+        return self.moe_kernel if self.moe_kernel != "auto" else "torch" if self.device == "cpu" else "triton"
 
     @property
     def attention_backend(self) -> str:
         """The backend "auto" stands for on this device."""
-        if self.attention != "auto":
-            return self.attention
-        return "torch" if self.device == "cpu" else "triton"
+        return self.attention if self.attention != "auto" else "torch" if self.device == "cpu" else "triton"
 
 
 # EngineConfig's parts by attribute, and the part each option belongs to.
