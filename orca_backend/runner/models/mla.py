@@ -8,8 +8,8 @@ is q_nope . (W_UK c) + q_rope . k_rope over the keys, then W_UV (sum of p c). Bo
 up-projections are absorbed instead: the query becomes [q_nope W_UK, q_rope], attended over
 the cached [c, k_rope] as one shared key head whose first `kv_lora_rank` dims are also the
 value, and W_UV is applied once to the attention's output. What a token costs in the cache is
-`kv_lora_rank + qk_rope_head_dim` elements per layer (576 for DeepSeek-V3, against
-2 x 128 x 128 x 2 = 65,536 bytes of plain attention's K and V per layer in 16 bits).
+`kv_lora_rank + qk_rope_head_dim` elements per layer (576 for DeepSeek-V3: 1,152 bytes in 16
+bits, against 128 x (192 + 128) x 2 = 81,920 bytes of per-head K and V).
 
 Every row is attended in the absorbed form, prompts included: the same math, chosen for
 one path through the cache (expanding K and V per head for long prompts, as vLLM does for
