@@ -39,12 +39,15 @@ class AttentionPlan(Protocol):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: Any,
                scale: float, window: int | None = None, softcap: float | None = None,
-               sinks: torch.Tensor | None = None) -> torch.Tensor:
+               sinks: torch.Tensor | None = None, latent=None) -> torch.Tensor:
         """q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv], one layer's cache; returns [T, Hq * Dv].
         A cache allocated without values holds k only, and v must be k's first Dv dims. With a
         `window`, a query attends to the last `window` positions only (itself included);
         `softcap` caps the scaled scores at softcap * tanh(s / softcap); `sinks` [Hq]: one more
-        logit per head in each softmax, whose share is dropped."""
+        logit per head in each softmax, whose share is dropped. `latent` (latent attention,
+        `mla.py`): prompt rows attend with `latent.query` over the keys and values
+        `latent.expand` makes of the cached latents, decode rows' outputs go through
+        `latent.values`; returns [T, Hq * latent.value_dim]."""
 
 
 class AttentionBackend(Protocol):
@@ -196,16 +199,17 @@ class AttentionMetadata:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kv_cache: tuple[torch.Tensor, torch.Tensor | None], scale: float, window: int | None = None,
-               softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        return paged_attention(q, k, v, *kv_cache, self, scale, window, softcap, sinks)
+               softcap: float | None = None, sinks: torch.Tensor | None = None, latent=None) -> torch.Tensor:
+        return paged_attention(q, k, v, *kv_cache, self, scale, window, softcap, sinks, latent)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor | None,
                     meta: AttentionMetadata, scale: float, window: int | None = None,
-                    softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    softcap: float | None = None, sinks: torch.Tensor | None = None, latent=None) -> torch.Tensor:
     """q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv]; caches [num_blocks, block_size, Hkv, D]
-    (v_cache None: the values are the keys' first Dv dims). Returns [T, Hq * Dv]."""
+    (v_cache None: the values are the keys' first Dv dims). Returns [T, Hq * Dv] (with
+    `latent`, see `AttentionPlan.attend`)."""
     k_cache.view(-1, *k.shape[1:])[meta.slot_mapping] = k
     if v_cache is not None:
         v_cache.view(-1, *v.shape[1:])[meta.slot_mapping] = v
@@ -216,20 +220,23 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return keys, (keys[..., :value_dim] if v_cache is None else _gather(v_cache, blocks))
 
     views = meta.view(window)
-    out = q.new_empty(*q.shape[:-1], value_dim)
+    out = q.new_empty(*q.shape[:-1], value_dim if latent is None else latent.value_dim)
     if views.decode_rows is not None:
         qd = q[views.decode_rows].unsqueeze(2)  # [B, Hq, 1, D]
         kd, vd = gather_kv(views.decode_blocks)  # [B, L, Hkv, D]
         od = _attention(qd, kd.transpose(1, 2), vd.transpose(1, 2), views.decode_mask, scale, softcap,
-                        sinks=sinks)  # [B, Hq, 1, Dv]
-        out[views.decode_rows] = od.squeeze(2)
+                        sinks=sinks).squeeze(2)  # [B, Hq, Dv]
+        out[views.decode_rows] = od if latent is None else latent.values(od)
     for span in views.prefills:
         rows = slice(span.start_row, span.end_row)
         if span.context_blocks is None:
             kp, vp = k[rows], v[rows]
         else:
             kp, vp = gather_kv(span.context_blocks)
-        op = _attention(q[rows].transpose(0, 1), kp.transpose(0, 1), vp.transpose(0, 1),
+        qp = q[rows]
+        if latent is not None:  # each head's own keys and values, expanded from the latents
+            qp, (kp, vp) = latent.query[rows], latent.expand(kp)
+        op = _attention(qp.transpose(0, 1), kp.transpose(0, 1), vp.transpose(0, 1),
                         span.mask, scale, softcap, causal=span.mask is None, sinks=sinks)  # [Hq, n, Dv]
         out[rows] = op.transpose(0, 1)
     return out.flatten(1)

@@ -11,10 +11,13 @@ value, and W_UV is applied once to the attention's output. What a token costs in
 `kv_lora_rank + qk_rope_head_dim` elements per layer (576 for DeepSeek-V3: 1,152 bytes in 16
 bits, against 128 x (192 + 128) x 2 = 81,920 bytes of per-head K and V).
 
-Every row is attended in the absorbed form, prompts included: the same math, chosen for
-one path through the cache (expanding K and V per head for long prompts, as vLLM does for
-speed, is not built). With tensor-parallel ranks each rank holds its heads' share of
-q_b_proj, kv_b_proj and o_proj, and the whole latent.
+Decode rows attend in that absorbed form (one key head of rank + rope dims: the fewest bytes
+read per key). Prompt rows expand instead: each head's key [W_UK c, k_rope] and value W_UV c
+are made from the chunk's latents (and its context's, read back from the cache), and they
+attend with [q_nope, q_rope] as plain attention does, over nope + rope dims rather than
+rank + rope (192 against 576 for DeepSeek-V3). Both give the same scores. With
+tensor-parallel ranks each rank holds its heads' share of q_b_proj, kv_b_proj and o_proj,
+and the whole latent.
 """
 from __future__ import annotations
 
@@ -74,9 +77,32 @@ class LatentAttention:
         q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, H, rank]
         query = torch.cat([q_latent, q_rope], dim=-1)  # [T, H, rank + rope]
         key = torch.cat([self.kv_norm(latent).view(num_tokens, 1, -1), k_rope], dim=-1)  # [T, 1, rank + rope]
-        out = meta.attend(query, key, key[..., :m.kv_lora_rank], kv_cache, self.scale, window=self.window)
-        out = torch.bmm(out.view(num_tokens, heads, -1).transpose(0, 1), self.w_uv_t)  # [H, T, v]
-        return self.all_reduce(self.o(out.transpose(0, 1).reshape(num_tokens, -1)))
+        expansion = _Expansion(torch.cat([q_nope, q_rope], dim=-1), self)
+        out = meta.attend(query, key, key[..., :m.kv_lora_rank], kv_cache, self.scale, window=self.window,
+                          latent=expansion)  # [T, H * v]
+        return self.all_reduce(self.o(out))
+
+
+class _Expansion:
+    """What prompt rows attend with (each head's own keys and values, from the latents) and
+    what turns a decode row's output in latent space into each head's value space."""
+
+    def __init__(self, query: torch.Tensor, attn: LatentAttention) -> None:
+        self.query = query  # [T, H, nope + rope]: q_nope beside the rotated q_rope
+        self.attn, self.value_dim = attn, attn.spec.v_head_dim
+
+    def expand(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """latents [L, 1, rank + rope] -> keys [L, H, nope + rope], values [L, H, v]."""
+        a, rank = self.attn, self.attn.spec.kv_lora_rank
+        c, k_rope = latents[:, 0, :rank], latents[:, :, rank:]
+        k_nope = torch.matmul(c, a.w_uk.transpose(1, 2))  # [H, L, nope]
+        values = torch.matmul(c, a.w_uv_t)  # [H, L, v]
+        keys = torch.cat([k_nope, k_rope.transpose(0, 1).expand(a.num_heads, -1, -1)], dim=-1)
+        return keys.transpose(0, 1), values.transpose(0, 1)
+
+    def values(self, out: torch.Tensor) -> torch.Tensor:
+        """[B, H, rank] attended latents -> [B, H, v]."""
+        return torch.bmm(out.transpose(0, 1), self.attn.w_uv_t).transpose(0, 1)
 
 
 def _deinterleave(x: torch.Tensor) -> torch.Tensor:
