@@ -173,6 +173,19 @@ def test_windows_soft_caps_and_padded_heads(window, softcap, head_dim):
     assert torch.equal(b.k_cache, expected.k_cache) and torch.equal(b.v_cache, expected.v_cache)
 
 
+@pytest.mark.parametrize("window", [None, 6])
+def test_attention_sinks(window):
+    """A logit per head in each softmax, its share dropped (gpt-oss), against the float64
+    reference, on the mixed batch; with a window too (gpt-oss's sliding layers)."""
+    b = make_paged_batch(**CASES["mixed"], seed=4)
+    sinks = torch.randn(b.q.shape[1] // b.head_dim, generator=torch.Generator().manual_seed(1)) * 2
+    expected = reference_paged_attention(**b.inputs(), scale=0.7, window=window, sinks=sinks)
+    out = paged_attention(**b.inputs(), scale=0.7, window=window, sinks=sinks)
+    torch.testing.assert_close(out[:b.num_rows].double(), expected.out[:b.num_rows], atol=1e-4, rtol=1e-4)
+    without = reference_paged_attention(**b.inputs(), scale=0.7, window=window)
+    assert not torch.allclose(expected.out, without.out, atol=1e-3)  # the sinks do take a share
+
+
 @pytest.mark.parametrize("backend", ["kernel", "sdpa"])
 def test_a_window_never_reads_the_blocks_before_it(backend):
     """The K/V manager releases the blocks behind a window, and another request may write

@@ -235,11 +235,11 @@ def test_preemption_prefix_caching_and_speculation_keep_the_tokens(kind, family)
 
 
 @pytest.mark.numerics
-@pytest.mark.parametrize("kind", ["gemma2", "mistral", "phi3", "qwen3", "gemma3"])
+@pytest.mark.parametrize("kind", ["gemma2", "mistral", "phi3", "qwen3", "gemma3", "gpt-oss"])
 def test_our_kernel_interpreted(kind, family):
     """Our attention kernel (Triton interpreter) with each family's attention: soft caps,
-    windows (and the blocks released behind them), a 24-lane head, q/k norms, two RoPEs; on
-    three of the prompts (the interpreter is slow), preempting."""
+    windows (and the blocks released behind them), a 24-lane head, q/k norms, two RoPEs,
+    attention sinks; on three of the prompts (the interpreter is slow), preempting."""
     folder, ref = family(kind)
     keep = [1, 3, 4]
     with LLM(str(folder), attention="triton", cuda_graphs=False, kv_cache_tokens=64, block_size=4,

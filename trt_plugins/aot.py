@@ -5,14 +5,16 @@ embeds the PTX passes them so:
 
   0-5   q, k, v, k_cache, v_cache, out  .u64  device pointers, 16-byte aligned
   6-8   cu_seqlens_q, seq_lens, block_tables  .u64  int32 device pointers, 4-byte aligned
-  9     scale                            .f32  softmax scale, usually head_dim ** -0.5
-  10    num_seqs                         .u32  B
-  11-14 stride_q, stride_k, stride_v, stride_out  .u32  row strides in elements
-  15-16 stride_cache_block, stride_cache_slot     .u32  k_cache/v_cache strides 0 and 1
-  17    stride_block_table               .u32  block_tables' row stride (max_blocks)
-  18-19 global_scratch, profile_scratch  .u64  added by Triton 3.6; pass null (both sizes are 0)
+  9     sinks                            .u64  float32 [Hq] attention sinks (read only by builds with sinks)
+  10    scale                            .f32  softmax scale, usually head_dim ** -0.5
+  11    num_seqs                         .u32  B
+  12-15 stride_q, stride_k, stride_v, stride_out  .u32  row strides in elements
+  16-17 stride_cache_block, stride_cache_slot     .u32  k_cache/v_cache strides 0 and 1
+  18    stride_block_table               .u32  block_tables' row stride (max_blocks)
+  19    window                           .u32  a sliding window (read only by builds with one)
+  20-21 global_scratch, profile_scratch  .u64  added by Triton 3.6; pass null (both sizes are 0)
 
-Strides 11-16 must be multiples of 16 (they are whenever head_dim >= 16), because the build
+Strides 12-17 must be multiples of 16 (they are whenever head_dim >= 16), because the build
 promises it to the compiler (tt.divisibility) to vectorise loads. Layouts and semantics are
 those of `trt_plugins.paged_attention.paged_attention`. Launch with grid
 (num_tokens // block_q + num_seqs, num_kv_heads, 1), 32 * num_warps threads and
@@ -41,7 +43,7 @@ from trt_plugins.tiles import dot_precision, head_dim_pad, plugin_constexprs, ti
 PTX_PARAMS = (
     ("q", "u64"), ("k", "u64"), ("v", "u64"), ("k_cache", "u64"), ("v_cache", "u64"),
     ("out", "u64"), ("cu_seqlens_q", "u64"), ("seq_lens", "u64"), ("block_tables", "u64"),
-    ("scale", "f32"), ("num_seqs", "u32"), ("stride_q", "u32"), ("stride_k", "u32"),
+    ("sinks", "u64"), ("scale", "f32"), ("num_seqs", "u32"), ("stride_q", "u32"), ("stride_k", "u32"),
     ("stride_v", "u32"), ("stride_out", "u32"), ("stride_cache_block", "u32"),
     ("stride_cache_slot", "u32"), ("stride_block_table", "u32"), ("window", "u32"),
     ("global_scratch", "u64"), ("profile_scratch", "u64"),
@@ -92,6 +94,8 @@ def _signature(arg_names, type_name: str, constexprs: dict) -> tuple[dict, dict]
             signature[name] = "constexpr"
         elif name == "kv_cache_ptrs_ptr":  # the plugin entry's table of cache addresses
             signature[name] = "*i64"
+        elif name == "sinks_ptr":  # attention sinks, float32 per head
+            signature[name] = "*fp32"
         elif name.endswith("_ptr"):
             signature[name] = "*i32" if name in INDEX_ARGS else f"*{type_name}"
         else:
@@ -129,9 +133,10 @@ def ptxas_stats(ptx: str, arch: str = "sm_90a", ptxas: str | None = None) -> dic
 
 def compile_ptx(dtype: str = "bfloat16", head_dim: int = 128, num_queries_per_kv: int = 4,
                 block_size: int = 16, decode: bool = False, arch: int = 90,
-                ptxas: str | None = None, window: bool = False, softcap: float = 0.0) -> CompiledPtx:
+                ptxas: str | None = None, window: bool = False, softcap: float = 0.0,
+                sinks: bool = False) -> CompiledPtx:
     """Compile the kernel for sm_{arch}a (decode or prefill tiles; with a sliding window, a
-    soft cap) and run ptxas -v on it."""
+    soft cap, attention sinks) and run ptxas -v on it."""
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     type_name, torch_dtype = _DTYPES[dtype]
@@ -140,7 +145,7 @@ def compile_ptx(dtype: str = "bfloat16", head_dim: int = 128, num_queries_per_kv
     constexprs = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim),
                       NUM_QUERIES_PER_KV=num_queries_per_kv, G_PAD=tiles.g_pad, BLOCK_SIZE=block_size,
                       BLOCK_Q=tiles.block_q, BLOCK_N=tiles.block_n, USE_WINDOW=window, SOFTCAP=float(softcap),
-                      UPCAST=False, DOT_PRECISION=dot_precision(torch_dtype))
+                      HAS_SINKS=sinks, UPCAST=False, DOT_PRECISION=dot_precision(torch_dtype))
     kernel = build_kernel(interpret=False)
     signature, attrs = _signature(kernel.arg_names, type_name, constexprs)
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),

@@ -56,6 +56,7 @@ def unsupported_by_tensorrt(config) -> str | None:
         (config.mlp_bias or config.activation != "silu" or not config.gated_mlp, "an MLP other than gated SiLU"),
         (config.moe is not None, "mixture-of-experts layers"),
         (config.kernel_gap, config.kernel_gap),
+        (config.attention_sinks, "attention sinks"),
         (None in ropes or len(set(ropes)) > 1, "layers without RoPE or with RoPEs of their own"),
         (any(r is not None and (r.kind not in _STATIC_ROPE or r.rotary_dim != config.head_dim) for r in ropes),
          "a RoPE that changes with the sequence's length or rotates part of each head"),

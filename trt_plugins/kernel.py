@@ -154,12 +154,12 @@ def _attend(q, k_t, v, mask, m_i, l_i, acc, scale, SOFTCAP: tl.constexpr, UPCAST
 
 def _paged_attention_kernel(
         q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-        cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr, scale, num_seqs,
+        cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr, sinks_ptr, scale, num_seqs,
         stride_q, stride_k, stride_v, stride_out,
         stride_cache_block, stride_cache_slot, stride_block_table, window,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_QUERIES_PER_KV: tl.constexpr,
         G_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-        USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
+        USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, UPCAST: tl.constexpr,
         DOT_PRECISION: tl.constexpr):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -207,6 +207,10 @@ def _paged_attention_kernel(
             visible = visible & (key_tok[None, :] + window > tok[:, None])
         m_i, l_i, acc = _attend(q, k_t, v, visible, m_i, l_i, acc, scale, SOFTCAP, UPCAST, DOT_PRECISION)
 
+    if HAS_SINKS:  # one more logit per query head (float32 [Hq]), counted in the denominator only
+        own = head < (kv_head + 1) * NUM_QUERIES_PER_KV
+        sink = tl.load(sinks_ptr + head, mask=own, other=float("-inf")) * 1.4426950408889634
+        l_i = l_i + tl.math.exp2(sink - m_i)
     # Rows past the request's queries never store; the guard only keeps them finite.
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     o_offs = _row_offsets(q_begin, tok, head, stride_out, HEAD_DIM, HEAD_DIM_PAD)
@@ -236,12 +240,12 @@ def _paged_attention_plugin_kernel(
     q_width = NUM_KV_HEADS * NUM_QUERIES_PER_KV * HEAD_DIM
     kv_width = NUM_KV_HEADS * HEAD_DIM
     # The other entry's whole program, inlined.
-    # No window, no soft cap: the TensorRT builder refuses models that have them.
+    # No window, no soft cap, no sinks: the TensorRT builder refuses models that have them.
     _paged_attention_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_seqlens_q_ptr,
-                            seq_lens_ptr, block_tables_ptr, SCALE, num_seqs, q_width, kv_width, kv_width,
+                            seq_lens_ptr, block_tables_ptr, q_ptr, SCALE, num_seqs, q_width, kv_width, kv_width,
                             q_width, BLOCK_SIZE * kv_width, kv_width, stride_block_table, 0, HEAD_DIM,
                             HEAD_DIM_PAD, NUM_QUERIES_PER_KV, G_PAD, BLOCK_SIZE, BLOCK_Q, BLOCK_N, False,
-                            0.0, UPCAST, DOT_PRECISION)
+                            0.0, False, UPCAST, DOT_PRECISION)
 
 
 # Row 0 of the plugin's address table: "ORCAPAGE" in ASCII. The kernel spells it as a literal.

@@ -102,7 +102,7 @@ def _check_inputs(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table
 
 def paged_attention(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
                     *, max_query_len: int | None = None, out=None, window: int | None = None,
-                    softcap: float | None = None):
+                    softcap: float | None = None, sinks: torch.Tensor | None = None):
     """Causal GQA attention for one iteration over a paged K/V cache, in one kernel launch.
 
     q [T, Hq*D], k and v [T, Hkv*D] (or [T, H, D]), already rotated: request i owns rows
@@ -114,7 +114,8 @@ def paged_attention(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tab
     h // (Hq // Hkv). With a `window` (a positive int), query t sees only the last `window`
     of those positions (itself included), and keys before them are never read; `softcap`
     (a positive float) caps the scaled scores at softcap * tanh(s / softcap) before the
-    softmax. max_query_len is a host-side hint that picks tile sizes only, any value
+    softmax; `sinks` (float32 [Hq]) is one more logit per query head in each softmax, whose
+    share is dropped (gpt-oss's attention sinks). max_query_len is a host-side hint that picks tile sizes only, any value
     gives the same result (None: 1 when T == B, else T). The wrapper never reads device
     tensors, so launches can be graph-captured. scale is a Python float. Returns out
     [T, Hq*D] in q's dtype (or writes into the given out).
@@ -131,6 +132,9 @@ def paged_attention(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tab
              f"must be None or a positive int, got {window!r}")
     _require(softcap is None or (isinstance(softcap, (int, float)) and softcap > 0), "softcap",
              f"must be None or a positive number, got {softcap!r}")
+    _require(sinks is None or (sinks.dtype == torch.float32 and sinks.shape == (x.q.shape[1] // x.head_dim,)
+                               and sinks.is_contiguous() and sinks.device == x.q.device), "sinks",
+             "must be None or a contiguous float32 [num_heads] tensor on q's device")
     num_tokens, num_seqs = x.q.shape[0], x.seq_lens.shape[0]
     if max_query_len is None:
         max_query_len = 1 if num_tokens == num_seqs else num_tokens
@@ -142,11 +146,11 @@ def paged_attention(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tab
     options = {} if interpret else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     build_kernel(interpret)[grid](
         x.q, x.k, x.v, k_cache, v_cache, x.out_rows, x.cu_seqlens_q, x.seq_lens, x.block_tables,
-        float(scale), num_seqs, x.q.stride(0), x.k.stride(0), x.v.stride(0), x.out_rows.stride(0),
+        x.q if sinks is None else sinks, float(scale), num_seqs, x.q.stride(0), x.k.stride(0), x.v.stride(0), x.out_rows.stride(0),
         k_cache.stride(0), k_cache.stride(1), x.block_tables.stride(0), window or 0,
         HEAD_DIM=x.head_dim, HEAD_DIM_PAD=head_dim_pad(x.head_dim), NUM_QUERIES_PER_KV=x.num_queries_per_kv,
         G_PAD=cfg.g_pad, BLOCK_SIZE=k_cache.shape[1], BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
-        USE_WINDOW=window is not None, SOFTCAP=float(softcap or 0.0), UPCAST=interpret,
+        USE_WINDOW=window is not None, SOFTCAP=float(softcap or 0.0), HAS_SINKS=sinks is not None, UPCAST=interpret,
         DOT_PRECISION=dot_precision(x.q.dtype), **options)
     return x.out
 

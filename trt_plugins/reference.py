@@ -109,14 +109,16 @@ def make_paged_batch(query_lens, context_lens, num_heads=4, num_kv_heads=2, head
 
 
 def reference_paged_attention(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
-                              scale: float, window: int | None = None, softcap: float | None = None) -> Expected:
+                              scale: float, window: int | None = None, softcap: float | None = None,
+                              sinks: torch.Tensor | None = None) -> Expected:
     """`paged_attention` in float64, one request at a time; reads its arguments only.
 
     Request i's new K/V go into (copies of) the caches at positions ctx .. seq_len - 1
     through its block table (ctx = seq_len - q_len); its queries then attend to all seq_len
     keys gathered back from the cache, lower-right causally (query t sees positions
     0 .. ctx + t, or with a window only those after ctx + t - window), with each K/V head
-    repeated for its Hq // Hkv query heads; scores soft-capped when `softcap` is set.
+    repeated for its Hq // Hkv query heads; scores soft-capped when `softcap` is set; with
+    `sinks` [Hq], one more logit per head in each softmax, its share dropped.
     """
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     k_cache, v_cache = (c.clone(memory_format=torch.contiguous_format) for c in (k_cache, v_cache))
@@ -143,5 +145,10 @@ def reference_paged_attention(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens,
         if window is not None:
             visible &= positions[None, :] > query_positions - window
         scores = scores.masked_fill(~visible, float("-inf"))
-        out[rows] = torch.einsum("hnl,lhd->nhd", scores.softmax(-1), values)
+        if sinks is not None:
+            sink = sinks.double().view(-1, 1, 1).expand(-1, n, 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        out[rows] = torch.einsum("hnl,lhd->nhd", probs, values)
     return Expected(out.flatten(1), k_cache, v_cache)

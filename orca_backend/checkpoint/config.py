@@ -112,9 +112,7 @@ class ModelConfig:
     def kernel_gap(self) -> str | None:
         """What of this model's attention our paged-attention kernel does not compute, named;
         None if it computes all of it (SDPA's backend computes every model's)."""
-        gaps = [what for has, what in ((self.mla is not None, "latent attention (MLA)"),
-                                       (self.attention_sinks, "attention sinks")) if has]
-        return " and ".join(gaps) or None
+        return "latent attention (MLA)" if self.mla is not None else None
 
     @property
     def scale(self) -> float:

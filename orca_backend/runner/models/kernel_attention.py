@@ -62,13 +62,13 @@ class KernelPlan:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kv_cache: tuple[torch.Tensor, torch.Tensor], scale: float, window: int | None = None,
                softcap: float | None = None, sinks: torch.Tensor | None = None, latent=None) -> torch.Tensor:
-        if sinks is not None or latent is not None:  # never built for such a model (kernel_gap)
-            raise NotImplementedError("our kernel has no attention sinks or latent attention")
+        if latent is not None:  # never built for such a model (kernel_gap)
+            raise NotImplementedError("our kernel has no latent attention")
         num_tokens = q.shape[0]
         return self.kernel(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1),
                            v.reshape(num_tokens, -1), *kv_cache, self.cu_seqlens_q, self.seq_lens,
                            self.block_tables, scale, max_query_len=self.max_query_len, window=window,
-                           softcap=softcap)
+                           softcap=softcap, sinks=sinks)
 
 
 def kernel_metadata(layout: BatchLayout, num_rows: int | None = None,
