@@ -127,7 +127,8 @@ def faulty(monkeypatch, tmp_path):
         monkeypatch.setenv("ORCA_TEST_TP_FAULT", fault)
         options.setdefault("iteration_timeout_seconds", 30)
         options.setdefault("kv_cache_tokens", POOL_TOKENS)
-        engine = LLMEngine(EngineConfig(model=str(folder), tensor_parallel_size=2, **options))
+        options.setdefault("tensor_parallel_size", 2)
+        engine = LLMEngine(EngineConfig(model=str(folder), **options))
         monkeypatch.delenv("ORCA_TEST_TP_FAULT")  # the restarted group runs clean
         engines.append(engine)
         return engine
@@ -191,6 +192,23 @@ def test_a_rank_that_raises_is_named_and_the_group_restarts(faulty, tiny_models)
     assert "tensor-parallel rank 1 (pid" in errors["victim"]
     assert "raised: RuntimeError: failure injected at iteration 2" in errors["victim"]
     assert len(tokens["victim"]) == 2  # iterations 0 and 1 delivered theirs
+    engine.add_request("later", list(range(5, 15)), _greedy(4))
+    tokens, errors = _drain(engine)
+    assert not errors and len(tokens["later"]) == 4
+
+
+def test_an_expert_parallel_rank_that_raises_is_named_and_the_group_restarts(faulty, tmp_path, default_model):
+    """Two ranks each holding half of a Qwen2-MoE's experts, attention replicated: rank 1's
+    failure fails the request in flight by its name, and a new group serves the next."""
+    from tools.model_zoo import save_family
+
+    folder = save_family("qwen2-moe", tmp_path / "moe", default_model / "tokenizer.json")
+    engine = faulty("raise:2", folder, tensor_parallel_size=1, expert_parallel_size=2)
+    engine.add_request("victim", list(range(5, 15)), _greedy(6))
+    tokens, errors = _drain(engine)
+    assert "expert-parallel rank 1 (pid" in errors["victim"]
+    assert "raised: RuntimeError: failure injected at iteration 2" in errors["victim"]
+    assert len(tokens["victim"]) == 2 and engine.kv.num_used_blocks == 0
     engine.add_request("later", list(range(5, 15)), _greedy(4))
     tokens, errors = _drain(engine)
     assert not errors and len(tokens["later"]) == 4

@@ -114,10 +114,11 @@ class _Rank:
     outgoing: queue.SimpleQueue  # frames for its writer thread; None stops it
     ready: threading.Event = dataclasses.field(default_factory=threading.Event)
     last_done: int = -1  # the last iteration it finished
+    kind: str = "tensor-parallel"  # or "expert-parallel": what the group splits
 
     @property
     def name(self) -> str:
-        return f"tensor-parallel rank {self.rank} (pid {self.process.pid})"
+        return f"{self.kind} rank {self.rank} (pid {self.process.pid})"
 
 
 class TensorParallelGroup:
@@ -125,6 +126,7 @@ class TensorParallelGroup:
 
     def __init__(self, spec: RunnerSpec) -> None:
         self.size = spec.parallel.num_ranks
+        self.kind = "expert-parallel" if spec.parallel.expert_parallel_size > 1 else "tensor-parallel"
         self.timeout_seconds = spec.collective_timeout_seconds
         self._lock = threading.Lock()
         self.failure: str | None = None  # the first rank failure, named; the group is over
@@ -139,7 +141,7 @@ class TensorParallelGroup:
         try:
             for k in range(1, self.size):
                 process, inbox, outbox = spawn("orca_backend.runner.tp_rank")
-                rank = _Rank(k, process, inbox, outbox, queue.SimpleQueue())
+                rank = _Rank(k, process, inbox, outbox, queue.SimpleQueue(), kind=self.kind)
                 self.ranks.append(rank)
                 inbox.send_bytes(frame(Frame.SPEC, [spec.to_values(), k, self.store.port]))
                 for target in (self._read, self._write):
@@ -206,7 +208,7 @@ class TensorParallelGroup:
             if not self.failure and late:
                 self.failure = (f"{', '.join(late)} did not finish {what} (rank 0: "
                                 f"{type(error).__name__}: {error})")
-            self.failure = self.failure or f"tensor-parallel rank 0 failed {what}: {type(error).__name__}: {error}"
+            self.failure = self.failure or f"{self.kind} rank 0 failed {what}: {type(error).__name__}: {error}"
         self._kill_all()
         return RunnerDiedError(f"{self.failure} (the {self.size} tensor-parallel ranks were torn down)")
 
