@@ -1,12 +1,13 @@
 """The simulator's cost model against hand computations, and its refusals."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
 import pytest
 
-from orca_backend.checkpoint.config import ModelConfig
+from orca_backend.checkpoint.config import ModelConfig, MoESpec
 from orca_backend.core.errors import ConfigError
 from orca_backend.simulate.cost_model import CostModel, Layout, OpCost, Rows
 from orca_backend.simulate.hardware import GIB, PRESETS, Hardware, load_hardware
@@ -83,6 +84,8 @@ def test_gpt_3_does_not_fit_one_a100_and_fits_sixteen():
     (lambda: CostModel(TINY, UNIT, Layout(pipeline_stages=3)), r"pipeline_stages must be in \[1, 2\]"),
     (lambda: CostModel(TINY, UNIT, dtype="int4"), "dtype must be one of"),
     (lambda: UNIT.with_factors(compute_efficiency=1.5), "compute_efficiency must be in"),
+    (lambda: CostModel(dataclasses.replace(TINY, architecture="Qwen3MoeForCausalLM", moe=MoESpec(4, 2, 8, (0, 1), True)),
+                       UNIT), "Qwen3MoeForCausalLM has a mixture of experts, which it does not model"),
 ])
 def test_bad_input_is_refused_naming_it(build, match):
     with pytest.raises(ConfigError, match=match):

@@ -54,6 +54,11 @@ class CostModel:
         if dtype not in DTYPE_BYTES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
         model.check_tensor_parallel(layout.tensor_parallel_size)
+        unmodelled = [what for has, what in ((model.moe, "a mixture of experts"), (model.mla, "latent attention"),
+                                            (model.attention_sinks, "attention sinks")) if has]
+        if unmodelled:
+            raise ConfigError(f"the cost model has dense layers and per-head K/V only: {model.architecture} has "
+                              f"{' and '.join(unmodelled)}, which it does not model")
         if not 1 <= layout.pipeline_stages <= model.num_layers:
             raise ConfigError(f"pipeline_stages must be in [1, {model.num_layers}] (the model's "
                               f"layers), got {layout.pipeline_stages}")
