@@ -56,7 +56,9 @@ def build_runner(spec: RunnerSpec, model=None, rank: int = 0) -> ModelRunner | N
                          spec.runner.keep_logits, attention, grammars=grammar_compiler(spec),
                          loras=_lora_slots(spec, model, dtype, device),
                          proposer=_proposer(spec, model, attention, backend, device), pooling_type=spec.runner.pooling_type)
-    if spec.runner.cuda_graphs and isinstance(attention, KernelPagedAttention) and not spec.layer_range:
+    # Decode graphs need every op free of host reads: our kernels are; torch's grouped GEMM is not.
+    graphable = model.config.moe is None or spec.runner.moe_kernel_backend == "triton"
+    if spec.runner.cuda_graphs and isinstance(attention, KernelPagedAttention) and graphable and not spec.layer_range:
         runner.enable_decode_graphs(spec.scheduler.max_batch_size, -(-spec.max_model_len // spec.cache.block_size),
                                     capture=device.type == "cuda")
     return runner
