@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install model serve test test-fast bench bench-full bench-prefix bench-engine bench-cpu bench-executors bench-pipeline bench-tp bench-startup bench-host bench-structured bench-tools bench-models bench-lora bench-spec bench-sampler eval-harness perf simulate clean
+.PHONY: install model serve test test-fast bench bench-full bench-prefix bench-engine bench-cpu bench-executors bench-pipeline bench-tp bench-startup bench-host bench-structured bench-tools bench-models bench-lora bench-moe bench-spec bench-sampler eval-harness perf simulate clean
 
 install: $(STAMP)
 
@@ -102,6 +102,12 @@ bench-models: model
 
 bench-lora: model
 	$(PY) -m benchmarks.bench_lora --markdown docs/benchmarks/lora.md
+
+# Mixtures of experts: a Qwen3-MoE-shaped model's decode iteration at batch 1, 32 and 256 beside a
+# dense Qwen3 of the same active parameters, tokens per expert, 2 expert-parallel ranks against 1,
+# and MLA's K/V bytes per token against plain heads; writes docs/benchmarks/moe.md (about 2 minutes).
+bench-moe: model
+	$(PY) -m benchmarks.bench_moe --markdown docs/benchmarks/moe.md
 
 # The sampler alone at batch 1, 32 and 256, without and with logits rules on every row, this tree
 # beside another revision (SAMPLER_BASE, a git revision; default HEAD) in one run; prints figures.
