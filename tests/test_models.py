@@ -470,3 +470,40 @@ def test_multi_token_prediction_layers_in_a_checkpoint_are_left_unread(tmp_path,
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ConfigError, match="model.layers.4.mlp.gate.weight"):
         LLM(str(folder), kv_cache_tokens=256)
+
+
+DEEPSEEK_V3_HUB = {  # deepseek-ai/DeepSeek-V3's config.json as published (quantization_config left out)
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "aux_loss_alpha": 0.001, "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3,
+    "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02, "intermediate_size": 18432,
+    "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v3", "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
+    "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1, "pretraining_tp": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06, "rope_scaling": {
+        "beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096, "type": "yarn"}, "rope_theta": 10000, "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid", "seq_aux": True, "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16", "transformers_version": "4.33.1", "use_cache": True, "v_head_dim": 128,
+    "vocab_size": 129280}
+
+
+def test_a_published_deepseek_v3_config_reads_as_transformers_reads_it(tmp_path):
+    """The hub's spellings: YaRN under `rope_scaling` with DeepSeek's mscale in the softmax scale,
+    training-only fields kept as unknown (logged), routing and latent sizes as published."""
+    import math
+
+    config = ModelConfig.from_folder(_write_config(tmp_path, DEEPSEEK_V3_HUB))
+    assert config.unknown_fields == ("aux_loss_alpha", "ep_size", "seq_aux")
+    moe, mla = config.moe, config.mla
+    assert (moe.num_experts, moe.top_k, moe.groups, moe.topk_groups, moe.scoring, moe.correction_bias) == (
+        256, 8, 8, 4, "sigmoid", True)
+    assert moe.sparse_layers == tuple(range(3, 61)) and moe.shared_size == 2048 and moe.scaling == 2.5
+    assert (mla.latent_dim, config.kv_layout(8), config.extra_layers) == (576, (1, 576, False), 1)
+    mscale = 0.1 * math.log(40) + 1.0
+    assert config.scale == pytest.approx(192 ** -0.5 * mscale * mscale, rel=1e-12)
+    assert config.max_model_len == 163840
+    for field, value, message in (("scoring_func", "softmax", "scoring_func = 'softmax'"),
+                                  ("moe_layer_freq", 2, "moe_layer_freq = 2")):
+        with pytest.raises(ConfigError, match=message):
+            ModelConfig.from_folder(_write_config(tmp_path / field, {**DEEPSEEK_V3_HUB, field: value}))
