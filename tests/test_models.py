@@ -276,12 +276,13 @@ def test_two_tensor_parallel_ranks(kind, family):
 @pytest.mark.subprocess
 @pytest.mark.parametrize("kind, options", [
     ("qwen2-moe", {}), ("qwen2-moe", dict(tensor_parallel_size=2)), ("deepseek-v3", {}),
-    ("gpt-oss", dict(tensor_parallel_size=2)), ("qwen2-moe", dict(executor="pipeline", pipeline_stages=2))])
+    ("gpt-oss", dict(tensor_parallel_size=2)), ("qwen2-moe", dict(executor="pipeline", pipeline_stages=2)),
+    ("qwen2-moe", dict(moe_kernel="triton"))])
 def test_expert_parallel_ranks(kind, options, family):
     """Two ranks each holding half the experts, whole, attention replicated on both or split
-    between them (tensor_parallel_size 2), and two such groups as pipeline stages: the gated
-    shared expert added once, latent attention, biases and sinks; the 40-token prompt's
-    logprobs as one rank's within 1e-4."""
+    between them (tensor_parallel_size 2), two such groups as pipeline stages, our kernel on
+    each rank's share: the gated shared expert added once, latent attention, biases and sinks;
+    the 40-token prompt's logprobs as one rank's within 1e-4."""
     folder, ref = family(kind)
     with LLM(str(folder), kv_cache_tokens=1024, max_num_batched_tokens=16, expert_parallel_size=2, **options) as llm:
         check_tokens([o.token_ids for o in llm.generate(prompts(), GREEDY)], ref, kind)
