@@ -21,10 +21,11 @@ class Reference:
 
 
 def reference(folder: Path, prompt_ids: list[list[int]], shapes=SHAPES) -> Reference:
-    """transformers' own `generate` on each prompt alone (eager, float32)."""
+    """transformers' own `generate` on each prompt alone (eager, float32; a mixture of experts'
+    experts one at a time, transformers' "eager" loop, not its grouped GEMM)."""
     import transformers as tf
 
-    model = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, experts_implementation="eager").eval()
     with torch.no_grad():  # first: a dynamic RoPE keeps the frequencies of the longest sequence seen
         rows = model(torch.tensor([prompt_ids[1]])).logits[0].log_softmax(-1)
     model.generation_config.eos_token_id = None  # as ignore_eos: EOS neither stops nor is masked out

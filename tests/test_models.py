@@ -503,8 +503,61 @@ def test_a_published_deepseek_v3_config_reads_as_transformers_reads_it(tmp_path)
     assert (mla.latent_dim, config.kv_layout(8), config.extra_layers) == (576, (1, 576, False), 1)
     mscale = 0.1 * math.log(40) + 1.0
     assert config.scale == pytest.approx(192 ** -0.5 * mscale * mscale, rel=1e-12)
+    both = {**DEEPSEEK_V3_HUB, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "head_dim": 24}
+    config = ModelConfig.from_folder(_write_config(tmp_path / "both", both))  # rope_scaling wins, as for RoPE
+    assert config.scale == pytest.approx(192 ** -0.5 * mscale * mscale, rel=1e-12)
+    assert config.head_dim == 64  # transformers sets head_dim to qk_rope_head_dim whatever the file says
     assert config.max_model_len == 163840
     for field, value, message in (("scoring_func", "softmax", "scoring_func = 'softmax'"),
                                   ("moe_layer_freq", 2, "moe_layer_freq = 2")):
         with pytest.raises(ConfigError, match=message):
             ModelConfig.from_folder(_write_config(tmp_path / field, {**DEEPSEEK_V3_HUB, field: value}))
+
+
+
+def test_experts_of_a_size_the_grouped_gemm_cannot_stride_are_padded(tmp_path, default_model):
+    """An intermediate size of 30 (120 bytes a row in fp32, not a multiple of 16; over two ranks
+    15): padded with zeros at load, greedy tokens and prompt logprobs as transformers'."""
+    folder = save_family("qwen3-moe", tmp_path / "moe30", default_model / "tokenizer.json", moe_intermediate_size=30)
+    ref = reference(folder, prompts())
+    for ranks in (1, 2):
+        tokens, _ = _generate(folder, tensor_parallel_size=ranks)
+        check_tokens(tokens, ref, f"qwen3-moe, experts of 30, {ranks} ranks")
+
+
+def test_a_checkpoint_in_transformers_own_stacked_layout_loads(tmp_path, family):
+    """Mixtral saved from transformers 5's own state dict (`mlp.gate`, `mlp.experts.gate_up_proj`
+    [E, 2I, H], `down_proj` [E, H, I]) rather than the hub's `block_sparse_moe.experts.N.w1`."""
+    import shutil
+
+    import transformers as tf
+    from safetensors.torch import save_file
+
+    folder, ref = family("mixtral")
+    stacked = tmp_path / "stacked"
+    stacked.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(folder / name, stacked / name)
+    model = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state and "model.layers.0.mlp.gate.weight" in state
+    save_file(state, stacked / "model.safetensors", metadata={"format": "pt"})
+    tokens, _ = _generate(stacked)
+    check_tokens(tokens, ref, "mixtral, stacked")
+
+
+def test_a_draft_with_latent_attention_runs_on_sdpa_beside_a_kernel_target(family):
+    """The draft's attention follows its own model: SDPA for latent attention even when the
+    target runs on our kernel."""
+    from orca_backend.runner.models.attention import TorchPagedAttention
+    from orca_backend.runner.models.kernel_attention import KernelPagedAttention
+
+    target, _ = family("mixtral")
+    draft, _ = family("deepseek-v2")
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2}
+    with LLM(str(target), attention="triton", cuda_graphs=False, kv_cache_tokens=256, speculative_config=spec) as llm:
+        out, = llm.generate([prompts()[0]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        runner = llm.engine.executor.runner
+        assert isinstance(runner.attention, KernelPagedAttention)
+        assert type(runner.proposer.attention) is TorchPagedAttention
+    assert len(out.token_ids) == 3

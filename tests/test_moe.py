@@ -67,7 +67,7 @@ def _experts(num_experts: int, hidden: int, inter: int, activation: str = "silu"
     g = torch.Generator().manual_seed(seed)
     w1, w2 = torch.randn(num_experts, hidden, 2 * inter, generator=g), torch.randn(num_experts, inter, hidden, generator=g)
     b1 = torch.randn(num_experts, 2 * inter, generator=g) if biases else None
-    return Experts(w1 * 0.2, w2 * 0.2, b1, None, activation, 0.5 if biases else None, 1.702 if biases else None,
+    return Experts(w1 * 0.2, w2 * 0.2, b1, activation, 0.5 if biases else None, 1.702 if biases else None,
                    0, num_experts)
 
 
@@ -84,7 +84,7 @@ def _reference(x, experts: Experts, weights, ids, held: range | None = None) -> 
             if experts.b1 is not None:
                 h = h + experts.b1[local].double()
             act = Experts(*(v.double() if isinstance(v, torch.Tensor) else v for v in (
-                experts.w1, experts.w2, experts.b1, experts.b2)), experts.activation, experts.limit,
+                experts.w1, experts.w2, experts.b1)), experts.activation, experts.limit,
                 experts.alpha).activate(h[None])[0]
             y[t] += float(weights[t, j]) * (act @ experts.w2[local].double())
     return y
@@ -111,10 +111,10 @@ def test_one_rank_s_share_of_the_experts_sums_to_the_whole(rank):
     x, ids = torch.randn(11, 24, generator=g), torch.randint(0, 9, (11, 3), generator=g)
     weights = torch.rand(11, 3, generator=g)
     held = range(3 * rank, 3 * rank + 3)
-    share = Experts(whole.w1[3 * rank:3 * rank + 3], whole.w2[3 * rank:3 * rank + 3], None, None, "silu",
+    share = Experts(whole.w1[3 * rank:3 * rank + 3], whole.w2[3 * rank:3 * rank + 3], None, "silu",
                     first=held.start, total=9)
     y = grouped_experts(x, share, weights, ids)
     torch.testing.assert_close(y.double(), _reference(x, whole, weights, ids, held), rtol=1e-5, atol=1e-5)
-    shares = sum(grouped_experts(x, Experts(whole.w1[3 * r:3 * r + 3], whole.w2[3 * r:3 * r + 3], None, None, "silu",
+    shares = sum(grouped_experts(x, Experts(whole.w1[3 * r:3 * r + 3], whole.w2[3 * r:3 * r + 3], None, "silu",
                                             first=3 * r, total=9), weights, ids) for r in range(3))
     torch.testing.assert_close(shares, grouped_experts(x, whole, weights, ids), rtol=1e-5, atol=1e-5)

@@ -64,6 +64,17 @@ def test_each_token_gets_its_experts_weighted_sum(num_tokens, top_k, num_experts
     check(fused_experts(x, w1, w2, weights, ids), reference(x, w1, w2, weights, ids))
 
 
+def test_pairs_of_another_rank_s_experts_add_nothing():
+    """Expert parallelism: a rank holding experts 4..7 of 8 gets ids shifted by 4, and the id 4
+    (its expert count) for every pair routed to experts 0..3, which must add nothing."""
+    x, w1, w2, weights, ids = make(13, 4, 8)
+    held = ids >= 4
+    local = torch.where(held, ids - 4, 4)
+    y = fused_experts(x, w1[4:], w2[4:], weights, local)
+    check(y, reference(x, w1[4:], w2[4:], torch.where(held, weights, 0.0), torch.where(held, ids - 4, 0)))
+    assert held.any() and (~held).any()
+
+
 def test_no_tokens_give_an_empty_output():
     x, w1, w2, weights, ids = make(0, 2)
     y = fused_experts(x, w1, w2, weights, ids)

@@ -155,14 +155,17 @@ class ModelConfig:
 
     def check_parallel(self, tensor_parallel_size: int, expert_parallel_size: int = 1) -> None:
         """`check_tensor_parallel`, and that E ranks can split the experts of every MoE layer."""
-        self.check_tensor_parallel(tensor_parallel_size)
         e = expert_parallel_size
+        self.check_tensor_parallel(tensor_parallel_size, experts_split=e == 1)
         if e > 1 and self.moe is None:
             raise ConfigError(f"expert_parallel_size {e}: {self.architecture} has no mixture of experts to split")
         if e > 1 and self.moe.num_experts % e:
             raise ConfigError(f"expert_parallel_size {e} does not divide the model's {self.moe.num_experts} experts")
+        if e > 1 and self.moe.shared_size % e:  # the shared expert is split over every rank
+            raise ConfigError(f"expert_parallel_size {e} does not divide the model's shared expert's intermediate "
+                              f"size {self.moe.shared_size}")
 
-    def check_tensor_parallel(self, tensor_parallel_size: int) -> None:
+    def check_tensor_parallel(self, tensor_parallel_size: int, experts_split: bool = True) -> None:
         """Refuse a rank count that does not divide the shapes every rank takes 1/T of,
         naming both numbers."""
         t = tensor_parallel_size
@@ -173,7 +176,7 @@ class ModelConfig:
                               "together (and all key heads), which ranks holding a share of the heads cannot")
         shapes = [("attention heads", self.num_heads), ("intermediate size", self.intermediate_size),
                   ("vocabulary size", self.vocab_size)]
-        if self.moe is not None:  # each expert split as a dense MLP is
+        if self.moe is not None and experts_split:  # each expert split as a dense MLP is (not whole, as under EP)
             shapes += [("experts' intermediate size", self.moe.intermediate_size),
                        ("shared expert's intermediate size", self.moe.shared_size)]
         if self.num_kv_heads >= t:

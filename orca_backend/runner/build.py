@@ -97,6 +97,8 @@ def _proposer(spec: RunnerSpec, model, attention, backend, device: torch.device)
     if not (whole and Path(config.model).resolve() == Path(spec.model_path).resolve()):
         model = load_model(Path(config.model), dtype, device)
         _prepare(model, spec, backend)
+    if model.config.kernel_gap:  # a draft with latent attention runs on SDPA's backend, whatever the target's
+        attention = TorchPagedAttention(spec.cache.block_size, device)
     return DraftModel(model, spec.num_blocks, device, dtype, attention, spec.scheduler.max_num_batched_tokens)
 
 
@@ -160,6 +162,6 @@ def _rank_device(device: str, rank: int, size: int) -> torch.device:
     first = base.index or 0
     available = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if first + size > available:
-        raise ConfigError(f"tensor_parallel_size {size} needs GPUs cuda:{first}..cuda:{first + size - 1}, "
-                          f"but this instance sees {available} GPU(s)")
+        raise ConfigError(f"{size} ranks (tensor_parallel_size, expert_parallel_size) need GPUs "
+                          f"cuda:{first}..cuda:{first + size - 1}, but this instance sees {available} GPU(s)")
     return torch.device("cuda", first + rank)

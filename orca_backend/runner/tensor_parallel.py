@@ -210,7 +210,7 @@ class TensorParallelGroup:
                                 f"{type(error).__name__}: {error})")
             self.failure = self.failure or f"{self.kind} rank 0 failed {what}: {type(error).__name__}: {error}"
         self._kill_all()
-        return RunnerDiedError(f"{self.failure} (the {self.size} tensor-parallel ranks were torn down)")
+        return RunnerDiedError(f"{self.failure} (the {self.size} {self.kind} ranks were torn down)")
 
     def _fail(self, rank: _Rank, how: str) -> None:
         with self._lock:

@@ -79,7 +79,7 @@ def make_experts(ctx: Context, case: str, dtype_name: str, seed: int = 0):
     w1 = randn(num_experts, hidden, 2 * inter, scale=(CLAMP_SCALE if clamped else 1.0) / hidden ** 0.5)
     w2 = randn(num_experts, inter, hidden, scale=inter ** -0.5)
     b1, b2 = (randn(num_experts, 2 * inter), randn(num_experts, hidden)) if clamped else (None, None)
-    return Experts(w1, w2, b1, b2, first=0, total=num_experts, **options)
+    return Experts(w1, w2, b1, first=0, total=num_experts, **options), b2
 
 
 def make_tokens(ctx: Context, case: str, dtype_name: str, tokens: int):
@@ -93,7 +93,15 @@ def make_tokens(ctx: Context, case: str, dtype_name: str, tokens: int):
     return x, weights, ids
 
 
-def reference(x, experts, weights, ids):
+def fused(x, experts, b2, weights, ids):
+    """Our kernel on the layer, the down biases (`b2`, [E, H] or None) in it."""
+    from orca_backend.runner.models.moe_kernel import fused_experts
+
+    return fused_experts(x, experts.w1, experts.w2, weights, ids, experts.activation, experts.b1, b2,
+                         experts.limit, experts.alpha)
+
+
+def reference(x, experts, b2, weights, ids):
     """The layer in float64 from the same (rounded) inputs, one expert at a time over its tokens."""
     import torch
 
@@ -104,32 +112,32 @@ def reference(x, experts, weights, ids):
         if experts.b1 is not None:
             h += experts.b1[e].double()
         out = experts.activate(h) @ experts.w2[e].double()
-        if experts.b2 is not None:
-            out += experts.b2[e].double()
+        if b2 is not None:
+            out += b2[e].double()
         y.index_add_(0, tokens, out * weights[tokens, slots].double()[:, None])
     return y
 
 
-def torch_path(x, experts, weights, ids):
+def torch_path(x, experts, b2, weights, ids):
     """torch's grouped path, the down biases added as `SparseMLP` adds them (it leaves them out)."""
     from orca_backend.runner.models.moe import grouped_experts
 
     y = grouped_experts(x, experts, weights, ids)
-    if experts.b2 is not None:
-        y = y + (experts.b2[ids] * weights.to(y.dtype).unsqueeze(-1)).sum(dim=1)
+    if b2 is not None:
+        y = y + (b2[ids] * weights.to(y.dtype).unsqueeze(-1)).sum(dim=1)
     return y
 
 
 def numerics(ctx: Context, rec: dict, name: str, case: str, dtype_name: str, tokens: int) -> None:
-    experts = make_experts(ctx, case, dtype_name)
+    experts, b2 = make_experts(ctx, case, dtype_name)
     x, weights, ids = make_tokens(ctx, case, dtype_name, tokens)
-    got = experts.fused(x, weights, ids)
-    want = reference(x, experts, weights, ids)
+    got = fused(x, experts, b2, weights, ids)
+    want = reference(x, experts, b2, weights, ids)
     sync(ctx)
     scale = want.abs().max().item()
     error = (got.double() - want).abs().max().item() / scale
     try:  # informational: torch's own rounding at this dtype (its grouped GEMM may not take every dtype)
-        torch_error = f"{(torch_path(x, experts, weights, ids).double() - want).abs().max().item() / scale:.3g}"
+        torch_error = f"{(torch_path(x, experts, b2, weights, ids).double() - want).abs().max().item() / scale:.3g}"
     except Exception as e:
         torch_error = f"n/a: {type(e).__name__}"
     ok = got.dtype == x.dtype and error <= TOLERANCES[dtype_name]  # NaN fails
@@ -144,15 +152,15 @@ def numerics(ctx: Context, rec: dict, name: str, case: str, dtype_name: str, tok
 def timing(ctx: Context, rec: dict, tokens: int) -> None:
     case = next(iter(CASES))  # Qwen3-30B-A3B's layer, in bf16
     hidden, inter, _, top_k = layer(ctx, case)
-    experts = make_experts(ctx, case, "bfloat16")
+    experts, b2 = make_experts(ctx, case, "bfloat16")
     x, weights, ids = make_tokens(ctx, case, "bfloat16", tokens)
     reps = ctx.sizes.reps
 
     def kernel():
-        return experts.fused(x, weights, ids)
+        return fused(x, experts, b2, weights, ids)
     ours, ours_graph = median_microseconds(ctx, kernel, reps), graph_microseconds(ctx, kernel, reps)
     try:  # the kernel's figures stand even where torch's grouped GEMM refuses these shapes
-        theirs = median_microseconds(ctx, lambda: torch_path(x, experts, weights, ids), reps)
+        theirs = median_microseconds(ctx, lambda: torch_path(x, experts, b2, weights, ids), reps)
     except Exception as e:
         say(f"moe: torch's grouped path at {tokens} tokens: {type(e).__name__}: {e}")
         theirs = None

@@ -37,18 +37,21 @@ def read_window(f: ConfigFields, layer_types: tuple[str, ...], enabled: bool = T
 
 
 def decoder(f: ConfigFields, family: str, *, tie_default: bool = False, eps_default: float = 1e-6,
-            max_len_default: int = 2048, head_dim_default: int | None = None, layer_types: tuple[str, ...] | None = None,
+            max_len_default: int = 2048, head_dim_default: int | None = None, head_dim: int | None = None,
+            layer_types: tuple[str, ...] | None = None,
             window: int | None = None, default_theta: float = 10000.0, per_layer_rope=None,
             act_field: str = "hidden_act", act_default: str = "silu", scaled_context: bool = True,
             original_max_default: int | None = None, **fields) -> dict:
     """The ModelConfig fields of a Llama-shaped decoder (`fields` override or add).
     `scaled_context=False`: max_position_embeddings is the context whatever the RoPE scaling
     (Gemma 3's already counts it); `original_max_default`: the pretraining length where the
-    config names none (transformers' class default, Phi-3's)."""
+    config names none (transformers' class default, Phi-3's); `head_dim`: the head size the
+    family fixes (DeepSeek's rotary width), the config's own read and not used."""
     heads = f.require("num_attention_heads")
     hidden = f.require("hidden_size")
     num_layers = f.require("num_hidden_layers")
-    head_dim = f.get("head_dim", head_dim_default) or hidden // heads
+    configured = f.get("head_dim", head_dim_default)  # `head_dim`: the family's own, whatever the config says
+    head_dim = head_dim or configured or hidden // heads
     max_len = f.get("max_position_embeddings", max_len_default)
     types = layer_types or ("full_attention",) * num_layers
     config = dict(

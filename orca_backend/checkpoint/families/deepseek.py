@@ -79,7 +79,8 @@ def _deepseek(f: ConfigFields, family: str, rope_interleave: bool, **routing) ->
     heads = f.require("num_attention_heads")
     if mla.qk_rope_head_dim % 2:
         raise ConfigError(f"{f.where}: qk_rope_head_dim = {mla.qk_rope_head_dim}; RoPE turns pairs of dims")
-    config = decoder(f, family, head_dim_default=mla.qk_rope_head_dim, max_len_default=4096, moe=moe, mla=mla)
+    # transformers sets head_dim to qk_rope_head_dim whatever config.json says: the rotary's width
+    config = decoder(f, family, head_dim=mla.qk_rope_head_dim, max_len_default=4096, moe=moe, mla=mla)
     config.update(head_dim=mla.qk_rope_head_dim, num_kv_heads=heads,
                   attention_scale=_softmax_scale(f, mla.qk_nope_head_dim + mla.qk_rope_head_dim))
     return config
@@ -88,7 +89,7 @@ def _deepseek(f: ConfigFields, family: str, rope_interleave: bool, **routing) ->
 def _softmax_scale(f: ConfigFields, qk_head_dim: int) -> float:
     """qk_head_dim ** -0.5, times mscale(factor, mscale_all_dim) squared under YaRN scaling
     (DeepSeek's rule for attention at the longer context)."""
-    raw = f.raw.get("rope_parameters") or f.raw.get("rope_scaling") or {}
+    raw = f.raw.get("rope_scaling") or f.raw.get("rope_parameters") or {}  # `read_ropes`' precedence
     scale = qk_head_dim ** -0.5
     kind = raw.get("rope_type", raw.get("type", "default"))
     if kind != "default" and raw.get("mscale_all_dim"):

@@ -29,7 +29,7 @@ from ...core.errors import ConfigError
 from ...lora.batch import LoRABatch
 from .layers import MLP, activate, shift
 from .linear import Linear
-from .parallel import NO_COLLECTIVES, ONE_RANK, Collectives, Shard, tensor_view
+from .parallel import NO_COLLECTIVES, ONE_RANK, Collectives, Shard
 from .weights import Weights
 
 
@@ -38,7 +38,7 @@ def prepare_experts(model, kernel: str, backend: str) -> None:
     """Every sparse layer of `model` on `kernel` ("torch" or "triton"); refused where the
     projections' `backend` is one the experts do not have (int8 quantizes `Linear`s only)."""
     sparse = [mlp for layer in model.layers.values() if isinstance(mlp := getattr(layer, "mlp", None), SparseMLP)]
-    if sparse and backend == "int8":
+    if model.config.moe is not None and backend == "int8":
         raise ConfigError(f"quantization 'int8' is not built for {model.config.architecture}'s experts "
                           "(a mixture of experts); use quantization 'none'")
     for mlp in sparse:
@@ -105,13 +105,12 @@ def grouped_experts(x: torch.Tensor, experts: Experts, weights: torch.Tensor, id
 
 @dataclass(slots=True)
 class Experts:
-    """One layer's experts, stacked: w1 [E, H, 2I] (gate | up), w2 [E, I, H], their biases
-    b1 [E, 2I] and b2 [E, H] if any, and the activation of (gate, up)."""
+    """One layer's experts, stacked: w1 [E, H, 2I] (gate | up), w2 [E, I, H], gate|up's bias
+    b1 [E, 2I] if any (down's is `SparseMLP.down_bias`), and the activation of (gate, up)."""
 
     w1: torch.Tensor
     w2: torch.Tensor
     b1: torch.Tensor | None
-    b2: torch.Tensor | None
     activation: str  # silu, gelu, gelu_tanh, or swiglu_clamp (with limit and alpha)
     limit: float | None = None
     alpha: float | None = None
@@ -130,14 +129,14 @@ class Experts:
         return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
 
     def fused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The same through our Triton kernel. Pairs routed to another rank's experts go to
-        expert 0 with weight 0 (computed and dropped: the kernel never reads the device's counts)."""
+        """The same through our Triton kernel; pairs routed to another rank's experts are given
+        the id `count`, which the kernel leaves out."""
         from .moe_kernel import fused_experts
 
         if self.count < self.total:
             held = (ids >= self.first) & (ids < self.first + self.count)
-            ids, weights = torch.where(held, ids - self.first, 0), torch.where(held, weights, 0.0)
-        return fused_experts(x, self.w1, self.w2, weights, ids, self.activation, self.b1, self.b2,
+            ids = torch.where(held, ids - self.first, self.count)
+        return fused_experts(x, self.w1, self.w2, weights, ids, self.activation, self.b1, None,
                              self.limit, self.alpha)
 
 
@@ -149,7 +148,9 @@ class SparseMLP:
     def __init__(self, config: ModelConfig, w: Weights, index: int, p: str, shard: Shard,
                  collectives: Collectives) -> None:
         spec = self.spec = config.moe
-        p = p + spec.block + "."  # `p`: the layer's prefix
+        # `p`: the layer's prefix. The family's block name (Mixtral's hub `block_sparse_moe`), or
+        # transformers 5's own `mlp` for a checkpoint it saved in its stacked layout.
+        p = p + (spec.block if f"{p}{spec.block}.{spec.router}.weight" in w else "mlp") + "."
         router_dtype = torch.float32 if spec.router_fp32 else None
         self.router = Linear(w.take(p + spec.router + ".weight", dtype=router_dtype),  # [E, H], every rank whole
                              w.take(p + spec.router + ".bias", dtype=router_dtype) if spec.router_bias else None)
@@ -161,13 +162,11 @@ class SparseMLP:
         # The experts' down biases [E, H], weighed like their outputs, added once after the all-reduce.
         self.down_bias = w.take(p + "experts.down_proj_bias") if spec.expert_bias else None
         self.shared = self.shared_gate = None
-        if spec.shared_size:  # a partial sum on each rank, like the experts': joined by one all-reduce
-            tp, _ = tensor_view(shard, collectives)
-            self.shared = MLP(config, w, index, p + spec.shared + ".", tp, NO_COLLECTIVES, spec.shared_size)
+        if spec.shared_size:  # split over every rank, expert-parallel ones too: joined by the same all-reduce
+            self.shared = MLP(config, w, index, p + spec.shared + ".", Shard(shard.rank, shard.size), NO_COLLECTIVES,
+                              spec.shared_size)
             if spec.shared_gate:
                 self.shared_gate = Linear(w.take(p + spec.shared + "_gate.weight"))  # [1, H]
-        # Replicated (expert parallelism alone), the shared expert's whole output is added on rank 0 only.
-        self.shared_here = not shard.replicated or shard.rank == 0
         self.all_reduce = collectives.all_reduce
         self.kernel = "torch"
         self.lora: dict = {}
@@ -185,7 +184,7 @@ class SparseMLP:
             y = self.experts.fused(x, weights, ids)
         else:
             y = grouped_experts(x, self.experts, weights, ids)
-        if self.shared is not None and self.shared_here:
+        if self.shared is not None:
             shared = self.shared(x, None)
             if self.shared_gate is not None:
                 shared = torch.sigmoid(self.shared_gate(x)) * shared
@@ -202,8 +201,27 @@ def _load_experts(spec: MoESpec, w: Weights, p: str, shard: Shard, held: range, 
     b1 = None
     if spec.expert_bias:  # gpt-oss's [E, 2I], interleaved like its weights (down's: `SparseMLP.down_bias`)
         b1 = _gate_up_columns(w.take(p + "gate_up_proj_bias", 0, _as_slice(held)), shard, spec.intermediate_size)
-    return Experts(w1, w2, b1, None, spec.activation or config.activation, spec.swiglu_limit, spec.swiglu_alpha,
+    w1, w2, b1 = _aligned(w1, w2, b1)
+    return Experts(w1, w2, b1, spec.activation or config.activation, spec.swiglu_limit, spec.swiglu_alpha,
                    held.start, spec.num_experts)
+
+
+def _aligned(w1: torch.Tensor, w2: torch.Tensor, b1: torch.Tensor | None):
+    """The intermediate size padded with zeros to a multiple of 16 bytes, which grouped GEMMs
+    need of their strides (DeepSeek-V2's 1407, or a rank's share of gpt-oss's 2880 over 16
+    ranks): a zero gate and up give a zero activation in every kind here, and zero rows of
+    down add nothing."""
+    inter, align = w2.shape[1], 16 // w2.element_size()
+    pad = -inter % align
+    if not pad:
+        return w1, w2, b1
+
+    def halves(t: torch.Tensor) -> torch.Tensor:  # gate | up along the last dim, each padded
+        gate, up = t.split(inter, dim=-1)
+        zeros = t.new_zeros(*t.shape[:-1], pad)
+        return torch.cat([gate, zeros, up, zeros], dim=-1)
+    w2 = torch.cat([w2, w2.new_zeros(w2.shape[0], pad, w2.shape[2])], dim=1)
+    return halves(w1), w2, halves(b1) if b1 is not None else None
 
 
 def _stacked_experts(spec: MoESpec, w: Weights, p: str, shard: Shard, held: range,

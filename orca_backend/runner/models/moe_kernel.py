@@ -137,19 +137,24 @@ def _kernels(interpret: bool):
 
 def _group(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(rows [capacity] int32: the pair at each padded position, T*k on padding; block_expert
-    [capacity // BLOCK_M] int32; used_blocks [1] int32), with torch ops that need no sync."""
+    [capacity // BLOCK_M] int32; used_blocks [1] int32), with torch ops that need no sync.
+    Pairs whose id is num_experts (another rank's expert) get no row."""
     flat = ids.reshape(-1).to(torch.int64)
     num_pairs, device = flat.numel(), flat.device
-    order = flat.argsort(stable=True)  # pairs by expert, each expert's in pair order
+    order = flat.argsort(stable=True)  # pairs by expert, each expert's in pair order; others' last
     # Not bincount: on CUDA it reads the largest id back to the host.
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device).scatter_add_(
+        0, flat, torch.ones_like(flat))[:num_experts]
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     padded_ends = padded.cumsum(0)
     expert = flat[order]
+    held = expert < num_experts
+    expert = expert.clamp(max=num_experts - 1)
     rank = torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts)[expert]
     capacity = triton.cdiv(num_pairs + num_experts * (BLOCK_M - 1), BLOCK_M) * BLOCK_M
-    rows = torch.full((capacity,), num_pairs, dtype=torch.int64, device=device)
-    rows.scatter_(0, (padded_ends - padded)[expert] + rank, order)
+    rows = torch.full((capacity + 1,), num_pairs, dtype=torch.int64, device=device)  # the last: others' pairs
+    rows.scatter_(0, torch.where(held, (padded_ends - padded)[expert] + rank, capacity), order)
+    rows = rows[:capacity]
     block_starts = torch.arange(0, capacity, BLOCK_M, device=device)
     block_expert = torch.searchsorted(padded_ends, block_starts, right=True).clamp_(max=num_experts - 1)
     used_blocks = padded_ends[-1:] // BLOCK_M
@@ -173,8 +178,8 @@ def fused_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, weights: 
                   limit: float | None = None, alpha: float | None = None) -> torch.Tensor:
     """y [T, H] in x's dtype: y[t] = sum over j = 0..k-1 of weights[t, j] * (act(x[t] @ w1[e]
     + b1[e]) @ w2[e] + b2[e]), e = ids[t, j]. x [T, H]; w1 [E, H, 2I] (gate | up columns);
-    w2 [E, I, H]; weights [T, k] float32; ids [T, k] in [0, E); b1 [E, 2I], b2 [E, H]
-    optional. act: silu(gate) * up, gelu(gate) * up (erf, or tanh for "gelu_tanh"), or
+    w2 [E, I, H]; weights [T, k] float32; ids [T, k] in [0, E], E marking a pair for an expert
+    held elsewhere (expert parallelism), which adds nothing here; b1 [E, 2I], b2 [E, H] optional. act: silu(gate) * up, gelu(gate) * up (erf, or tanh for "gelu_tanh"), or
     "swiglu_clamp" (gpt-oss's, with `limit` and `alpha`): gate.clamp(max=limit) *
     sigmoid(alpha * gate.clamp(max=limit)) * (up.clamp(-limit, limit) + 1). Any tensor may be
     a strided view. Products accumulate in float32; act is stored in w2's dtype."""
@@ -200,7 +205,7 @@ def fused_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, weights: 
         *(b1.stride() if b1 is not None else (0, 0)), act.stride(0), TOP_K=top_k, ACTIVATION=activation,
         HAS_BIAS=b1 is not None, DOT_PRECISION=dot_precision(w1.dtype), **tiles)
 
-    out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
+    out = torch.zeros(num_pairs, hidden, dtype=torch.float32, device=x.device)  # others' pairs stay 0
     pair_weights = weights.reshape(-1).float().contiguous()
     down[(block_expert.numel(), triton.cdiv(hidden, BLOCK_N))](
         act, w2, b2 if b2 is not None else w2, pair_weights, out, *blocks, inter, hidden, act.stride(0),
