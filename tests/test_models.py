@@ -561,3 +561,16 @@ def test_a_draft_with_latent_attention_runs_on_sdpa_beside_a_kernel_target(famil
         assert isinstance(runner.attention, KernelPagedAttention)
         assert type(runner.proposer.attention) is TorchPagedAttention
     assert len(out.token_ids) == 3
+
+
+@pytest.mark.parametrize("arch", ["Qwen2ForCausalLM", "Qwen2MoeForCausalLM"])
+def test_the_layers_a_legacy_qwen_config_slides_are_transformers(arch, tmp_path):
+    """A config without `layer_types` (the hub's) and `use_sliding_window`: the layers each
+    class slides by its own rule, as transformers works them out."""
+    import transformers as tf
+
+    fields = dict(num_hidden_layers=6, use_sliding_window=True, sliding_window=8, max_window_layers=3)
+    expected = getattr(tf, arch).config_class(**{**TINY, **fields}).layer_types
+    raw = {k: v for k, v in _class_fields(arch, **{**TINY, **fields}).items() if k != "layer_types"}
+    config = ModelConfig.from_folder(_write_config(tmp_path, raw))
+    assert [config.layer_type(i) for i in range(6)] == expected and "sliding_attention" in expected

@@ -13,11 +13,14 @@ from .experts import qwen_sparse_layers, read_moe
 from .fields import ConfigFields
 
 
-def _window(f: ConfigFields) -> tuple[tuple[str, ...] | None, int | None]:
+def _window(f: ConfigFields, moe: bool = False) -> tuple[tuple[str, ...] | None, int | None]:
+    """Without `layer_types`, transformers' rule: Qwen2 slides the layers from
+    `max_window_layers` on; Qwen2-MoE the even-indexed layers before it."""
     num_layers = f.require("num_hidden_layers")
     sliding = f.get("use_sliding_window", False)
     first = f.get("max_window_layers", 28)
-    legacy = ["sliding_attention" if sliding and f.get("sliding_window") is not None and i >= first
+    slides = (lambda i: i % 2 == 0 and i < first) if moe else (lambda i: i >= first)
+    legacy = ["sliding_attention" if sliding and f.get("sliding_window") is not None and slides(i)
               else "full_attention" for i in range(num_layers)]
     types = read_layer_types(f, num_layers, legacy)
     window = read_window(f, types, enabled=sliding)
@@ -38,7 +41,7 @@ def qwen3(f: ConfigFields) -> dict:
 
 
 def qwen2_moe(f: ConfigFields) -> dict:
-    types, window = _window(f)
+    types, window = _window(f, moe=True)
     moe = read_moe(f, num_experts=_num_experts(f, 60), intermediate_size=f.get("moe_intermediate_size", 1408),
                    normalize=f.get("norm_topk_prob", False), sparse_layers=qwen_sparse_layers(f),
                    shared_size=f.get("shared_expert_intermediate_size", 5632), shared_gate=True)
