@@ -55,7 +55,8 @@ def test_engine_refuses_bad_rank_counts_before_starting_ranks(tiny_models):
     with pytest.raises(ConfigError, match="does not divide the model's attention heads 4"):
         LLMEngine(EngineConfig(model=str(tiny_models["gpt2"]), tensor_parallel_size=8))
     if not torch.cuda.is_available():
-        with pytest.raises(ConfigError, match=r"needs GPUs cuda:0..cuda:1, but this instance sees 0 GPU"):
+        with pytest.raises(ConfigError, match=r"2 ranks \(tensor_parallel_size, expert_parallel_size\) need GPUs "
+                                              r"cuda:0..cuda:1, but this instance sees 0 GPU"):
             LLMEngine(EngineConfig(model=str(tiny_models["llama"]), device="cuda", tensor_parallel_size=2))
 
 
