@@ -574,3 +574,58 @@ def test_the_layers_a_legacy_qwen_config_slides_are_transformers(arch, tmp_path)
     raw = {k: v for k, v in _class_fields(arch, **{**TINY, **fields}).items() if k != "layer_types"}
     config = ModelConfig.from_folder(_write_config(tmp_path, raw))
     assert [config.layer_type(i) for i in range(6)] == expected and "sliding_attention" in expected
+
+
+PUBLISHED = {  # config.json of released checkpoints, as published (transformers 4 wrote them)
+    "Qwen3-30B-A3B": {
+        "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+        "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 40960,
+        "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
+        "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8,
+        "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06,
+        "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True,
+        "use_sliding_window": False, "vocab_size": 151936},
+    "Mixtral-8x7B-v0.1": {
+        "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
+        "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+        "max_position_embeddings": 32768, "model_type": "mixtral", "num_attention_heads": 32, "num_experts_per_tok": 2,
+        "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": False,
+        "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02, "sliding_window": None,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.36.0.dev0",
+        "use_cache": True, "vocab_size": 32000},
+    "gpt-oss-20b": {
+        "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+        "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
+        "initial_context_length": 4096, "initializer_range": 0.02, "intermediate_size": 2880,
+        "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+        "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+        "num_key_value_heads": 8, "num_local_experts": 32, "output_router_logits": False, "pad_token_id": 199999,
+        "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                                "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                                                "truncate": False},
+        "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+        "tie_word_embeddings": False, "transformers_version": "4.55.0.dev0", "use_cache": True, "vocab_size": 201088},
+}
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_published_moe_configs_read_as_released(name, tmp_path):
+    """The hub's spellings of the released MoE checkpoints: what routes, how, and what is
+    logged as not the class's own (fields transformers ignores too)."""
+    config = ModelConfig.from_folder(_write_config(tmp_path, PUBLISHED[name]))
+    moe = config.moe
+    got = (moe.num_experts, moe.top_k, moe.intermediate_size, moe.normalize, len(moe.sparse_layers), config.head_dim,
+           config.unknown_fields)
+    assert got == {"Qwen3-30B-A3B": (128, 8, 768, True, 48, 128, ("max_window_layers",)),
+                   "Mixtral-8x7B-v0.1": (8, 2, 14336, True, 32, 128, ()),
+                   "gpt-oss-20b": (32, 4, 2880, False, 24, 64, ("experts_per_token", "initial_context_length"))}[name]
+    if name == "gpt-oss-20b":
+        assert config.sliding_window == 128 and config.window_of(0) == 128 and config.window_of(1) is None
+        assert moe.activation == "swiglu_clamp" and moe.scoring == "topk_softmax" and config.attention_sinks
+        spec = config.rope_of(1)
+        assert (spec.kind, spec.factor, spec.truncate, config.max_model_len) == ("yarn", 32.0, False, 131072)
+        quantized = {**PUBLISHED[name], "quantization_config": {"quant_method": "mxfp4"}}
+        with pytest.raises(ConfigError, match="quant_method 'mxfp4'"):
+            ModelConfig.from_folder(_write_config(tmp_path / "mxfp4", quantized))
