@@ -361,7 +361,9 @@ def test_engine_tensorrt_refuses_what_it_does_not_build_by_name(kind, feature, t
 @pytest.mark.parametrize("kind, targets, ranks", [
     ("phi3", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], 2),  # fused projections, split over ranks
     ("gemma2", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 1),
-    ("qwen3-moe", ["q_proj", "k_proj", "v_proj", "o_proj"], 2)])  # attention only: experts are refused
+    ("qwen3-moe", ["q_proj", "k_proj", "v_proj", "o_proj"], 2),  # attention only: experts are refused
+    ("deepseek-v3", ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"], 2),  # latent attention's, by head
+    ("deepseek-v2", ["q_proj", "kv_a_proj_with_mqa", "o_proj"], 1)])
 def test_lora_adapters_on_each_family_s_projection_names(kind, targets, ranks, tmp_path, default_model):
     """PEFT adapters on the checkpoint's own module names (Phi-3's fused qkv_proj and
     gate_up_proj, over two tensor-parallel ranks), mixed with the base model: greedy tokens
@@ -446,13 +448,19 @@ def test_latent_attention_s_pool_holds_one_latent_per_token_and_layer(family):
     assert config.kv_elements_per_rank_token() == 3 * latent < 3 * plain_heads
 
 
-@pytest.mark.parametrize("options, message", [
-    (dict(enable_lora=True), "enable_lora: LoRA adapters are not built for DeepseekV2ForCausalLM's latent attention"),
-    (dict(attention="triton"), "attention 'triton': our kernel does not build DeepseekV2ForCausalLM's latent")])
-def test_what_latent_attention_does_not_build_is_refused_by_name(options, message, family):
+def test_what_latent_attention_does_not_build_is_refused_by_name(family, tmp_path, default_model):
+    """Our attention kernel, and LoRA on kv_b_proj (absorbed into the queries and outputs)."""
+    from conftest import make_lora_adapters
+    from orca_backend.lora import LoRARequest
+
     folder, _ = family("deepseek-v2")
-    with pytest.raises(ConfigError, match=message):
-        LLM(str(folder), **options)
+    with pytest.raises(ConfigError, match="attention 'triton': our kernel does not build DeepseekV2ForCausalLM's latent"):
+        LLM(str(folder), attention="triton")
+    model = save_family("deepseek-v2", tmp_path / "v2", default_model / "tokenizer.json", vocab_size=49152)
+    adapters = make_lora_adapters(model, tmp_path / "adapters", {"kv": dict(r=4, lora_alpha=8, target_modules=["kv_b_proj"])})
+    with LLM(str(model), enable_lora=True, kv_cache_tokens=256) as llm:
+        with pytest.raises(ConfigError, match="targets kv_b_proj, which DeepseekV2ForCausalLM's latent attention absorbs"):
+            llm.generate(["a prompt"], SamplingParams(max_tokens=2), lora_request=LoRARequest("kv", 0, str(adapters.paths["kv"])))
 
 
 def test_multi_token_prediction_layers_in_a_checkpoint_are_left_unread(tmp_path, default_model):

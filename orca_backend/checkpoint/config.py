@@ -128,6 +128,9 @@ class ModelConfig:
         a LoRA adapter targets)."""
         h, q, kv, i = (self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                        self.intermediate_size)
+        if self.mla is not None:
+            return {**self.mla.projection_shapes(h, self.num_heads), "gate_proj": (i, h), "up_proj": (i, h),
+                    "down_proj": (h, i)}
         if self.fused_projections:
             return {"qkv_proj": (q + 2 * kv, h), "o_proj": (h, q), "gate_up_proj": (2 * i, h), "down_proj": (h, i)}
         return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),

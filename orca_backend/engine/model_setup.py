@@ -26,9 +26,6 @@ class ModelSetup:
         if config.scheduler.enable_lora and model.family == "gpt2":
             raise ConfigError("enable_lora: LoRA adapters apply to the RoPE decoder families (their q/k/v/o and "
                               f"gate/up/down projections); this model is {model.architecture}")
-        if model.mla is not None and config.scheduler.enable_lora:
-            raise ConfigError(f"enable_lora: LoRA adapters are not built for {model.architecture}'s latent "
-                              "attention (MLA)")
         if model.kernel_gap and config.runner.attention == "triton":
             raise ConfigError(f"attention 'triton': our kernel does not build {model.architecture}'s "
                               f"{model.kernel_gap}; use attention 'torch' or 'auto'")

@@ -25,7 +25,7 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 # families) or fused (Phi-3's qkv_proj and gate_up_proj); `ModelConfig.projection_shapes`
 # says which a model has.
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
-               "gate_up_proj")
+               "gate_up_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 _MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
 _KEY = re.compile(r"(?P<module>(?:.*\.)?layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<proj>\w+))"
                   r"\.lora_(?P<ab>[AB])(?:\.\w+)?\.weight$")
@@ -77,6 +77,9 @@ def inspect_adapter(name: str, folder: str | Path, max_rank: int, model: ModelCo
             raise ConfigError(f"LoRA adapter '{name}' targets layer {layer}'s {proj}, but that layer's MLP is a "
                               "mixture of experts; this server applies LoRA to attention and dense MLP projections "
                               "only")
+        if proj == "kv_b_proj" and model.mla is not None:
+            raise ConfigError(f"LoRA adapter '{name}' targets kv_b_proj, which {model.architecture}'s latent "
+                              "attention absorbs into its queries and outputs; LoRA on it is not built")
         if proj not in shapes:
             raise ConfigError(f"LoRA adapter '{name}' targets {proj}, which {model.architecture} does not have "
                               f"(its projections: {', '.join(shapes)})")

@@ -37,6 +37,14 @@ class MLASpec:
         """What the K/V cache holds per token and layer."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
+    def projection_shapes(self, hidden: int, heads: int) -> dict[str, tuple[int, int]]:
+        """[out, in] of the attention's projections LoRA may adapt, by the checkpoint's names
+        (`kv_b_proj` is not one: it is absorbed into the attention)."""
+        q = heads * (self.qk_nope_head_dim + self.qk_rope_head_dim)
+        queries = ({"q_a_proj": (self.q_lora_rank, hidden), "q_b_proj": (q, self.q_lora_rank)} if self.q_lora_rank
+                   else {"q_proj": (q, hidden)})
+        return {**queries, "kv_a_proj_with_mqa": (self.latent_dim, hidden), "o_proj": (hidden, heads * self.v_head_dim)}
+
 
 def deepseek_v2(f: ConfigFields) -> dict:
     method = f.refuse("topk_method", ("greedy", "group_limited_greedy"), "only greedy and group-limited greedy "

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from ...checkpoint.config import ModelConfig
+from ...lora.batch import LoRABatch, LoRAProjection
 from .attention import AttentionPlan
 from .layers import Norm
 from .linear import Linear
@@ -41,7 +42,7 @@ class LatentAttention:
         heads = self.num_heads = config.num_heads // shard.size
         q_dim = m.qk_nope_head_dim + m.qk_rope_head_dim
 
-        def rows(per_head: int) -> slice | None:  # this rank's heads of a per-head projection
+        def rows(per_head: int) -> slice | None:  # this rank's heads of a per-head projection (None: all)
             return slice(shard.rank * heads * per_head, (shard.rank + 1) * heads * per_head) if shard.size > 1 else None
 
         if m.q_lora_rank:
@@ -58,18 +59,23 @@ class LatentAttention:
         self.w_uk = kv_b[:, :m.qk_nope_head_dim].contiguous()  # [H, nope, rank]: q_nope -> latent space
         self.w_uv_t = kv_b[:, m.qk_nope_head_dim:].transpose(1, 2).contiguous()  # [H, rank, v]: latent -> value
         self.o = Linear(w.take(p + "o_proj.weight", 1, rows(m.v_head_dim)))
-        self.scale, self.window = config.scale, config.window_of(index)
+        self.scale, self.window, self.index = config.scale, config.window_of(index), index
         self.all_reduce = collectives.all_reduce
-        self.lora: dict = {}
+        self.lora = _lora_projections(config, heads, rows)
 
     def linears(self):
         yield from (x for x in (self.q_a, self.q_b, self.kv_a, self.o) if x is not None)
 
-    def __call__(self, x, meta: AttentionPlan, rope, kv_cache, lora=None) -> torch.Tensor:
+    def _project(self, linear: Linear, x: torch.Tensor, lora: LoRABatch | None, name: str) -> torch.Tensor:
+        y = linear(x)
+        return y if lora is None else lora.add(y, x, self.index, name)
+
+    def __call__(self, x, meta: AttentionPlan, rope, kv_cache, lora: LoRABatch | None = None) -> torch.Tensor:
         m, heads, num_tokens = self.spec, self.num_heads, x.shape[0]
-        q = self.q_b(self.q_a_norm(self.q_a(x))) if self.q_a is not None else self.q_b(x)
+        q_in = x if self.q_a is None else self.q_a_norm(self._project(self.q_a, x, lora, "q_a"))
+        q = self._project(self.q_b, q_in, lora, "q_b")
         q_nope, q_rope = q.view(num_tokens, heads, -1).split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
-        latent, k_rope = self.kv_a(x).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        latent, k_rope = self._project(self.kv_a, x, lora, "kv_a").split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         k_rope = k_rope.view(num_tokens, 1, -1)
         if m.rope_interleave:
             q_rope, k_rope = _deinterleave(q_rope), _deinterleave(k_rope)
@@ -80,7 +86,25 @@ class LatentAttention:
         expansion = _Expansion(torch.cat([q_nope, q_rope], dim=-1), self)
         out = meta.attend(query, key, key[..., :m.kv_lora_rank], kv_cache, self.scale, window=self.window,
                           latent=expansion)  # [T, H * v]
-        return self.all_reduce(self.o(out))
+        return self.all_reduce(self._project(self.o, out, lora, "o"))
+
+
+def _lora_projections(config: ModelConfig, heads: int, rows) -> dict[str, LoRAProjection]:
+    """What adapters correct here, and this rank's share (`rows(per_head)`: its heads' rows of a
+    per-head projection, None when whole): q_a and kv_a whole on every rank, q_b (or q) and o
+    by heads. kv_b is absorbed into the attention: adapters on it are refused at load."""
+    m, hidden = config.mla, config.hidden_size
+    q_dim = m.qk_nope_head_dim + m.qk_rope_head_dim
+    q_in = m.q_lora_rank or hidden
+    projections = {"q_b": LoRAProjection("out", (("q_b_proj" if m.q_lora_rank else "q_proj", rows(q_dim) or slice(None),
+                                                  heads * q_dim),), q_in, heads * q_dim),
+                   "kv_a": LoRAProjection("out", (("kv_a_proj_with_mqa", slice(None), m.latent_dim),), hidden,
+                                          m.latent_dim),
+                   "o": LoRAProjection("in", (("o_proj", rows(m.v_head_dim) or slice(None), heads * m.v_head_dim),),
+                                       heads * m.v_head_dim, hidden)}
+    if m.q_lora_rank:
+        projections["q_a"] = LoRAProjection("out", (("q_a_proj", slice(None), m.q_lora_rank),), hidden, m.q_lora_rank)
+    return projections
 
 
 class _Expansion:
