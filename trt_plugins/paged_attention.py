@@ -115,10 +115,10 @@ def paged_attention(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tab
     of those positions (itself included), and keys before them are never read; `softcap`
     (a positive float) caps the scaled scores at softcap * tanh(s / softcap) before the
     softmax; `sinks` (float32 [Hq]) is one more logit per query head in each softmax, whose
-    share is dropped (gpt-oss's attention sinks). max_query_len is a host-side hint that picks tile sizes only, any value
-    gives the same result (None: 1 when T == B, else T). The wrapper never reads device
-    tensors, so launches can be graph-captured. scale is a Python float. Returns out
-    [T, Hq*D] in q's dtype (or writes into the given out).
+    share is dropped (gpt-oss's attention sinks). max_query_len is a host-side hint that picks
+    tile sizes only, any value gives the same result (None: 1 when T == B, else T). The
+    wrapper never reads device tensors, so launches can be graph-captured. scale is a Python
+    float. Returns out [T, Hq*D] in q's dtype (or writes into the given out).
 
     CPU tensors run the interpreted kernel whatever TRITON_INTERPRET says; CUDA tensors the
     compiled one.
@@ -146,7 +146,8 @@ def paged_attention(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tab
     options = {} if interpret else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     build_kernel(interpret)[grid](
         x.q, x.k, x.v, k_cache, v_cache, x.out_rows, x.cu_seqlens_q, x.seq_lens, x.block_tables,
-        x.q if sinks is None else sinks, float(scale), num_seqs, x.q.stride(0), x.k.stride(0), x.v.stride(0), x.out_rows.stride(0),
+        x.q if sinks is None else sinks, float(scale), num_seqs,
+        x.q.stride(0), x.k.stride(0), x.v.stride(0), x.out_rows.stride(0),
         k_cache.stride(0), k_cache.stride(1), x.block_tables.stride(0), window or 0,
         HEAD_DIM=x.head_dim, HEAD_DIM_PAD=head_dim_pad(x.head_dim), NUM_QUERIES_PER_KV=x.num_queries_per_kv,
         G_PAD=cfg.g_pad, BLOCK_SIZE=k_cache.shape[1], BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,

@@ -81,7 +81,8 @@ def _deepseek(f: ConfigFields, family: str, rope_interleave: bool, **routing) ->
                   f.require("qk_rope_head_dim"), f.require("v_head_dim"), bool(rope_interleave))
     f.no_math("head_dim", "qk_head_dim", "num_key_value_heads")  # derived from the above; MLA has no K/V heads
     moe = read_moe(f, num_experts=f.require("n_routed_experts"), intermediate_size=f.require("moe_intermediate_size"),
-                   sparse_layers=tuple(range(first_sparse, num_layers)), scaling=float(f.get("routed_scaling_factor", 1.0)),
+                   sparse_layers=tuple(range(first_sparse, num_layers)),
+                   scaling=float(f.get("routed_scaling_factor", 1.0)),
                    shared_size=f.require("moe_intermediate_size") * (f.get("n_shared_experts") or 0),
                    shared="shared_experts", router_fp32=True, **routing)
     heads = f.require("num_attention_heads")
@@ -89,8 +90,7 @@ def _deepseek(f: ConfigFields, family: str, rope_interleave: bool, **routing) ->
         raise ConfigError(f"{f.where}: qk_rope_head_dim = {mla.qk_rope_head_dim}; RoPE turns pairs of dims")
     # transformers sets head_dim to qk_rope_head_dim whatever config.json says: the rotary's width
     config = decoder(f, family, head_dim=mla.qk_rope_head_dim, max_len_default=4096, moe=moe, mla=mla)
-    config.update(head_dim=mla.qk_rope_head_dim, num_kv_heads=heads,
-                  attention_scale=_softmax_scale(f, mla.qk_nope_head_dim + mla.qk_rope_head_dim))
+    config.update(num_kv_heads=heads, attention_scale=_softmax_scale(f, mla.qk_nope_head_dim + mla.qk_rope_head_dim))
     return config
 
 

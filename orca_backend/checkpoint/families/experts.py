@@ -18,10 +18,11 @@ class MoESpec:
     normalize: bool  # the top-k weights rescaled to sum to 1
     scaling: float = 1.0  # the routed experts' sum multiplied by this (DeepSeek's routed_scaling_factor)
     # How experts are picked (`runner/models/moe.py`'s `route`): scores by softmax or sigmoid of
-    # the router's logits ("topk_softmax": the top k logits, then a softmax over those, gpt-oss); with `groups` > 1, only the experts of the best `topk_groups`
-    # groups compete ("max": a group scores its best expert, DeepSeek-V2; "top2_sum": the sum of
-    # its best two, after the correction bias, DeepSeek-V3); `correction_bias`: a learnt
-    # per-expert bias added to the scores to choose, not to weigh (V3's noaux_tc).
+    # the router's logits ("topk_softmax": the top k logits, then a softmax over those, gpt-oss);
+    # with `groups` > 1, only the experts of the best `topk_groups` groups compete ("max": a
+    # group scores its best expert, DeepSeek-V2; "top2_sum": the sum of its best two, after the
+    # correction bias, DeepSeek-V3); `correction_bias`: a learnt per-expert bias added to the
+    # scores to choose, not to weigh (V3's noaux_tc).
     scoring: str = "softmax"
     groups: int = 1
     topk_groups: int = 1

@@ -70,4 +70,5 @@ def _beyond_the_last_layer(names: list[str], config: ModelConfig, prefix: str) -
     last = config.num_layers + config.extra_layers
     if last == config.num_layers:
         return []
-    return [n for n in names if n.startswith(prefix) and config.num_layers <= int(n[len(prefix):].split(".", 1)[0]) < last]
+    return [n for n in names
+            if n.startswith(prefix) and config.num_layers <= int(n[len(prefix):].split(".", 1)[0]) < last]

@@ -33,16 +33,15 @@ from .parallel import NO_COLLECTIVES, ONE_RANK, Collectives, Shard
 from .weights import Weights
 
 
-
 def prepare_experts(model, kernel: str, backend: str) -> None:
     """Every sparse layer of `model` on `kernel` ("torch" or "triton"); refused where the
     projections' `backend` is one the experts do not have (int8 quantizes `Linear`s only)."""
-    sparse = [mlp for layer in model.layers.values() if isinstance(mlp := getattr(layer, "mlp", None), SparseMLP)]
     if model.config.moe is not None and backend == "int8":
         raise ConfigError(f"quantization 'int8' is not built for {model.config.architecture}'s experts "
                           "(a mixture of experts); use quantization 'none'")
-    for mlp in sparse:
-        mlp.kernel = kernel
+    for layer in model.layers.values():
+        if isinstance(mlp := getattr(layer, "mlp", None), SparseMLP):
+            mlp.kernel = kernel
 
 
 def route(logits: torch.Tensor, spec: MoESpec,
@@ -238,7 +237,8 @@ def _stacked_experts(spec: MoESpec, w: Weights, p: str, shard: Shard, held: rang
     if p + "gate_up_proj" in w:
         gate_up = w.take(p + "gate_up_proj", 0, experts)
         gate_up = torch.cat([gate_up[:, inter], gate_up[:, shift(inter, size)]], dim=1) if shard.size > 1 else gate_up
-        return gate_up.transpose(1, 2).contiguous(), w.take(p + "down_proj", 0, experts)[..., inter].transpose(1, 2).contiguous()
+        down = w.take(p + "down_proj", 0, experts)[..., inter]
+        return gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()
     gate, up, down = spec.projections
     local = size // shard.size
     w1 = torch.empty(len(held), hidden, 2 * local, dtype=w.dtype, device=w.device)

@@ -179,7 +179,8 @@ def fused_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, weights: 
     """y [T, H] in x's dtype: y[t] = sum over j = 0..k-1 of weights[t, j] * (act(x[t] @ w1[e]
     + b1[e]) @ w2[e] + b2[e]), e = ids[t, j]. x [T, H]; w1 [E, H, 2I] (gate | up columns);
     w2 [E, I, H]; weights [T, k] float32; ids [T, k] in [0, E], E marking a pair for an expert
-    held elsewhere (expert parallelism), which adds nothing here; b1 [E, 2I], b2 [E, H] optional. act: silu(gate) * up, gelu(gate) * up (erf, or tanh for "gelu_tanh"), or
+    held elsewhere (expert parallelism), which adds nothing here; b1 [E, 2I], b2 [E, H]
+    optional. act: silu(gate) * up, gelu(gate) * up (erf, or tanh for "gelu_tanh"), or
     "swiglu_clamp" (gpt-oss's, with `limit` and `alpha`): gate.clamp(max=limit) *
     sigmoid(alpha * gate.clamp(max=limit)) * (up.clamp(-limit, limit) + 1). Any tensor may be
     a strided view. Products accumulate in float32; act is stored in w2's dtype."""

@@ -107,7 +107,7 @@ def hold_stage(model, config: ModelConfig, w, layer_range: range | None, shard: 
 def tensor_view(shard: Shard, collectives: Collectives) -> tuple[Shard, Collectives]:
     """What attention, dense layers and the vocabulary are split by, and what joins their
     shares (nothing where they are replicated)."""
-    return (ONE_RANK, NO_COLLECTIVES) if shard.replicated else (shard, collectives)
+    return shard.tensor, NO_COLLECTIVES if shard.replicated else collectives
 
 
 ONE_RANK = Shard()  # the defaults of a model that is not sharded
