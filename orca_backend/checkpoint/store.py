@@ -52,6 +52,22 @@ def prepare_default_model() -> Path:
     return target
 
 
+def model_folder(model: str | Path | None) -> Path:
+    """The folder the engine loads `model` from: the default model's when None, a GGUF
+    file's (or a folder's only .gguf file's) made in the cache, or the folder itself."""
+    from .gguf import gguf_folder, is_gguf
+
+    if not model:
+        return prepare_default_model()
+    path = Path(model)
+    return gguf_folder(path, cache_root() / "gguf") if is_gguf(path) else path
+
+
+def default_gguf() -> Path:
+    """The default model's own GGUF file (Q4_1 projections, a Q8_0 embedding table)."""
+    return _locate_gguf()
+
+
 def _locate_gguf() -> Path:
     # The wheel's __init__ imports packages we do not install; find the file without importing it.
     try:

@@ -28,7 +28,8 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # "null": no model work, a token per sampling row after null_step_seconds (the host path's benchmark)
 ENGINES = ("torch", "tensorrt", "null")
 # The projections' GEMM: "auto" is oneDNN with prepacked weights on the CPU, torch's own
-# elsewhere (runner/models/linear.py). Quantization "int8": int8 weights on the CPU (fbgemm).
+# elsewhere (runner/models/linear.py). Quantization "int8": a full-precision checkpoint's
+# projections quantized to int8 per output channel at load (torch's weight-only int8 GEMM, CPU).
 LINEARS = ("auto", "onednn", "torch")
 MOE_KERNELS = ("auto", "torch", "triton")
 QUANTIZATIONS = ("none", "int8")
@@ -182,7 +183,7 @@ class RunnerConfig:
     # A request's structured_outputs grammar not compiled by then fails (it never holds up others).
     grammar_compile_timeout_seconds: float = 10.0
     linear: str = "auto"  # the projections' GEMM: one of LINEARS
-    quantization: str = "none"  # "int8": weights quantized per channel, activations per token (CPU)
+    quantization: str = "none"  # "int8": weights quantized per output channel at load (CPU)
     moe_kernel: str = "auto"  # a mixture of experts' grouped GEMM: one of MOE_KERNELS
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # LoRA adapters kept in host memory; None: max_loras
@@ -201,9 +202,9 @@ class RunnerConfig:
         _need_one_of(self, "linear", LINEARS)
         _need_one_of(self, "quantization", QUANTIZATIONS)
         if self.quantization == "int8":
-            _need(self.device == "cpu" and self.dtype == "float32" and self.engine == "torch",
-                  "quantization", self.quantization, "'none' except on the CPU with dtype float32 "
-                  "and engine 'torch' ('int8' is fbgemm's CPU GEMM)")
+            _need(self.device == "cpu" and self.engine == "torch", "quantization", self.quantization,
+                  "'none' except on the CPU with engine 'torch' ('int8' is torch's weight-only "
+                  "int8 GEMM for the CPU)")
         _need_counts(self, "max_prompt_bytes", "max_lora_rank")
         _need_counts(self, "max_model_len", unset=True)
         _need_one_of(self, "attention", ATTENTION_BACKENDS)

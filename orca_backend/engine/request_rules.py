@@ -13,7 +13,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from ..checkpoint.config import ModelConfig
-from ..checkpoint.store import prepare_default_model
+from ..checkpoint.store import model_folder
 from ..core.config import RunnerConfig
 from ..core.errors import ConfigError, InvalidRequestError
 from ..core.request import RequestStatus
@@ -23,7 +23,7 @@ from .detokenizer import IncrementalDetokenizer
 
 class RequestRules:
     def __init__(self, config: RunnerConfig) -> None:
-        self.model_path = Path(config.model) if config.model else prepare_default_model()
+        self.model_path = model_folder(config.model)
         self.model_config = ModelConfig.from_folder(self.model_path)
         self.tokenizer = load_tokenizer(self.model_path)
         self.max_model_len = min(config.max_model_len or math.inf, self.model_config.max_model_len)

@@ -19,6 +19,7 @@ from .linear import Linear
 from .mla import LatentAttention
 from .moe import SparseMLP
 from .parallel import NO_COLLECTIVES, ONE_RANK, Collectives, Shard, hold_stage, tensor_view
+from .quantized import is_quantized, kernel_for
 from .rope import Rotary
 from .weights import Weights
 
@@ -51,6 +52,10 @@ class DecoderModel:
             self.norm = Norm(w.take("model.norm.weight"), config.norm_eps, config.norm)
             head = w.take_optional("lm_head.weight", 0, vocab)  # a tied checkpoint may store it too
             self.lm_head = Linear(self.embed if tied else head)
+            if tied and is_quantized(self.embed):
+                self.embed = self.lm_head.weight  # one packed table: the head's kernel, rows for lookups
+        if is_quantized(getattr(self, "embed", None)):
+            self.embed = kernel_for(self.embed, None, self.embed.dtype)
         # One Rotary per distinct spec, shared by the layers that use it (Gemma 3: two).
         self.rotaries: dict = {}
         self.layer_rotary = {}

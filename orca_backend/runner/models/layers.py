@@ -12,6 +12,7 @@ from ...lora.batch import LoRABatch, LoRAProjection
 from .attention import AttentionPlan
 from .linear import Linear
 from .parallel import Collectives, Shard
+from .quantized import cat_rows
 from .rope import rotate
 from .weights import Weights
 
@@ -64,7 +65,7 @@ class Attention:
                 ("qkv_proj", s, s.stop - s.start) for s in parts)
         else:
             split = {"q": q, "k": kv, "v": kv}
-            weight = torch.cat([w.take(f"{p}{n}_proj.weight", 0, split[n]) for n in "qkv"])
+            weight = cat_rows([w.take(f"{p}{n}_proj.weight", 0, split[n]) for n in "qkv"])
             bias = torch.cat([w.take(f"{p}{n}_proj.bias", 0, split[n]) for n in "qkv"]) if config.qkv_bias else None
             q_rows, kv_rows = self.num_heads * d, self.num_kv_heads * d
             lora_parts = (("q_proj", q, q_rows), ("k_proj", kv, kv_rows), ("v_proj", kv, kv_rows))
@@ -132,7 +133,7 @@ class MLP:
             lora_parts = (("gate_up_proj", slice(None), 2 * rows),) if shard.size == 1 else tuple(
                 ("gate_up_proj", s, rows) for s in parts)
         else:
-            self.gate_up = Linear(torch.cat([w.take(p + n + "_proj.weight", 0, inter) for n in ("gate", "up")]),
+            self.gate_up = Linear(cat_rows([w.take(p + n + "_proj.weight", 0, inter) for n in ("gate", "up")]),
                                   torch.cat([w.take(p + n + "_proj.bias", 0, inter) for n in ("gate", "up")])
                                   if bias else None)
             rows = self.gate_up.out_features // 2

@@ -1,7 +1,10 @@
-"""Checkpoint tensors from *.safetensors, handed out by name to the model that uses them.
+"""Checkpoint tensors from *.safetensors (or a GGUF file), handed out by name to the model
+that uses them.
 
 A tensor-parallel rank asks for its slice (`take(name, dim=, part=)`): only that slice is
 read from the file (safetensors' `get_slice`), so no rank ever holds the whole checkpoint.
+A tensor a checkpoint stores quantized comes out quantized (`quantized.Int4Groups`,
+`Int8Groups`), sliced the same way.
 """
 from __future__ import annotations
 
@@ -11,7 +14,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from ...checkpoint.gguf import LINK, gguf_weights
 from ...core.errors import ConfigError
+from .quantized import cat_rows
 
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 
@@ -23,10 +28,12 @@ class Weights:
     def __init__(self, folder: Path, dtype: torch.dtype, device: torch.device,
                  strip_prefix: str = "") -> None:
         files = sorted(Path(folder).glob("*.safetensors"))
-        if not files:
-            raise ConfigError(f"model folder {folder} has no *.safetensors files")
         self.folder, self.dtype, self.device = folder, dtype, device
         self._sources: dict[str, Reader] = {}  # name -> reads the tensor, or a part of it
+        if not files and (Path(folder) / LINK).exists():
+            self._sources = gguf_weights(Path(folder))
+        elif not files:
+            raise ConfigError(f"model folder {folder} has no *.safetensors files")
         for f in files:
             handle = safe_open(str(f), framework="pt")
             for name in handle.keys():
@@ -56,7 +63,7 @@ class Weights:
         read = self._sources.pop(name)
         parts = part if isinstance(part, list) else [part or slice(None)]
         pieces = [read((slice(None),) * dim + (p,)) for p in parts]
-        t = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+        t = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim) if dim else cat_rows(pieces)
         return t.to(device=self.device, dtype=dtype or self.dtype)
 
     def take(self, name: str, dim: int = 0, part: slice | list[slice] | None = None,

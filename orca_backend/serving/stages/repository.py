@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...checkpoint.config import ModelConfig
-from ...checkpoint.store import prepare_default_model
+from ...checkpoint.store import model_folder
 from ...core.config import STAGE_TRANSPORTS, auto_dtype
 from ...core.errors import ConfigError
 from ...executors.stages import NUM_STAGE_CALL_VALUES, check_layer_split, ensemble_model, split_layers, stage_model
@@ -82,7 +82,7 @@ class PipelineLayout:
 def write_repository(layout: PipelineLayout, output: Path) -> Path:
     """Write the repository into `output` (created; its existing stage models are replaced).
     With `hosts`, one repository per server: `output/host<k>` (the serving model in host0)."""
-    model_path = Path(layout.model).resolve() if layout.model else prepare_default_model()
+    model_path = model_folder(Path(layout.model).resolve() if layout.model else None)
     config = ModelConfig.from_folder(model_path)
     layers = layout.layers or split_layers(config.num_layers, layout.num_stages)
     if len(layers) != layout.num_stages:

@@ -27,7 +27,7 @@ import msgpack
 import torch
 
 from ...checkpoint.config import ModelConfig
-from ...checkpoint.store import prepare_default_model
+from ...checkpoint.store import model_folder
 from ...core.errors import ConfigError, RunnerDiedError
 from ...core.messages import RunnerOutput, SchedulerOutput
 from ...executors.stages import StageCall, stage_name
@@ -53,7 +53,7 @@ class StageWorker:
         self.index, self.layers = index, layers
         self.device, self.dtype = torch.device(device), dtype
         make_current(self.device)  # from the instance's device id, not CUDA_VISIBLE_DEVICES
-        self.model_path = Path(model_path) if model_path else prepare_default_model()
+        self.model_path = model_folder(model_path)
         self.name = stage_name(index, layers, model_name)
         self.config = ModelConfig.from_folder(self.model_path)
         self.tensor_parallel_size = tensor_parallel_size
