@@ -257,7 +257,8 @@ def feature_server(tmp_path_factory, default_model, lora_adapters, served_family
     model drafting for itself; `prio`: no model (engine null, 20 ms a step), one request at a
     time, for priorities; `embed`: mean pooling for embeddings, prompts in chunks of 8 tokens;
     `family`: `served_family`, in blocks of 4 (the window releases them), chunks of 16; `moe`:
-    `served_moe`, in blocks of 4 with prefix caching, chunks of 16."""
+    `served_moe`, in blocks of 4 with prefix caching, chunks of 16; `gguf`: the default
+    model's own Q4_1 GGUF file, as stored."""
     import json
 
     from helpers import serving
@@ -284,5 +285,8 @@ def feature_server(tmp_path_factory, default_model, lora_adapters, served_family
                                  "max_num_batched_tokens": "16"})
     write_model(repo, "moe", {"model": str(served_moe), "kv_cache_tokens": "1024", "block_size": "4",
                               "max_num_batched_tokens": "16", "enable_prefix_caching": "true"})
+    from orca_backend.checkpoint.store import default_gguf
+
+    write_model(repo, "gguf", {"model": str(default_gguf()), "kv_cache_tokens": "2048"})
     with serving(Server(tmp_path_factory.mktemp("feature_triton"), repo, ["--exit-timeout-secs=20"])) as server:
         yield server

@@ -126,6 +126,7 @@ def _check_against_transformers(llm: LLM, path, prompts: list[list[int]], max_to
 PROMPTS = [[1, 500, 600, 700, 42, 9000, 123, 4567], [1, 20, 30000, 17, 8, 3999]]
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("arch, kind, embed, tied", [("llama", "Q4_K", "Q8_0", False), ("qwen3", "Q4_1", "Q4_0", True),
                                                      ("qwen2", "Q6_K", "F32", False)])
 def test_tiny_gguf_files_agree_with_transformers(tmp_path, arch, kind, embed, tied):
@@ -146,6 +147,7 @@ def _resident_weight_bytes(model) -> int:
     return sum(held.values()) + model.norm.weight.nbytes + sum(n.weight.nbytes for ns in norms for n in ns if n)
 
 
+@pytest.mark.numerics
 def test_the_default_model_is_served_from_its_q4_1_file(default_model):
     """The default model's own GGUF (Q4_1 projections, a Q8_0 table): its weights held at the
     file's size, its greedy tokens transformers' on the same weights dequantized by `gguf`

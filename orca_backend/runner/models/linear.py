@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ...core.errors import ConfigError
-from .quantized import Quantized, int8_per_channel, is_quantized, kernel_for
+from .quantized import Quantized, cpu_supports_bfloat16, int8_per_channel, is_quantized, kernel_for
 
 class Linear:
     """y = x W^T (+ b) over rows x [T, in]; W [out, in] as the checkpoint stores it."""
@@ -90,11 +90,6 @@ def linear_backend(device: torch.device, dtype: torch.dtype, quantization: str, 
     if requested == "onednn" and (device.type != "cpu" or not torch.backends.mkldnn.is_available()):
         raise ConfigError(f"linear 'onednn' is a CPU path; this model is on {device.type!r}")
     return requested
-
-
-def cpu_supports_bfloat16() -> bool:
-    """Whether oneDNN has a native bfloat16 GEMM on this CPU."""
-    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def pack_linears(model, backend: str) -> None:

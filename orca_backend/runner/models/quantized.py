@@ -149,9 +149,12 @@ def kernel_for(weight: Quantized, bias: torch.Tensor | None, dtype: torch.dtype)
     return Int8Kernel(weight.per_channel(), bias, dtype)
 
 
-def _kernel_dtype(dtype: torch.dtype) -> torch.dtype:
-    from .linear import cpu_supports_bfloat16
+def cpu_supports_bfloat16() -> bool:
+    """Whether oneDNN has a native bfloat16 GEMM on this CPU."""
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
+
+def _kernel_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if cpu_supports_bfloat16() else dtype
 
 
