@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install model serve test test-fast bench bench-full bench-prefix bench-engine bench-cpu bench-executors bench-pipeline bench-tp bench-startup bench-host bench-structured bench-tools bench-models bench-lora bench-moe bench-spec bench-sampler eval-harness perf simulate clean
+.PHONY: install model serve test test-fast bench bench-full bench-prefix bench-engine bench-cpu bench-executors bench-pipeline bench-tp bench-startup bench-host bench-structured bench-tools bench-models bench-lora bench-moe bench-quantized bench-spec bench-sampler eval-harness perf simulate clean
 
 install: $(STAMP)
 
@@ -106,6 +106,9 @@ bench-lora: model
 # Mixtures of experts: a Qwen3-MoE-shaped model's decode iteration at batch 1, 32 and 256 beside a
 # dense Qwen3 of the same active parameters, tokens per expert, 2 expert-parallel ranks against 1,
 # and MLA's K/V bytes per token against plain heads; writes docs/benchmarks/moe.md (about 2 minutes).
+bench-quantized: model
+	$(PY) -m benchmarks.bench_quantized --markdown docs/benchmarks/quantized.md
+
 bench-moe: model
 	$(PY) -m benchmarks.bench_moe --markdown docs/benchmarks/moe.md
 
