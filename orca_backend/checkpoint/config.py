@@ -15,6 +15,7 @@ from .families import PARSERS, SUPPORTED_ARCHITECTURES, ConfigFields
 from .families.deepseek import MLASpec
 from .families.experts import MoESpec
 from .families.rope import RopeSpec
+from .quant_formats import parse_quantization
 
 __all__ = ["ModelConfig", "MoESpec", "RopeSpec", "SUPPORTED_ARCHITECTURES"]
 
@@ -72,11 +73,8 @@ class ModelConfig:
         if parse is None:
             raise ConfigError(f"unsupported architecture {arch!r} in {path}; "
                               f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        if raw.get("quantization_config") is not None:
-            method = raw["quantization_config"].get("quant_method", "?") if isinstance(
-                raw["quantization_config"], dict) else "?"
-            raise ConfigError(f"{path}: quantization_config (quant_method {method!r}) is not supported: this "
-                              "engine loads full-precision checkpoints")
+        if raw.get("quantization_config") is not None:  # read by the weights; refused here if not readable
+            parse_quantization(raw["quantization_config"], str(path))
         if raw.get("is_encoder_decoder"):
             raise ConfigError(f"{path}: is_encoder_decoder is set; this engine serves decoder-only models")
         fields = ConfigFields(raw, arch, str(path))

@@ -145,13 +145,25 @@ def kernel_for(weight: Quantized, bias: torch.Tensor | None, dtype: torch.dtype)
         raise ConfigError(f"{weight.kind} weights on {weight.device.type!r}: quantized projections "
                           "run on the CPU's kernels only so far")
     if isinstance(weight, Int4Groups):
-        return Int4Kernel(weight, bias, dtype)
+        return Int4Kernel(_smaller_groups(weight), bias, dtype)
     return Int8Kernel(weight.per_channel(), bias, dtype)
 
 
 def cpu_supports_bfloat16() -> bool:
     """Whether oneDNN has a native bfloat16 GEMM on this CPU."""
     return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def _smaller_groups(weight: Int4Groups) -> Int4Groups:
+    """The same weight in groups the int4 kernel takes, where its own are a multiple of one
+    (a scale per channel: groups of all the inputs), its scales repeated: exact."""
+    if weight.group in INT4_GROUPS:
+        return weight
+    group = next((g for g in reversed(INT4_GROUPS) if weight.group % g == 0), None)
+    if group is None:
+        return weight  # refused by the kernel, naming its group sizes
+    r = weight.group // group
+    return replace(weight, scale=weight.scale.repeat_interleave(r, 1), zero=weight.zero.repeat_interleave(r, 1), group=group)
 
 
 def _kernel_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -170,7 +182,7 @@ class _Kernel:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] >= self.dense_rows:
             return F.linear(x, self.dequantize(x.dtype), self.bias)
-        y = self._matmul(x.to(self.compute)).to(x.dtype)
+        y = self._matmul(x.to(self.compute).contiguous()).to(x.dtype)  # the kernels read rows as dense
         return y if self.bias is None else y + self.bias
 
     def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
@@ -184,7 +196,7 @@ class Int8Kernel(_Kernel):
 
     def __init__(self, weight: Int8Groups, bias, dtype: torch.dtype) -> None:
         super().__init__(*weight.shape, bias, dtype)
-        self.q = weight.q.contiguous()
+        self.q = weight.q.clone(memory_format=torch.contiguous_format)  # its own memory: a file's may be unaligned
         self.scale = weight.scale[:, 0].to(self.compute).contiguous()  # [out]
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -222,7 +234,7 @@ class Int4Kernel(_Kernel):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self._unpacks and x.shape[0] >= self.dense_rows:  # no dense path: the kernel at any size
-            y = self._matmul(x.to(self.compute)).to(x.dtype)
+            y = self._matmul(x.to(self.compute).contiguous()).to(x.dtype)
             return y if self.bias is None else y + self.bias
         return super().__call__(x)
 

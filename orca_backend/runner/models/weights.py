@@ -8,6 +8,7 @@ A tensor a checkpoint stores quantized comes out quantized (`quantized.Int4Group
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from ...checkpoint.gguf import LINK, gguf_weights
+from ...checkpoint.quant_formats import join_quantized, parse_quantization
 from ...core.errors import ConfigError
 from .quantized import cat_rows
 
@@ -40,6 +42,10 @@ class Weights:
                 if not name.endswith(_IGNORED_SUFFIXES):
                     key = name[len(strip_prefix):] if strip_prefix and name.startswith(strip_prefix) else name
                     self._sources[key] = _file_reader(handle, name)
+        config = Path(folder) / "config.json"
+        quantization = json.loads(config.read_text()).get("quantization_config") if config.exists() else None
+        if quantization is not None:
+            self._sources = join_quantized(self._sources, parse_quantization(quantization, str(config)), str(folder))
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
