@@ -4,10 +4,9 @@ the pool releases, where TensorRT engines are cached, and what the model refuses
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from ..checkpoint.config import ModelConfig
-from ..checkpoint.store import cache_root
+from ..checkpoint.store import cache_root, model_folder
 from ..core.config import EngineConfig
 from ..core.errors import ConfigError
 from .request_rules import RequestRules
@@ -43,7 +42,7 @@ def _draft_kv_elements(config: EngineConfig, rules: RequestRules) -> int:
     path = config.draft_model_path
     if not path:
         return 0
-    draft, model = ModelConfig.from_folder(Path(path)), rules.model_config
+    draft, model = ModelConfig.from_folder(model_folder(path)), rules.model_config
     if draft.vocab_size != model.vocab_size:
         raise ConfigError(f"speculative_config 'model' {path} has a vocabulary of {draft.vocab_size} tokens, "
                           f"the model {model.vocab_size}: a draft model needs the model's tokenizer")

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint.config import ModelConfig
+from ..checkpoint.store import model_folder
 from ..core.errors import ConfigError
 from ..core.speculative import SpeculativeConfig
 from ..grammar import GrammarCompiler, compiler_for
@@ -94,8 +95,9 @@ def _proposer(spec: RunnerSpec, model, attention, backend, device: torch.device)
         return NgramProposer(config)
     dtype = getattr(torch, spec.runner.dtype)
     whole = spec.parallel.num_ranks == 1 and not spec.layer_range
-    if not (whole and Path(config.model).resolve() == Path(spec.model_path).resolve()):
-        model = load_model(Path(config.model), dtype, device)
+    draft = model_folder(config.model)  # a GGUF draft: its folder in the cache
+    if not (whole and draft.resolve() == Path(spec.model_path).resolve()):
+        model = load_model(draft, dtype, device)
         _prepare(model, spec, backend)
     if model.config.kernel_gap:  # a draft with latent attention runs on SDPA's backend, whatever the target's
         attention = TorchPagedAttention(spec.cache.block_size, device)
