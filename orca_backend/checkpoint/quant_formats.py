@@ -10,8 +10,9 @@ Read:
 - AutoAWQ (`awq`, GEMM layout) and GPTQ (`gptq`, without act-order), 4 bits.
 - transformers' fine-grained FP8 (`fp8`, 128 x 128 block scales).
 
-torch has no FP8 kernel on the CPU: FP8 weights are requantized to int8 per output channel
-(`int8_per_channel`; the same byte a weight, lossy, measured in docs/quantization.md).
+FP8 weights stay E4M3 (`Fp8Groups`): GPUs multiply by them as stored (`_scaled_mm`); torch
+has no FP8 kernel on the CPU, where they are requantized to int8 per output channel (the same
+byte a weight, lossy).
 Anything else in `quantization_config` is refused by name.
 """
 from __future__ import annotations
@@ -112,7 +113,7 @@ def _joined(parts: dict[str, Reader], fmt: QuantFormat, name: str, source: str) 
 
 def _decode(t: dict[str, torch.Tensor], fmt: QuantFormat, name: str, source: str):
     # here, not at the top: the model config imports this module, and the runner's models it
-    from ..runner.models.quantized import Int4Groups, Int8Groups, int8_per_channel
+    from ..runner.models.quantized import Fp8Groups, Int4Groups, Int8Groups
 
     kind = fmt.format or fmt.method
     if kind == "pack-quantized":
@@ -133,9 +134,11 @@ def _decode(t: dict[str, torch.Tensor], fmt: QuantFormat, name: str, source: str
         return Int4Groups(q.contiguous(), scales, q.shape[1] // scales.shape[1], zero=(8 - zeros) * scales)
     w = t["weight"]
     n, k = w.shape
-    if kind == "fp8":  # [out / 128, in / 128] blocks, each a multiplier
-        blocks = t["weight_scale_inv"].float()
-        scale = blocks.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    if kind == "fp8":  # [out / 128, in / 128] blocks, each a multiplier: per row, groups of 128 inputs
+        blocks = t["weight_scale_inv"].float().repeat_interleave(128, 0)[:n]
+        if k % 128:  # a short last block: one scale per row instead, requantized
+            return Fp8Groups(w, torch.ones(n, 1), k).rescaled(blocks.repeat_interleave(128, 1)[:, :k])
+        scale = blocks
     else:  # one scale (per tensor), or one per channel or group
         scale = t["weight_scale"].float().reshape(-1)
         scale = (scale.expand(n) if scale.numel() == 1 else scale).reshape(n, -1)
@@ -143,8 +146,7 @@ def _decode(t: dict[str, torch.Tensor], fmt: QuantFormat, name: str, source: str
         return Int8Groups(w, scale.contiguous(), k // scale.shape[1]).per_channel()
     if w.dtype != torch.float8_e4m3fn:
         raise ConfigError(f"{source}: {name} is {w.dtype}, not the float8_e4m3fn its quantization_config names")
-    groups = w.float().view(n, scale.shape[1], -1) * scale[..., None] if scale.shape[1] < k else None
-    return int8_per_channel(groups.view(n, k) if groups is not None else w.float() * scale)
+    return Fp8Groups(w, scale.contiguous(), k // scale.shape[1])
 
 
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:

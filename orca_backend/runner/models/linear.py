@@ -38,7 +38,7 @@ class Linear:
         self._run = self._dense
         if is_quantized(weight):  # packed now: its kernel is the only form it takes
             self.weight = self._run = kernel_for(weight, bias, weight.dtype)
-            self.backend = weight.kind
+            self.backend = self._run.kind  # int4, int8 or fp8: the kernel's
 
     @property
     def shape(self) -> torch.Size:
@@ -54,7 +54,7 @@ class Linear:
 
     def pack(self, backend: str) -> None:
         """Re-lay the weight for `backend` ("torch", "onednn" or "int8"); the [out, in] copy goes."""
-        if backend == "torch" or backend == self.backend or self.backend in ("int4", "int8"):
+        if backend == "torch" or backend == self.backend or self.weight is self._run:
             return  # a quantized checkpoint's weight keeps its own kernel
         if self.backend != "torch":
             raise ConfigError(f"the model's projections are packed for {self.backend!r} already; "

@@ -111,7 +111,30 @@ class Int8Groups(_Grouped):
         return int8_per_channel(self.dequantize())
 
 
-Quantized = Int4Groups | Int8Groups
+@dataclass(frozen=True, slots=True)
+class Fp8Groups(_Grouped):
+    """w = q * scale, q in float8 E4M3, a scale per group of `group` inputs (all of them: per
+    channel; a block-scaled checkpoint's 128 x 128 blocks become groups of 128 per row)."""
+
+    kind = "fp8"
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        w = self.q.float().view(self.q.shape[0], -1, self.group) * self.scale[..., None]
+        return w.view(self.q.shape).to(dtype)
+
+    def per_channel(self) -> Fp8Groups:
+        """One scale per output channel: itself, or requantized (lossy) to E4M3."""
+        return self if self.group == self.q.shape[1] else self.rescaled(None)
+
+    def rescaled(self, full_scale: torch.Tensor | None) -> Fp8Groups:
+        """q * `full_scale` ([out, in]; None: the groups' scales) requantized to E4M3 with one
+        scale per output channel."""
+        w = self.dequantize() if full_scale is None else self.q.float() * full_scale
+        scale = (w.abs().amax(dim=1, keepdim=True) / 448).clamp(min=1e-12)
+        return Fp8Groups((w / scale).to(torch.float8_e4m3fn), scale, w.shape[1], self.dtype)
+
+
+Quantized = Int4Groups | Int8Groups | Fp8Groups
 
 
 def is_quantized(t) -> bool:
@@ -142,10 +165,18 @@ def cat_rows(parts: list) -> torch.Tensor | Quantized:
 def kernel_for(weight: Quantized, bias: torch.Tensor | None, dtype: torch.dtype):
     """The packed form of `weight` for a model computing in `dtype`."""
     if weight.device.type != "cpu":
-        raise ConfigError(f"{weight.kind} weights on {weight.device.type!r}: quantized projections "
-                          "run on the CPU's kernels only so far")
+        from .gpu_kernels import Fp8Kernel, Int4TritonKernel
+
+        if isinstance(weight, Int4Groups):
+            return Int4TritonKernel(weight, bias, dtype)
+        if isinstance(weight, Fp8Groups):
+            return Fp8Kernel(weight.per_channel(), bias, dtype)
+        raise ConfigError(f"int8 weights (GGUF Q8_0 / Q5 / Q6, int8 checkpoints, quantization 'int8') on "
+                          f"{weight.device.type!r}: not built; GPUs run int4 and FP8 weights")
     if isinstance(weight, Int4Groups):
         return Int4Kernel(_smaller_groups(weight), bias, dtype)
+    if isinstance(weight, Fp8Groups):  # torch has no FP8 kernel for the CPU: int8 per channel, lossy
+        return Int8Kernel(int8_per_channel(weight.dequantize()), bias, dtype)
     return Int8Kernel(weight.per_channel(), bias, dtype)
 
 
