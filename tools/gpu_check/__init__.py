@@ -24,6 +24,9 @@ Sections, run in order (`--sections` picks some):
 7. families: every model family of the registry (tools/model_zoo.py) through the engine on the
    GPU, the kernel compiled with its windows, soft caps and head sizes, decode CUDA graphs on,
    against transformers' greedy `generate` on the same GPU.
+8. plugin_ptx, 9. sampler, 10. moe: see their modules.
+11. quantized: the w4a16 Triton kernel and FP8 `_scaled_mm` against F.linear on the weights
+    they hold, on an 8B Llama's projection shapes, and their times against bf16 F.linear.
 
 Each section runs in a process of its own, so that a crash or a poisoned CUDA context costs
 that section only; a failure is recorded with its traceback and the next section runs. A

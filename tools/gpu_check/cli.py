@@ -22,6 +22,7 @@ from tools.gpu_check.kernel_sections import kernel_numerics, kernel_vs_sdpa
 from tools.gpu_check.lora_section import lora
 from tools.gpu_check.moe_section import moe
 from tools.gpu_check.pipeline_section import pipeline
+from tools.gpu_check.quantized_section import quantized
 from tools.gpu_check.plugin_section import plugin_ptx
 from tools.gpu_check.sampler_section import sampler
 from tools.gpu_check.report import (BudgetExceeded, Context, Report, checks_passed, free_memory, log_to,
@@ -33,14 +34,16 @@ REPO = Path(__file__).resolve().parents[2]
 SECTION_FUNCTIONS = {"kernel_numerics": kernel_numerics, "plugin_ptx": plugin_ptx,
                      "engine_parity": engine_parity, "pipeline": pipeline,
                      "decode_throughput": decode_throughput, "kernel_vs_sdpa": kernel_vs_sdpa, "lora": lora,
-                     "families": families, "sampler": sampler, "moe": moe}
+                     "families": families, "sampler": sampler, "moe": moe,
+                     "quantized": quantized}
 SECTIONS = tuple(SECTION_FUNCTIONS)
 # A section starts only with this much budget left, and leaves as much to the ones after it.
 MIN_SECONDS = {"kernel_numerics": 20, "plugin_ptx": 30, "engine_parity": 30, "pipeline": 25, "decode_throughput": 90,
-               "kernel_vs_sdpa": 25, "lora": 15, "families": 30, "sampler": 15, "moe": 45}
+               "kernel_vs_sdpa": 25, "lora": 15, "families": 30, "sampler": 15, "moe": 45, "quantized": 20}
 # A section gets at most this much, however much is left: a short one that hangs must not eat
 # the budget of the ones after it.
-MAX_SECONDS = {"pipeline": 120, "plugin_ptx": 90, "lora": 60, "families": 150, "sampler": 60, "moe": 240}
+MAX_SECONDS = {"pipeline": 120, "plugin_ptx": 90, "lora": 60, "families": 150, "sampler": 60, "moe": 240,
+               "quantized": 60}
 CHILD_GRACE_SECONDS = 30  # past the child's own alarm, for a hang the alarm cannot interrupt
 
 
