@@ -27,7 +27,17 @@ if [ ! -d "$SRC" ]; then
 fi
 if [ ! -x "$BIN/llama-server" ] || [ ! -x "$BIN/llama-quantize" ]; then
     echo "building llama-server (cmake, about 30 minutes on 2 cores)" >&2
-    cmake -S "$SRC" -B "$DIR/cmake-build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+    # This machine's vector extensions, AMX excepted: a VM may list AMX in cpuinfo without the
+    # kernel granting its tile state, and -march=native's AMX kernels then die on SIGILL.
+    ISA=()
+    for f in avx avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_vnni avx512_bf16 avx512vbmi; do
+        if grep -qw "$f" /proc/cpuinfo; then
+            case $f in avx512f) ISA+=(-DGGML_AVX512=ON) ;; avx512bw|avx512vl|avx512dq) ;;
+                avx512_vnni) ISA+=(-DGGML_AVX512_VNNI=ON) ;; avx512_bf16) ISA+=(-DGGML_AVX512_BF16=ON) ;;
+                avx512vbmi) ISA+=(-DGGML_AVX512_VBMI=ON) ;; *) ISA+=("-DGGML_${f^^}=ON") ;; esac
+        fi
+    done
+    cmake -S "$SRC" -B "$DIR/cmake-build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF "${ISA[@]}" \
         -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >/dev/null
     cmake --build "$DIR/cmake-build" --target llama-server llama-quantize -j "$(nproc)" >/dev/null
 fi

@@ -95,13 +95,13 @@ def serving(work: Path, *models: str, repository: Path | None = None, env: dict 
                 yield server, frontend
 
 
-def copy_model(folder: Path, model: str, name: str | None = None, **parameters: str) -> Path:
-    """model_repository/<model> into `folder`, as `name` (default `model`), with `parameters`
+def copy_model(folder: Path, source: str, name: str | None = None, **parameters: str) -> Path:
+    """model_repository/<source> into `folder`, as `name` (default `source`), with `parameters`
     set in its config.pbtxt."""
-    target = folder / (name or model)
-    shutil.copytree(REPO_ROOT / "model_repository" / model, target, ignore=shutil.ignore_patterns("__pycache__"))
+    target = folder / (name or source)
+    shutil.copytree(REPO_ROOT / "model_repository" / source, target, ignore=shutil.ignore_patterns("__pycache__"))
     config = target / "config.pbtxt"
-    text = re.sub(rf'^name: "{model}"$', f'name: "{target.name}"', config.read_text(), flags=re.M)
+    text = re.sub(rf'^name: "{source}"$', f'name: "{target.name}"', config.read_text(), flags=re.M)
     config.write_text(set_parameters(text, parameters))
     return target
 
@@ -110,15 +110,15 @@ LLAMA_CPP = REPO_ROOT / "build" / "llama.cpp"  # where benchmarks/build_llama_cp
 
 
 @contextlib.contextmanager
-def llama_server(work: Path, gguf: str = "f32", slots: int = 1) -> Iterator[str]:
-    """llama.cpp's llama-server on the default model's GGUF (`gguf`: f32 or q8_0) with `slots`
-    parallel slots (continuous batching, every core, the model named `model`), ready: its URL;
-    stopped on exit."""
+def llama_server(work: Path, gguf: str = "f32", slots: int = 1, path: Path | None = None) -> Iterator[str]:
+    """llama.cpp's llama-server on the default model's GGUF (`gguf`: f32 or q8_0, or the file
+    `path`) with `slots` parallel slots (continuous batching, every core, the model named
+    `model`), ready: its URL; stopped on exit."""
     log(f"starting llama-server {gguf} ...")
     port = free_ports(1)[0]
     with open(work / f"llama-server-{gguf}.log", "wb") as out:
         process = subprocess.Popen(
-            [str(LLAMA_CPP / "cmake-build/bin/llama-server"), "-m", str(LLAMA_CPP / f"gguf/model-{gguf}.gguf"),
+            [str(LLAMA_CPP / "cmake-build/bin/llama-server"), "-m", str(path or LLAMA_CPP / f"gguf/model-{gguf}.gguf"),
              "--host", "127.0.0.1", "--port", str(port), "-np", str(slots), "-c", str(2048 * slots),
              "-t", str(os.cpu_count()), "--cont-batching", "--no-webui", "-a", "model"],
             stdout=out, stderr=subprocess.STDOUT)

@@ -248,7 +248,21 @@ def served_moe(tmp_path_factory, default_model) -> Path:
 
 
 @pytest.fixture(scope="session")
-def feature_server(tmp_path_factory, default_model, lora_adapters, served_family, served_moe):
+def served_compressed(tmp_path_factory, default_model) -> Path:
+    """A tiny random Qwen3 in compressed-tensors' pack-quantized int4 (groups of 128, zero
+    points), packed from known integers (tests/test_quant_formats.py), with the default
+    model's vocabulary and tokenizer: the compressed-tensors checkpoint the server serves."""
+    from tests.test_quant_formats import _checkpoints
+    from tools.model_zoo import save_family
+
+    root = tmp_path_factory.mktemp("served_compressed")
+    dense = save_family("qwen3", root / "dense", default_model / "tokenizer.json", vocab_size=49152,
+                        hidden_size=256, intermediate_size=512, initializer_range=0.05, max_position_embeddings=512)
+    return _checkpoints(dense, root, "ct-int4")[0]
+
+
+@pytest.fixture(scope="session")
+def feature_server(tmp_path_factory, default_model, lora_adapters, served_family, served_moe, served_compressed):
     """One tritonserver for the features that need models of their own configuration:
     `lora`: LoRA options in config.pbtxt, adapters a and b from multi_lora.json, run-time
     loading on; `lora_json`: LoRA on through model.json (as Triton's vLLM backend reads it, a
@@ -258,7 +272,7 @@ def feature_server(tmp_path_factory, default_model, lora_adapters, served_family
     time, for priorities; `embed`: mean pooling for embeddings, prompts in chunks of 8 tokens;
     `family`: `served_family`, in blocks of 4 (the window releases them), chunks of 16; `moe`:
     `served_moe`, in blocks of 4 with prefix caching, chunks of 16; `gguf`: the default
-    model's own Q4_1 GGUF file, as stored."""
+    model's own Q4_1 GGUF file, as stored; `compressed`: `served_compressed`."""
     import json
 
     from helpers import serving
@@ -288,5 +302,6 @@ def feature_server(tmp_path_factory, default_model, lora_adapters, served_family
     from orca_backend.checkpoint.store import default_gguf
 
     write_model(repo, "gguf", {"model": str(default_gguf()), "kv_cache_tokens": "2048"})
+    write_model(repo, "compressed", {"model": str(served_compressed), "kv_cache_tokens": "1024"})
     with serving(Server(tmp_path_factory.mktemp("feature_triton"), repo, ["--exit-timeout-secs=20"])) as server:
         yield server

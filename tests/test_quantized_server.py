@@ -1,7 +1,7 @@
-"""A quantized checkpoint served end to end by a real tritonserver: the default model's own
-Q4_1 GGUF file (model `gguf` on `feature_server`), through tritonclient's streaming gRPC.
-Greedy text equals the engine's offline on the same file, alone and for concurrent prompts;
-no K/V block is left behind."""
+"""Quantized checkpoints served end to end by a real tritonserver, through tritonclient's
+streaming gRPC: the default model's own Q4_1 GGUF file (model `gguf` on `feature_server`) and
+a compressed-tensors int4 checkpoint (model `compressed`). Greedy text equals the engine's
+offline on the same files, alone and for concurrent prompts; no K/V block is left behind."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -42,3 +42,12 @@ def test_concurrent_prompts_each_get_their_text(feature_server, offline):
     assert [r.error for r in results] == [None] * len(PROMPTS)
     assert [r.text for r in results] == offline
     assert_no_leak(feature_server, MODEL)
+
+
+def test_a_compressed_tensors_checkpoint_streams_the_offline_engines_text(feature_server, served_compressed):
+    with LLM(str(served_compressed)) as llm:
+        expected = [o.text for o in llm.generate(PROMPTS[:2], SamplingParams(**GREEDY))]
+    with StreamingClient(feature_server.grpc_url, "compressed") as c:
+        results = [c.generate(p, sampling=GREEDY, stream=True) for p in PROMPTS[:2]]
+    assert [r.error for r in results] == [None, None] and [r.text for r in results] == expected
+    assert_no_leak(feature_server, "compressed")
