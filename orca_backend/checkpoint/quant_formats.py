@@ -120,13 +120,16 @@ def _decode(t: dict[str, torch.Tensor], fmt: QuantFormat, name: str, source: str
         n, k = (int(d) for d in t["weight_shape"])
         q = _nibbles(t["weight_packed"])[:, :k]  # stored as q + 8
         scale = t["weight_scale"].float().reshape(n, -1)
-        zp = _nibbles(t["weight_zero_point"].t()).t()[:n].float() - 8 if "weight_zero_point" in t else 0.0
-        return Int4Groups(q, scale, k // scale.shape[1], zero=-zp * scale if torch.is_tensor(zp) else torch.zeros_like(scale))
+        zero = torch.zeros_like(scale)
+        if "weight_zero_point" in t:  # asymmetric: signed zero points, packed along the outputs
+            zero = -(_nibbles(t["weight_zero_point"].t()).t()[:n].float() - 8) * scale
+        return Int4Groups(q, scale, k // scale.shape[1], zero=zero)
     if kind in ("awq", "gptq"):
         scales = t["scales"].float().t().contiguous()  # [out, groups]
-        if kind == "awq":
-            q = _nibbles(t["qweight"])[:, _awq_columns(t["qweight"])].t()  # [in, out] packed along out
-            zeros = _nibbles(t["qzeros"])[:, _awq_columns(t["qzeros"])].t().float()
+        if kind == "awq":  # qweight [in, out / 8], packed along the outputs in AWQ's order
+            q = _nibbles(t["qweight"])[:, _awq_columns(t["qweight"])].t()
+            zeros = (_nibbles(t["qzeros"])[:, _awq_columns(t["qzeros"])].t().float() if "qzeros" in t
+                     else torch.full_like(scales, 8.0))  # zero_point false: symmetric about 8
         else:
             _check_g_idx(t.get("g_idx"), scales.shape[1], name, source)
             q = _nibbles(t["qweight"].t())  # packed along the inputs
