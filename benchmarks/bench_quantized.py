@@ -14,8 +14,10 @@ import sys
 
 from benchmarks.common import (LLAMA_CPP, REPORTS, Report, add_sweep_options, apply_preset, copy_model,
                                decode_forward_ms, llama_server, log, serving, work_dir)
+from benchmarks.headline import record
 from orca_backend import LLM, SamplingParams
 from orca_backend.checkpoint.store import default_gguf, prepare_default_model
+from orca_backend.simulate.sweep import describe, sustained_rate
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "The three primary colors are",
            "Water boils at", "import numpy as np\n", "My favourite food is", "In 1492,"]
@@ -82,8 +84,6 @@ def bench_served(args, r: Report) -> None:
     rows = [["decode, one request (ms/token)", *(f"{one['decode'] * 1e3:.1f}" for one, _ in results.values())]]
     rows += [[f"1-token request, {k}-token prompt (ms)", *(f"{one[k] * 1e3:.0f}" for one, _ in results.values())]
              for k in (8, 128, 512)]
-    from orca_backend.simulate.sweep import describe, sustained_rate
-
     rows.append([f"sustained rate, median normalized latency <= {args.bound_ms:g} ms/token",
                  *(describe(*sustained_rate(points, "normalized_latency_p50", args.bound_ms / 1e3)) + " req/s"
                    for _, points in results.values())])
@@ -92,6 +92,14 @@ def bench_served(args, r: Report) -> None:
               f"as `make bench-cpu` (ORCA's lengths x {args.scale:g}, rates {args.rates}, {args.duration:g} s each); "
               f"llama-server: {args.slots} slots, every core.")
     r.table(["", *results], rows)
+    ours, theirs = results["orca Q4_1"], results["llama-server Q4_1"]
+    rate = {name: describe(*sustained_rate(points, "normalized_latency_p50", args.bound_ms / 1e3))
+            for name, (_, points) in results.items()}
+    args.headline = {"quantized": (
+        "The default model's Q4_1 GGUF served by `orca` against llama.cpp's `llama-server` on the same file: one "
+        f"stream's decode time per token; sustained rate under {args.bound_ms:g} ms/token",
+        f"{ours[0]['decode'] * 1e3:.1f} against {theirs[0]['decode'] * 1e3:.1f} ms (goal: at or below); "
+        f"{rate['orca Q4_1']} against {rate['llama-server Q4_1']} req/s")}
 
 
 def main() -> None:
@@ -115,10 +123,12 @@ def main() -> None:
               "32 greedy tokens all equal float32's, with each prompt's leading equal tokens. The GGUF file's "
               "reference is float32 on the file's own weights dequantized, which its first row is.")
     r.table(["weights", "held", "decode, batch 1", "batch 8", "greedy agreement with float32"], rows)
+    args.headline = {}
     if not args.no_served:
         bench_served(args, r)
     r.setup()
     r.write(Path(args.markdown))
+    record(Path(args.markdown), "bench-quantized", args.headline)
 
 
 if __name__ == "__main__":
