@@ -173,3 +173,20 @@ def test_what_is_not_read_is_refused_by_name(dense, tmp_path, config, message):
     (tmp_path / "config.json").write_text(json.dumps({**raw, "quantization_config": config}))
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_folder(tmp_path)
+
+
+def test_a_quantized_module_keeps_its_bias():
+    """Qwen2's q/k/v biases sit beside their quantized weights: they stay plain tensors."""
+    from orca_backend.checkpoint.quant_formats import join_quantized, parse_quantization
+
+    sources = {f"m.q_proj.{n}": (lambda index, n=n: n) for n in ("qweight", "qzeros", "scales", "bias")}
+    joined = join_quantized(sources, parse_quantization(_config("awq"), "test"), "test")
+    assert sorted(joined) == ["m.q_proj.bias", "m.q_proj.weight"]
+
+
+def test_quantized_experts_are_refused_by_name(tmp_path, default_model):
+    folder = save_family("mixtral", tmp_path / "moe", default_model / "tokenizer.json")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": _config("awq")}))
+    with pytest.raises(ConfigError, match="quantized weights for MixtralForCausalLM's experts are not built"):
+        LLM(str(folder))

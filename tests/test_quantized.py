@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from orca_backend import LLM, ConfigError, SamplingParams
 from orca_backend.checkpoint.gguf_tensors import read_tensor
 from orca_backend.checkpoint.store import default_gguf
-from orca_backend.runner.models.quantized import Int4Groups, Int8Kernel, cat_rows, int8_per_channel, kernel_for
+from orca_backend.runner.models.quantized import (Int4Groups, Int8Groups, Int8Kernel, cat_rows, int8_per_channel,
+                                                  kernel_for)
 from tests.gguf_files import quantized_bytes, write_gguf
 from tests.models import first_difference
 
@@ -96,9 +97,32 @@ def test_a_rank_takes_whole_groups_only():
         weight[(slice(None), slice(16, 80))]
 
 
-def test_projections_joined_into_one_share_a_format():
-    with pytest.raises(ConfigError, match=r"quantized differently \(int4, int8\)"):
-        cat_rows([_int4(), int8_per_channel(torch.randn(128, 256))])
+def test_projections_of_different_formats_join_as_int8_per_channel():
+    """A GGUF Q4_K_M keeps some layers' v in Q6_K: q|k|v joins as int8, each part within half
+    an int8 step of its own weight."""
+    parts = [_int4(), int8_per_channel(torch.randn(64, 256))]
+    joined = cat_rows(parts)
+    assert isinstance(joined, Int8Groups) and joined.shape == (192, 256) and joined.group == 256
+    ref = torch.cat([p.dequantize() for p in parts])
+    step = ref.abs().amax(1, keepdim=True) / 127
+    assert ((joined.dequantize() - ref).abs() <= step / 2 + 1e-6).all()
+
+
+def test_a_weight_with_one_scale_a_row_splits_at_any_column():
+    weight = int8_per_channel(torch.randn(64, 96))
+    part = weight[(slice(None), slice(0, 48))]
+    assert part.group == 48 and torch.equal(part.dequantize(), weight.dequantize()[:, :48])
+
+
+@pytest.mark.parametrize("module", ["orca_backend.checkpoint.gguf", "orca_backend.checkpoint.gguf_tensors",
+                                    "orca_backend.checkpoint.quant_formats", "orca_backend.runner.models.quantized"])
+def test_each_new_module_imports_first(module):
+    """A fresh process importing it before anything else (as a Triton stub resolving a model
+    path does) meets no import cycle."""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-c", f"import {module}"], check=True)
 
 
 def _check_against_transformers(llm: LLM, path, prompts: list[list[int]], max_tokens: int = 12):

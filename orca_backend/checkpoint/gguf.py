@@ -58,8 +58,10 @@ def gguf_folder(path: Path, cache: Path) -> Path:
         _write_folder(path, staging)
         staging.chmod(0o755)  # mkdtemp makes it private; a server may run as another user
         staging.rename(target)  # atomic: a half-written folder is never seen as ready
-    except FileExistsError:  # another process made it first
+    except OSError:  # another process made it first (a rename onto a full folder), or a real failure
         shutil.rmtree(staging, ignore_errors=True)
+        if not (target / "config.json").exists():
+            raise
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -83,6 +85,8 @@ def _write_folder(path: Path, out: Path) -> None:
     reader = gguf.GGUFReader(str(path))
     meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
     names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:  # Llama 3.1's scaled RoPE, as llama.cpp stores it
+        raise ConfigError(f"{path}: tensor rope_freqs.weight (RoPE frequency factors) is not read by this engine")
     config = gguf_config(meta, names, str(path))
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     tok.save_pretrained(str(out))

@@ -17,7 +17,6 @@ import numpy as np
 import torch
 
 from ..core.errors import ConfigError
-from ..runner.models.quantized import Int4Groups, Int8Groups, int8_per_channel
 
 GROUP = 32  # the weights of a Q4_0 / Q4_1 / Q8_0 block, and of a k-quant's sub-block
 FULL = ("F32", "F16", "BF16")
@@ -31,6 +30,7 @@ def read_tensor(t, source: str):
     """The tensor `t` of a `gguf.GGUFReader`: a float32 tensor, `Int4Groups` or `Int8Groups`."""
     import gguf
 
+    from ..runner.models.quantized import int8_per_channel  # here: the runner's models import this package
     kind = t.tensor_type.name
     shape = tuple(int(d) for d in reversed(t.shape))  # [out, in] for a projection
     if kind in FULL:
@@ -57,7 +57,9 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 15, qs >> 4], axis=-1)
 
 
-def _groups(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, shape) -> Int4Groups | Int8Groups:
+def _groups(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, shape):
+    from ..runner.models.quantized import Int4Groups, Int8Groups
+
     n = shape[0]
     q = torch.from_numpy(np.ascontiguousarray(q).reshape(shape))
     scale = torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32).reshape(n, -1))
@@ -66,24 +68,24 @@ def _groups(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, shape) ->
     return Int4Groups(q, scale, GROUP, zero=torch.from_numpy(np.ascontiguousarray(zero, dtype=np.float32).reshape(n, -1)))
 
 
-def _q4_0(rows: np.ndarray, shape) -> Int4Groups:
+def _q4_0(rows: np.ndarray, shape):
     blocks = rows.reshape(shape[0], -1, 18)  # float16 d, 16 bytes of nibbles: w = d * (q - 8)
     d = _half(blocks, 0)
     return _groups(_nibbles(blocks[..., 2:]), d, np.zeros_like(d), shape)
 
 
-def _q4_1(rows: np.ndarray, shape) -> Int4Groups:
+def _q4_1(rows: np.ndarray, shape):
     blocks = rows.reshape(shape[0], -1, 20)  # float16 d and m, nibbles: w = d * q + m
     d, m = _half(blocks, 0), _half(blocks, 2)
     return _groups(_nibbles(blocks[..., 4:]), d, m + 8 * d, shape)
 
 
-def _q8_0(rows: np.ndarray, shape) -> Int8Groups:
+def _q8_0(rows: np.ndarray, shape):
     blocks = rows.reshape(shape[0], -1, 34)  # float16 d, 32 int8: w = d * q
     return _groups(blocks[..., 2:].copy().view(np.int8), _half(blocks, 0), None, shape)
 
 
-def _q4_k(rows: np.ndarray, shape) -> Int4Groups:
+def _q4_k(rows: np.ndarray, shape):
     """Super-blocks of 256: float16 d and dmin, 12 bytes of 6-bit scales and mins for eight
     sub-blocks of 32, then 128 bytes of nibbles (sub-block 2c in the low nibbles of bytes
     32c..32c+31, 2c + 1 in their high ones): w = d * sc * q - dmin * m."""

@@ -98,7 +98,8 @@ def join_quantized(sources: dict[str, Reader], fmt: QuantFormat, source: str) ->
     out = dict(sources)
     for name in [n for n in sources if n.endswith("." + mark)]:
         prefix = name[: -len(mark)]
-        parts = {n[len(prefix):]: out.pop(n) for n in list(out) if n.startswith(prefix) and "." not in n[len(prefix):]}
+        parts = {n[len(prefix):]: out.pop(n) for n in list(out)  # the module's tensors, its bias aside
+                 if n.startswith(prefix) and "." not in n[len(prefix):] and n[len(prefix):] != "bias"}
         out[prefix + "weight"] = _joined(parts, fmt, prefix + "weight", source)
     return out
 

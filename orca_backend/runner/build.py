@@ -18,7 +18,7 @@ from .drafter import DraftModel
 from .model_runner import ModelRunner
 from .null_runner import NullRunner
 from .proposers import NgramProposer, Proposer
-from .models import load_model
+from .models import is_quantized_checkpoint, load_model
 from .models.attention import TorchPagedAttention
 from .models.kernel_attention import KernelPagedAttention
 from .models.linear import linear_backend, pack_linears
@@ -34,6 +34,9 @@ def build_runner(spec: RunnerSpec, model=None, rank: int = 0) -> ModelRunner | N
     if spec.runner.engine == "null":
         return NullRunner(spec.model_path, spec.runner.null_step_seconds, grammar_compiler(spec))
     if spec.runner.engine == "tensorrt":
+        if is_quantized_checkpoint(Path(spec.model_path)):
+            raise ConfigError(f"engine 'tensorrt' builds full-precision engines; {spec.model_path} is a quantized "
+                              "checkpoint: use engine 'torch'")
         if spec.parallel.num_ranks > 1:
             raise ConfigError("engine 'tensorrt' builds single-rank engines; tensor_parallel_size "
                               f"{spec.parallel.tensor_parallel_size} and expert_parallel_size "

@@ -6,19 +6,21 @@ the first stage also the embeddings, the last the final norm and the LM head.
 """
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
 import torch
 
 from ...checkpoint.config import ModelConfig
+from ...checkpoint.gguf import LINK
 from ...core.errors import ConfigError
 from .decoder import DecoderModel
 from .gpt2 import GPT2Model
 from .parallel import NO_COLLECTIVES, ONE_RANK, Collectives, Shard
 from .weights import Weights
 
-__all__ = ["load_model"]
+__all__ = ["is_quantized_checkpoint", "load_model"]
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +35,10 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device,
     if layer_range is not None and not (0 <= layer_range.start < layer_range.stop <= config.num_layers):
         raise ConfigError(f"layers [{layer_range.start}, {layer_range.stop}) are not a non-empty "
                           f"range within the model's {config.num_layers} layers")
+    if is_quantized_checkpoint(folder) and (config.moe or config.mla or config.family == "gpt2"):
+        what = "experts" if config.moe else "latent attention" if config.mla else "GPT-2's layers"
+        raise ConfigError(f"{folder}: quantized weights for {config.architecture}'s {what} are not built; "
+                          "quantized checkpoints load into dense decoders' projections")
     if config.unknown_fields:
         log.warning("%s/config.json: fields %s are not %s's; ignored, as transformers ignores them",
                     folder, ", ".join(config.unknown_fields), config.architecture)
@@ -47,6 +53,12 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device,
         raise ConfigError(f"model folder {folder} has tensors this engine does not use: "
                           f"{', '.join(unused[:5])}")
     return model
+
+
+def is_quantized_checkpoint(folder: Path) -> bool:
+    """A GGUF file's folder, or a checkpoint whose config.json has a quantization_config."""
+    config = Path(folder) / "config.json"
+    return (Path(folder) / LINK).exists() or (config.exists() and "quantization_config" in json.loads(config.read_text()))
 
 
 def _unused(weights: Weights, model) -> list[str]:

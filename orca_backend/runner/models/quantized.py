@@ -54,6 +54,9 @@ class _Grouped:
         fields = {name: getattr(self, name)[rows] for name in self._per_row()}
         if cols != slice(None):
             start, stop, step = cols.indices(self.q.shape[1])
+            if step == 1 and self.group == self.q.shape[1]:  # one group a row: its scale holds for any columns
+                return replace(self, q=fields["q"][:, cols], group=stop - start,
+                               **{k: v for k, v in fields.items() if k != "q"})
             if step != 1 or start % self.group or stop % self.group:
                 raise ConfigError(f"columns [{start}, {stop}) of a {self.kind} weight with groups of "
                                   f"{self.group} inputs: a rank's share must be whole groups")
@@ -156,9 +159,9 @@ def cat_rows(parts: list) -> torch.Tensor | Quantized:
         return torch.cat(parts)
     first = parts[0]
     if not all(type(p) is type(first) and p.group == first.group for p in parts):
-        raise ConfigError("projections joined into one (q|k|v, gate|up) are quantized differently "
-                          f"({', '.join(sorted({getattr(p, 'kind', 'full precision') for p in parts}))}); "
-                          "they must share one format and group size")
+        # a GGUF Q4_K_M keeps some layers' v in Q6_K: every part in int8 per channel (lossy for the others)
+        parts = [int8_per_channel(p.dequantize() if is_quantized(p) else p) for p in parts]
+        first = parts[0]
     return replace(first, **{name: torch.cat([getattr(p, name) for p in parts]) for name in first._per_row()})
 
 
