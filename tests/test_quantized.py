@@ -90,6 +90,13 @@ def test_a_packed_table_gives_back_its_rows():
                                Int8Kernel(int8, None, torch.float32).dequantize(torch.float32)[ids[:2]])
 
 
+def test_an_int4_table_whose_rows_cannot_be_read_back_is_refused_at_load():
+    kernel = kernel_for(_int4(n=48), None, torch.float32)  # not whole blocks of 64 rows
+    with pytest.raises(ConfigError, match="an int4 embedding table of 48 rows"):
+        kernel.as_table()
+    assert kernel_for(_int4(n=64), None, torch.float32).as_table() is not None
+
+
 def test_a_rank_takes_whole_groups_only():
     weight = _int4()
     assert weight[(slice(None), slice(64, 128))].shape == (128, 64)

@@ -56,6 +56,8 @@ class DecoderModel:
                 self.embed = self.lm_head.weight  # one packed table: the head's kernel, rows for lookups
         if is_quantized(getattr(self, "embed", None)):
             self.embed = kernel_for(self.embed, None, self.embed.dtype)
+        if hasattr(getattr(self, "embed", None), "as_table"):  # refused now, not at the first lookup
+            self.embed = self.embed.as_table()
         # One Rotary per distinct spec, shared by the layers that use it (Gemma 3: two).
         self.rotaries: dict = {}
         self.layer_rotary = {}

@@ -276,9 +276,15 @@ class Int4Kernel(_Kernel):
         return self._dequantize(_unpack_blocked(self.packed.view(-1, self.shape[1], _BLOCK_N // 2)), dtype,
                                 slice(None))
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+    def as_table(self) -> Int4Kernel:
+        """Itself, checked at load to answer row lookups (an embedding table)."""
         if not self._unpacks:
-            raise ConfigError("rows of an int4 weight whose packed layout is not the blocked one")
+            raise ConfigError(f"an int4 embedding table of {self.shape[0]} rows: its rows are read back from "
+                              f"torch's packed layout, which takes blocks of {_BLOCK_N} rows and this CPU's "
+                              "AVX512 kernels; use a checkpoint whose table is 8-bit or full precision")
+        return self
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
         blocks = self.packed.view(-1, self.shape[1], _BLOCK_N // 2)[ids // _BLOCK_N]  # [T, K, 32]
         q = _unpack_blocked(blocks).view(ids.shape[0], _BLOCK_N, -1)[torch.arange(ids.shape[0]), ids % _BLOCK_N]
         return self._dequantize(q, torch.float32, ids)
