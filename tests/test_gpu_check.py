@@ -34,7 +34,7 @@ def test_smoke_run_passes_every_section(tmp_path):
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     sections = report["sections"]
     assert list(sections) == ["kernel_numerics", "plugin_ptx", "engine_parity", "pipeline",
-                              "decode_throughput", "kernel_vs_sdpa", "lora", "families", "sampler", "moe"]
+                              "decode_throughput", "kernel_vs_sdpa", "lora", "families", "sampler", "moe", "quantized"]
     for name, s in sections.items():
         assert s["status"] == "ok", f"{name}: {s['status']}\n{s['error']}"
         failed = [check for check, ok in s["checks"].items() if not ok]
@@ -44,6 +44,7 @@ def test_smoke_run_passes_every_section(tmp_path):
     assert len(sections["families"]["checks"]) == 2  # gemma2 and phi3 interpreted
     assert len(sections["lora"]["checks"]) == 2  # bf16 and fp32, the kernels interpreted
     assert len(sections["sampler"]["checks"]) == 1  # the processors on the "device" (here the CPU) against the CPU
+    assert len(sections["quantized"]["checks"]) == 4  # int4 and fp8 at 1 and 5 rows, interpreted
     assert len(sections["moe"]["checks"]) == 9  # 2 layers x 2 dtypes x 2 token counts, interpreted; the fp32 tokens
     plugin = sections["plugin_ptx"]
     assert len(plugin["checks"]) == 2 and all(r["ptx_params_match"] and r["interpreted_wrong_cache_slots"] == 0

@@ -61,7 +61,7 @@ REFUSALS = [  # (architecture, fields set, what the error names)
      "mrope_section"),
     ("LlamaForCausalLM", dict(hidden_act="relu"), "hidden_act = 'relu'"),
     ("LlamaForCausalLM", dict(partial_rotary_factor=0.0), "partial_rotary_factor"),
-    ("LlamaForCausalLM", dict(quantization_config={"quant_method": "awq"}), "quantization_config"),
+    ("LlamaForCausalLM", dict(quantization_config={"quant_method": "bitsandbytes"}), "quantization_config"),
     ("Gemma2ForCausalLM", dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
     ("Gemma3ForCausalLM", dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
     ("Gemma3ForCausalLM", dict(attn_logit_softcapping=50.0), "attn_logit_softcapping = 50.0"),

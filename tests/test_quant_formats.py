@@ -177,7 +177,8 @@ def test_what_is_not_read_is_refused_by_name(dense, tmp_path, config, message):
 
 def test_a_quantized_module_keeps_its_bias():
     """Qwen2's q/k/v biases sit beside their quantized weights: they stay plain tensors."""
-    from orca_backend.checkpoint.quant_formats import join_quantized, parse_quantization
+    from orca_backend.checkpoint.quant_formats import parse_quantization
+    from orca_backend.runner.models.quant_readers import join_quantized
 
     sources = {f"m.q_proj.{n}": (lambda index, n=n: n) for n in ("qweight", "qzeros", "scales", "bias")}
     joined = join_quantized(sources, parse_quantization(_config("awq"), "test"), "test")

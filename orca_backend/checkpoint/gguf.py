@@ -3,8 +3,8 @@
 `gguf_folder(path)` gives the engine the folder it loads every model from, made once per
 file in the cache: a config.json written from the file's metadata, the tokenizer and chat
 template transformers builds from it, and a link to the file itself, whose tensors
-`gguf_weights` hands out under the Hugging Face names (quantized ones stay quantized:
-`gguf_tensors`). The architectures read are those whose GGUF layout maps onto a family
+`runner/models/gguf_tensors.py` hands out under the Hugging Face names (quantized ones stay
+quantized). The architectures read are those whose GGUF layout maps onto a family
 here: llama (Llama, Mistral, SmolLM), qwen2 and qwen3; others are refused by name.
 """
 from __future__ import annotations
@@ -15,22 +15,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import numpy as np
-import torch
-
 from ..core.errors import ConfigError
-from .gguf_tensors import read_tensor
 
 LINK = "model.gguf"
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-          "output.weight": "lm_head.weight"}
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}
 # Metadata that would change the math if ignored, and that no family here reads from GGUF.
 _REFUSED_KEYS = ("rope.scaling.type", "rope.scaling.factor", "attention.sliding_window", "expert_count")
 
@@ -130,46 +118,3 @@ def gguf_config(meta: dict, tensor_names: set[str], source: str) -> dict:
     if arch == "qwen2":
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=config["num_hidden_layers"])
     return config
-
-
-def gguf_weights(folder: Path) -> dict:
-    """Readers of the file's tensors by Hugging Face name (see `Weights`)."""
-    import gguf
-
-    path = folder / LINK
-    reader = gguf.GGUFReader(str(path))
-    config = json.loads((folder / "config.json").read_text())
-    permute = config["model_type"] == "llama"  # llama.cpp interleaves Llama's q/k rotary halves
-    readers = {}
-    for t in reader.tensors:
-        name = _hf_name(t.name)
-        heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}.get(
-            t.name.split(".")[2] if t.name.startswith("blk.") else "")
-        readers[name] = _reader(t, str(path), heads if permute else None)
-    return readers
-
-
-def _hf_name(name: str) -> str:
-    if name in _NAMES:
-        return _NAMES[name]
-    if not name.startswith("blk."):
-        return name  # not the model's: reported as unused, by its GGUF name
-    _, layer, part, kind = name.split(".")
-    return f"model.layers.{layer}.{_LAYER_NAMES.get(part, part)}.{kind}"
-
-
-def _reader(t, source: str, heads: int | None):
-    def read(index: tuple[slice, ...]):
-        w = read_tensor(t, source)
-        if heads is not None:
-            w = _unpermute_rope(w, heads)
-        return w if all(s == slice(None) for s in index) else w[index]
-    return read
-
-
-def _unpermute_rope(w, heads: int):
-    """llama.cpp's q/k rows hold each head's rotary halves interleaved; Hugging Face's keep
-    them as two halves."""
-    rows = w.shape[0]
-    order = torch.from_numpy(np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(-1))
-    return w[order] if isinstance(w, torch.Tensor) else w.permute_rows(order)

@@ -15,8 +15,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ...checkpoint.gguf import LINK, gguf_weights
-from ...checkpoint.quant_formats import join_quantized, parse_quantization
+from ...checkpoint.gguf import LINK
+from ...checkpoint.quant_formats import parse_quantization
+from .gguf_tensors import gguf_weights
+from .quant_readers import join_quantized
 from ...core.errors import ConfigError
 from .quantized import cat_rows
 

@@ -13,10 +13,15 @@ rows of blocks along `in`, the layout these readers take apart.
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import torch
 
-from ..core.errors import ConfigError
+from ...checkpoint.gguf import LINK
+from ...core.errors import ConfigError
+from .quantized import Int4Groups, Int8Groups, int8_per_channel
 
 GROUP = 32  # the weights of a Q4_0 / Q4_1 / Q8_0 block, and of a k-quant's sub-block
 FULL = ("F32", "F16", "BF16")
@@ -30,7 +35,6 @@ def read_tensor(t, source: str):
     """The tensor `t` of a `gguf.GGUFReader`: a float32 tensor, `Int4Groups` or `Int8Groups`."""
     import gguf
 
-    from ..runner.models.quantized import int8_per_channel  # here: the runner's models import this package
     kind = t.tensor_type.name
     shape = tuple(int(d) for d in reversed(t.shape))  # [out, in] for a projection
     if kind in FULL:
@@ -57,9 +61,7 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 15, qs >> 4], axis=-1)
 
 
-def _groups(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, shape):
-    from ..runner.models.quantized import Int4Groups, Int8Groups
-
+def _groups(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, shape) -> Int4Groups | Int8Groups:
     n = shape[0]
     q = torch.from_numpy(np.ascontiguousarray(q).reshape(shape))
     scale = torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32).reshape(n, -1))
@@ -101,3 +103,54 @@ def _q4_k(rows: np.ndarray, shape):
 
 
 _DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0, "Q4_K": _q4_k}
+
+
+_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+          "output.weight": "lm_head.weight"}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+def gguf_weights(folder: Path) -> dict:
+    """Readers of the file's tensors by Hugging Face name (see `Weights`)."""
+    import gguf
+
+    path = folder / LINK
+    reader = gguf.GGUFReader(str(path))
+    config = json.loads((folder / "config.json").read_text())
+    permute = config["model_type"] == "llama"  # llama.cpp interleaves Llama's q/k rotary halves
+    readers = {}
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}.get(
+            t.name.split(".")[2] if t.name.startswith("blk.") else "")
+        readers[name] = _reader(t, str(path), heads if permute else None)
+    return readers
+
+
+def _hf_name(name: str) -> str:
+    if name in _NAMES:
+        return _NAMES[name]
+    if not name.startswith("blk."):
+        return name  # not the model's: reported as unused, by its GGUF name
+    _, layer, part, kind = name.split(".")
+    return f"model.layers.{layer}.{_LAYER_NAMES.get(part, part)}.{kind}"
+
+
+def _reader(t, source: str, heads: int | None):
+    def read(index: tuple[slice, ...]):
+        w = read_tensor(t, source)
+        if heads is not None:
+            w = _unpermute_rope(w, heads)
+        return w if all(s == slice(None) for s in index) else w[index]
+    return read
+
+
+def _unpermute_rope(w, heads: int):
+    """llama.cpp's q/k rows hold each head's rotary halves interleaved; Hugging Face's keep
+    them as two halves."""
+    rows = w.shape[0]
+    order = torch.from_numpy(np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(-1))
+    return w[order] if isinstance(w, torch.Tensor) else w.permute_rows(order)
