@@ -195,11 +195,17 @@ def test_the_default_model_is_served_from_its_q4_1_file(default_model):
         outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     assert abs(held - stored) < 0.1 * stored, f"weights hold {held} bytes; the file's tensors are {stored}"
     model = tf.AutoModelForCausalLM.from_pretrained(default_model, dtype=torch.float32).eval()
+    check_greedy(model, prompts, outs, 16, "the Q4_1 file")
+
+
+def check_greedy(model, prompts: list[list[int]], outs, max_tokens: int, what: str) -> None:
+    """Greedy tokens of `outs` against transformers' `model` on `prompts`: equal, or equal up to
+    a first difference where transformers' top two logits are within NEAR_TIE."""
     for ids, out in zip(prompts, outs):
         with torch.no_grad():
-            ref = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, output_logits=True,
+            ref = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, output_logits=True,
                                  return_dict_in_generate=True, pad_token_id=0)
         j = first_difference(out.token_ids, ref.sequences[0, len(ids):].tolist())
         if j is not None:
             logits = ref.logits[j][0]
-            assert float(logits.max() - logits[out.token_ids[j]]) < NEAR_TIE, f"diverges at token {j}"
+            assert float(logits.max() - logits[out.token_ids[j]]) < NEAR_TIE, f"{what}: diverges at token {j}"

@@ -13,9 +13,8 @@ import torch
 
 from orca_backend import LLM, SamplingParams, StructuredOutputsParams
 from orca_backend.lora import LoRARequest
-from tests.models import first_difference
 from tests.test_quant_formats import PROMPTS, _checkpoints, dense  # noqa: F401 (a fixture)
-from tests.test_quantized import LOGPROB_TOL, NEAR_TIE
+from tests.test_quantized import LOGPROB_TOL, check_greedy
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 pytestmark = pytest.mark.numerics
@@ -27,15 +26,7 @@ def awq(dense, tmp_path_factory):  # noqa: F811
 
 
 def _reference_check(model, outs, what: str) -> None:
-    """Greedy tokens of `outs` against transformers' `model` on PROMPTS (the near-tie rule)."""
-    for ids, out in zip(PROMPTS, outs):
-        with torch.no_grad():
-            ref = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, output_logits=True,
-                                 return_dict_in_generate=True, pad_token_id=0)
-        j = first_difference(out.token_ids, ref.sequences[0, len(ids):].tolist())
-        if j is not None:
-            logits = ref.logits[j][0]
-            assert float(logits.max() - logits[out.token_ids[j]]) < NEAR_TIE, f"{what}: diverges at token {j}"
+    check_greedy(model, PROMPTS, outs, 12, what)
 
 
 def test_a_lora_adapter_over_a_quantized_base_equals_peft_on_its_weights(awq, tmp_path):
