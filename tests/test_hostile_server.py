@@ -66,7 +66,8 @@ def hostile(tmp_path_factory, default_model):
     repository = root / "models"
     repository.mkdir()
     _model(repository, "orca_small_queue", {"max_batch_size": "1", "max_queue_size": "2",
-                                            "kv_cache_tokens": "2048", "vllm_metrics": "false"})
+                                            "max_num_queued_tokens": "64", "kv_cache_tokens": "2048",
+                                            "vllm_metrics": "false"})
     _model(repository, "orca_faulty", {"kv_cache_tokens": "2048"}, FAULTY_MODEL_PY)
     _model(repository, "orca_process", {"executor": "process", "max_inflight": "2",
                                         "kv_cache_tokens": "2048"})
@@ -142,7 +143,29 @@ def test_a_full_queue_refuses_at_once_and_harms_nothing_queued(hostile):
     assert status in (400, 503) and "the queue is full" in json.loads(text)["error"]
     assert [r.error for r in results] == [None] * 3
     assert [len(r.responses) for r in results] == [60, 3, 3]
-    wait_until(lambda: hostile.metric("orca_requests_rejected_total", model) == 6, 10, "6 refusals counted")
+    wait_until(lambda: _rejected(hostile, model, "max_queue_size") >= 6, 10, "6 refusals counted")
+    assert_no_leak(hostile, model)
+
+
+def _rejected(server, model: str, reason: str) -> float:
+    return server.metrics().get(f'orca_requests_rejected_total{{model="{model}",reason="{reason}"}}', 0.0)
+
+
+def test_the_token_cap_refuses_a_prompt_that_would_pass_it_and_serves_the_rest(hostile):
+    model, long_prompt = "orca_small_queue", ("one two three four five six seven eight " * 5).strip()  # 40 tokens
+    with StreamingClient(hostile.grpc_url, model=model) as c:
+        running = c.send("Tell me a long story", sampling={"max_tokens": 60, **GREEDY})
+        wait_until(lambda: c._results[running].responses, 120, "the first request to run")
+        queued = c.send(long_prompt, sampling={"max_tokens": 3, **GREEDY})
+        wait_until(lambda: hostile.metric("orca_unprefilled_tokens", model) == 40, 30, "40 tokens waiting")
+        with StreamingClient(hostile.grpc_url, model=model) as other:  # its error is blamed on its stream's oldest
+            refused = other.generate(long_prompt, sampling={"max_tokens": 3}, timeout=60)
+        short = c.send("Short", sampling={"max_tokens": 3, **GREEDY})  # 1 token: within the cap
+        results = [c.wait(i, timeout=120) for i in (running, queued, short)]
+    assert refused.error == ("the queue is full: 40 prompt tokens are waiting to be prefilled, 40 more would "
+                             "pass max_num_queued_tokens 64; retry later")
+    assert [(r.error, len(r.responses)) for r in results] == [(None, 60), (None, 3), (None, 3)]
+    wait_until(lambda: _rejected(hostile, model, "max_num_queued_tokens") == 1, 10, "the refusal counted")
     assert_no_leak(hostile, model)
 
 
@@ -237,7 +260,7 @@ def test_the_kernel_in_the_tensorrt_graph_serves_the_sdpa_text_end_to_end(hostil
     assert_no_leak(hostile, "orca_tensorrt_graph")
 
 
-def test_the_openai_api_answers_a_full_queue_with_503_and_an_engine_fault_with_500(hostile, tmp_path):
+def test_the_openai_api_answers_a_full_queue_with_429_and_an_engine_fault_with_500(hostile, tmp_path):
     import httpx2
 
     frontend = Frontend(tmp_path, hostile.grpc_url, args=["--grpc-header", RESTRICTED_HEADER])
@@ -247,7 +270,7 @@ def test_the_openai_api_answers_a_full_queue_with_503_and_an_engine_fault_with_5
     def complete(model, **extra):  # completions: no chat template to load while the queue is full
         r = httpx2.post(frontend.url + "/v1/completions", timeout=120, json={
             "model": model, "prompt": "Hi", "max_tokens": 3, **extra})
-        return r.status_code, r.json()
+        return r.status_code, r.json(), r.headers
 
     try:
         frontend.wait_ready()
@@ -260,8 +283,8 @@ def test_the_openai_api_answers_a_full_queue_with_503_and_an_engine_fault_with_5
             wait_until(lambda: hostile.metric("orca_requests_waiting", model) == 2, 30, "two waiting")
             full = complete(model)
             results = [c.wait(i, timeout=120) for i in [running, *queued]]
-        assert full[0] == 503 and full[1]["error"]["type"] == "server_error"
-        assert full[1]["error"]["message"].startswith("the queue is full")
+        assert full[0] == 429 and full[2]["retry-after"] == "1" and full[1]["error"]["code"] == "queue_full"
+        assert full[1]["error"]["message"] == "the queue is full: 2 requests are waiting (max_queue_size 2); retry later"
         assert [r.error for r in results] == [None] * 3
         crashed = complete("orca_faulty", stop=["CRASH-ENGINE"])
         assert crashed[0] == 500 and "injected engine-thread fault" in crashed[1]["error"]["message"]

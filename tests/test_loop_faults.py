@@ -7,6 +7,7 @@ import threading
 
 import pytest
 
+from orca_backend.serving.admission import AdmissionLimits
 from orca_backend.serving.inputs import GenerateRequest
 from orca_backend.serving.loop import EngineLoop
 from orca_backend.serving.metric_series import MetricsRecorder
@@ -107,7 +108,7 @@ def test_a_failing_trace_is_switched_off_and_serving_goes_on(engine, tmp_path, c
 
 def test_a_full_queue_refuses_new_requests_at_once(engine, monkeypatch):
     monkeypatch.setattr(engine.scheduler.config, "max_batch_size", 1)
-    loop = EngineLoop(engine, max_queue_size=2)
+    loop = EngineLoop(engine, admission=AdmissionLimits(max_queue_size=2))
     loop.start()
     try:
         running = _submit(loop, max_tokens=200)
@@ -122,6 +123,31 @@ def test_a_full_queue_refuses_new_requests_at_once(engine, monkeypatch):
         assert [s.error for s in queued] == [None, None]
     finally:
         loop.shutdown()
+
+
+def test_a_flood_that_fits_the_batch_is_served_and_only_the_rest_refused(engine, monkeypatch):
+    """80 requests at max_queue_size 4 and a batch of 32: 36 are served, 44 refused at once."""
+    gate, real_step = threading.Event(), engine.step
+
+    def held_step():  # the first iteration waits for the whole flood: nothing finishes meanwhile
+        assert gate.wait(60)
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", held_step)
+    loop = EngineLoop(engine, admission=AdmissionLimits(max_queue_size=4))
+    loop.start()
+    try:
+        sinks = _submit(loop, 80, max_tokens=3)
+        refused = [s for s in sinks if s.done.is_set()]  # refused in submit(), before any queue
+        gate.set()
+        _finished(sinks)
+    finally:
+        loop.shutdown()
+    assert len(refused) == 44 and all(s.error[0] == "unavailable" and "(max_queue_size 4)" in s.error[1]
+                                      for s in refused)
+    served = [s for s in sinks if s not in refused]
+    assert [(s.error, s.num_output_tokens) for s in served] == [(None, 3)] * 36
+    assert engine.kv.num_used_blocks == 0
 
 
 @pytest.mark.parametrize("stream", [True, False])

@@ -29,10 +29,11 @@ ORCA = [
     ("gauge", "orca_kv_blocks_cached", "K/V cache blocks held by no request, kept for prefix-cache hits"),
     ("gauge", "orca_kv_blocks_total", "K/V cache blocks in the pool"),
     ("counter", "orca_engine_restarts_total", "Engine restarts after a failure of its thread"),
-    ("counter", "orca_requests_rejected_total", "Requests refused because the queue was full"),
     ("counter", "orca_prompt_tokens_total", "Prompt tokens of finished requests"),
     ("counter", "orca_generation_tokens_total", "Generated tokens"),
     ("counter", "orca_preemptions_total", "Requests preempted for lack of K/V blocks"),
+    ("counter", "orca_recomputed_tokens_total", "Tokens computed again after preemptions (prefix-cache hits excluded)"),
+    ("gauge", "orca_unprefilled_tokens", "Prompt tokens of waiting and running requests not yet computed"),
     ("counter", "orca_iterations_total", "Engine iterations run"),
     ("counter", "orca_runner_restarts_total", "Model runner restarts after it died"),
     ("counter", "orca_prefix_cache_queries_total", "Prompt tokens of admitted requests looked up in the prefix cache"),
@@ -163,8 +164,11 @@ def test_rows_read_their_values_and_the_metric_calls_count_in_the_next_flush(met
     for _ in range(2):  # totals are followed, what is new is added
         m.apply(_stats(num_used_blocks=5))
         m.apply(Observed(itl=[0.02, 0.3], e2e=[1.0, 2.0, 3.0], num_prompt_tokens=[10, 20], num_sends=4,
-                         finish_reasons=["stop", "length", "stop"], ended_early=[ErrorKind.CANCELLED]))
+                         finish_reasons=["stop", "length", "stop"], ended_early=[ErrorKind.CANCELLED],
+                         rejected={"max_queue_size": 2, "max_num_queued_tokens": 1}))
     first = m.flush()
+    for name in ("orca_requests_rejected_total", "vllm:request_rejected_total"):
+        assert [server.value(name, reason=r) for r in ("max_queue_size", "max_num_queued_tokens")] == [4, 2]
     assert server.value("orca_iterations_total") == 9 and server.value("orca_server_calls_total", call="send") == 8
     assert server.value("vllm:kv_cache_usage_perc") == server.value("vllm:gpu_cache_usage_perc") == 0.25
     assert [server.value("vllm:request_success_total", finished_reason=r) for r in ("stop", "length", "abort")] \

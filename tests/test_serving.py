@@ -82,12 +82,12 @@ def test_a_models_args_give_its_parameters_and_device():
 
 
 def test_the_documented_parameters_are_the_ones_read():
-    """Every EngineConfig option that is a model parameter, and the serving loop's five: the
+    """Every EngineConfig option that is a model parameter, and the serving loop's own: the
     table of docs/configuration.md and model_repository/orca/config.pbtxt name exactly these
     (the other served models a part of them)."""
     from orca_backend.serving.launch import REPO_ROOT
 
-    read = set(ENGINE_PARAMETERS) | {"max_queue_size", "iteration_trace", "vllm_metrics", "stream_interval",
+    read = set(ENGINE_PARAMETERS) | {"max_queue_size", "max_num_queued_reqs", "max_num_queued_tokens", "iteration_trace", "vllm_metrics", "stream_interval",
                                      "runtime_lora_updating"}
     table = (REPO_ROOT / "docs" / "configuration.md").read_text()
     documented = set(re.findall(r"^\| `(\w+)` \|", table, re.M))
@@ -201,5 +201,6 @@ def test_vllm_metrics_is_a_boolean_parameter_on_by_default():
 
     assert serving_options({}).vllm_metrics is True
     assert serving_options({"vllm_metrics": "False", "max_queue_size": "3"}).vllm_metrics is False
+    assert serving_options({"max_num_queued_tokens": "64"}).admission.max_num_queued_tokens == 64
     with pytest.raises(ConfigError, match="'vllm_metrics' must be true or false, got 'maybe'"):
         serving_options({"vllm_metrics": "maybe"})

@@ -14,6 +14,9 @@ from .errors import ConfigError
 from .speculative import SpeculativeConfig
 
 POLICIES = ("paged", "reserve")  # K/V: blocks as tokens arrive, or ORCA's reservation of max_tokens
+# Whom a request short of K/V room preempts: the running request whose recompute wastes the least
+# (its computed tokens not in the prefix cache, the worst priority first), or the newest admitted.
+PREEMPTION_VICTIMS = ("least_waste", "newest")
 BATCHING_MODES = ("iteration", "request")
 # Where the model runner lives: this process, a child process, stages in this process, or
 # stages as Triton models (only inside tritonserver).
@@ -61,6 +64,12 @@ class SchedulerConfig:
     # priority x this + the iteration it arrived in, so one arriving this many iterations later
     # than another of the next better priority ranks behind it (starvation's bound).
     priority_aging_iterations: int = 256
+    preemption_victim: str = "least_waste"  # one of PREEMPTION_VICTIMS
+    # Long prompts (vLLM's names; 0: off): a prompt of more than long_prefill_token_threshold tokens
+    # prefills at most that many a step, and at most max_long_partial_prefills such prompts prefill at
+    # once; the others wait, and short prompts behind them are admitted first.
+    long_prefill_token_threshold: int = 0
+    max_long_partial_prefills: int = 1
     # Multi-LoRA (vLLM's names): requests may name adapters (PEFT folders); at most max_loras
     # distinct ones among running requests (the device slots).
     enable_lora: bool = False
@@ -75,13 +84,16 @@ class SchedulerConfig:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         _need_one_of(self, "policy", POLICIES)
         _need_one_of(self, "batching", BATCHING_MODES)
+        _need_one_of(self, "preemption_victim", PREEMPTION_VICTIMS)
+        _need(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold",
+              self.long_prefill_token_threshold, "an integer >= 0 (0: off)")
         if self.async_scheduling is None:
             self.async_scheduling = False
         _need_flags(self, "async_scheduling", "enable_lora")
         if self.max_inflight is None:
             self.max_inflight = 2 if self.async_scheduling else 1
         _need_counts(self, "max_batch_size", "max_num_batched_tokens", "max_inflight", "priority_aging_iterations",
-                     "max_loras")
+                     "max_loras", "max_long_partial_prefills")
 
 
 @dataclass(slots=True)

@@ -146,6 +146,11 @@ class BlockManager:
             hits.append(cached.block_id)
         return hits
 
+    def num_cached_tokens(self, request_id: str) -> int:
+        """Leading tokens of a request whose blocks are in the prefix cache: freed, they wait
+        for a hit (the tail evicted first) rather than being lost."""
+        return self._num_committed_blocks.get(request_id, 0) * self.block_size
+
     def cache_computed_blocks(self, req: Request) -> None:
         """Offer `req`'s blocks whose tokens are all computed to the cache. A block whose
         hash names another block already (the same prefix computed twice) stays private."""

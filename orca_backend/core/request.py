@@ -47,6 +47,7 @@ class Request:
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
+    num_preempted_tokens: int = 0  # computed tokens it had when last preempted, until readmitted
     track_logprob: bool = False  # compute each sampled token's log-probability
     lora: LoRARef | None = None  # its LoRA adapter; None: the base model
     # Prefix caching: prompt tokens whose K/V came from the cache at its first admission

@@ -4,29 +4,31 @@ Each call to `schedule()` hands out tokens, not phases: a request gets
 `min(remaining tokens, budget)` tokens, so a whole prompt, a prompt chunk and a decode step
 are the same code path and share an iteration.
 
-Priorities (vLLM's: lower first): while requests of different priorities are unfinished, both
-queues are kept in order of rank, `priority x priority_aging_iterations + the iteration the
-request arrived in`, then arrival: the best ranked waiting request is admitted first, and the
-worst ranked running one is preempted first. A waiting request that cannot get in (no slot in
-the batch, or no K/V room) preempts running requests of a worse priority for its place. A
-request is never passed by one of a better priority that arrived `(its priority - theirs) x
-priority_aging_iterations` iterations or more after it: starvation's bound.
+Priorities order both queues while requests of several are unfinished (`priorities.py`, with
+starvation's bound); proposals and async scheduling's step ahead are `rows_ahead.py`'s.
+
+A running request short of K/V room preempts others (`preemption.py` says whom). With
+`long_prefill_token_threshold`, a longer prompt prefills at most that many tokens a step and at
+most `max_long_partial_prefills` of them at once: a short prompt is admitted beside them, past
+long ones that wait.
 """
 from __future__ import annotations
 
 import itertools
-import operator
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass
 
 from .adapter_slots import AdapterSlots
 from .config import SchedulerConfig
 from .kv_manager import BlockManager
 from .messages import LoRARef, SchedulerOutput
+from .preemption import pick_victim
 from .request import Request, RequestStatus
 from .outgoing import IterationMessages
+from .priorities import PriorityRanking
 from .returns import IterationReturns
-from .speculative import may_speculate
+from .rows_ahead import RowsAhead
+from .waiting_queue import WaitingQueue
 
 
 @dataclass(slots=True)
@@ -35,9 +37,10 @@ class SchedulerCounters:
     new scheduler."""
 
     num_preemptions: int = 0
+    num_recomputed_tokens: int = 0  # computed again after a preemption (prefix-cache hits excluded)
 
 
-class Scheduler(IterationMessages, IterationReturns):
+class Scheduler(IterationMessages, IterationReturns, PriorityRanking, RowsAhead):
     """Bookkeeping only: which requests run, how many tokens each, which K/V blocks they own.
 
     Several iterations may be in flight. A request in an unreturned iteration is never
@@ -53,7 +56,7 @@ class Scheduler(IterationMessages, IterationReturns):
     def __init__(self, config: SchedulerConfig, kv: BlockManager, counters: SchedulerCounters | None = None) -> None:
         self.config = config
         self.kv = kv
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Request] = []  # in admission order: the last is preempted first
         self.counters = counters if counters is not None else SchedulerCounters()
         self.num_iterations = 0
@@ -67,6 +70,8 @@ class Scheduler(IterationMessages, IterationReturns):
         self._preempted_ids: list[str] = []
         self._arrivals = itertools.count()
         self._priorities: Counter[int] = Counter()  # of unfinished requests
+        self._short_of_room = False  # the last schedule() left a request waiting for K/V room
+        self._num_long_prefills = 0  # in the iteration being formed
 
     # -- requests in and out ------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -109,6 +114,21 @@ class Scheduler(IterationMessages, IterationReturns):
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    @property
+    def num_free_places(self) -> int:
+        """Requests the next iteration could still admit, as far as is known now: the free places
+        in the batch, none while a request waits for K/V room (or, with request-level batching,
+        while a batch runs)."""
+        if self._short_of_room or (self.config.batching == "request" and self.running):
+            return 0
+        return max(0, self._max_running - len(self.running))
+
+    @property
+    def num_unprefilled_tokens(self) -> int:
+        """Prompt tokens (and a preempted request's tokens to recompute) not yet computed."""
+        return self.waiting.num_tokens + sum(max(0, r.num_prompt_tokens - r.num_computed_tokens - r.num_in_flight_tokens)
+                                              for r in self.running)
+
     # -- one iteration ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput | None:
         """Pick this iteration's requests and token counts and reserve their K/V slots;
@@ -119,11 +139,13 @@ class Scheduler(IterationMessages, IterationReturns):
         spec = self.config.speculative_config
         # Speculate only at low load: a big batch is no longer bound by reading the weights.
         self._speculate = spec is not None and len(self.running) <= spec.max_batch_size
+        self._num_long_prefills = 0
         if len(self._priorities) > 1:
             self._rank_queues()
             num_preemptions = self.num_preemptions  # those that make room for a better request
         budget = self._schedule_running(scheduled, self.config.max_num_batched_tokens)
-        if self.num_preemptions == num_preemptions:  # no room was short: admit newcomers
+        self._short_of_room = self.num_preemptions != num_preemptions
+        if not self._short_of_room:  # no room was short: admit newcomers
             self._schedule_waiting(scheduled, budget)
         if not scheduled:
             if self.has_news_for_runner and not self._in_flight:
@@ -133,36 +155,6 @@ class Scheduler(IterationMessages, IterationReturns):
             return None
         self.num_iterations += 1
         return self._describe(scheduled)
-
-    def _rank_queues(self) -> None:
-        """Mixed priorities: both queues in order of rank (the worst running request last, to
-        be preempted first); the best waiting one takes the place of worse running ones."""
-        self.waiting = deque(sorted(self.waiting, key=_rank))
-        self.running.sort(key=_rank)
-        if not self.waiting or self.config.batching == "request":
-            return
-        head = self.waiting[0]
-        victims = [r for r in reversed(self.running) if not r.in_flight and r.params.priority > head.params.priority]
-        slots = self._adapter_slots()
-        if victims and not self._fits(head) and slots.fits(head) and self._room_after(head, victims):
-            for victim in victims:
-                self._preempt(victim)
-                if self._fits(head):
-                    break
-            self.waiting = deque(sorted(self.waiting, key=_rank))  # the preempted go behind it
-
-    def _fits(self, req: Request) -> bool:
-        """Whether a waiting request could be admitted now: a place in the batch and its blocks."""
-        if len(self.running) >= self._max_running:
-            return False
-        hits = self._hits(req)
-        return self.kv.can_allocate(req.request_id, self._need(req, len(hits) * self.kv.block_size), hits)
-
-    def _room_after(self, req: Request, victims: list[Request]) -> bool:
-        """Whether preempting all these would make room for a waiting request (its cache hits
-        not counted: a conservative answer)."""
-        blocks = self.kv.num_free_blocks + self.kv.num_blocks_freed_by([v.request_id for v in victims])
-        return self.kv.num_new_blocks(req.request_id, self._need(req)) <= blocks
 
     @property
     def _max_running(self) -> int:
@@ -183,16 +175,22 @@ class Scheduler(IterationMessages, IterationReturns):
             if req.in_flight:
                 n = self._ahead(req, budget)
                 if n:
+                    n = self._long_prefill_cap(req.num_tokens + req.num_placeholders - req.num_computed_tokens
+                                               - req.num_in_flight_tokens, n)
+                if n:
                     self.kv.allocate(req.request_id, req.num_computed_tokens + req.num_in_flight_tokens + n)
                     scheduled.append((req, n))
                     budget -= n
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._long_prefill_cap(req.num_tokens - req.num_computed_tokens,
+                                       min(req.num_tokens - req.num_computed_tokens, budget))
+            if not n:
+                continue  # a long prefill waits for its turn
             num_drafts = self._proposal_rows(req, budget - n) if n == 1 and self._speculate else 0
             if num_drafts and not self.kv.can_allocate(req.request_id, req.num_computed_tokens + n + num_drafts):
                 num_drafts = 0  # proposals never preempt anyone
             n += num_drafts
-            if not self._make_room(req, req.num_computed_tokens + n):
+            if not self._make_room(req, req.num_computed_tokens + n, i - 1):
                 break  # req itself was the newest and got preempted
             if num_drafts:
                 self._drafts[req.request_id] = num_drafts
@@ -201,48 +199,34 @@ class Scheduler(IterationMessages, IterationReturns):
             budget -= n
         return budget
 
-    def _proposal_rows(self, req: Request, room: int) -> int:
-        """Rows to reserve for proposals after a decoding request's next token: at most `room`
-        (the token budget left), and never past its max_tokens (the runner adds one token of
-        its own). None while it backs off (its proposer found nothing lately: it decodes one
-        step ahead meanwhile, with async scheduling)."""
-        if (room <= 0 or req.num_output_tokens < req.next_proposal_at
-                or not may_speculate(req.params, req.num_output_tokens, req.wants_logprob)):
-            return 0
-        limit = min(room, req.params.max_tokens - req.num_output_tokens - 1)
-        return max(0, min(limit, self.config.speculative_config.num_speculative_tokens))
-
-    def _ahead(self, req: Request, budget: int) -> int:
-        """Async scheduling: how many tokens of an in-flight request to schedule now; 0 when
-        it waits for its iteration (an end pending, its last token coming, no free blocks, or
-        proposals being checked: how many tokens it will have is not known yet)."""
-        if not self.config.async_scheduling or req.finish_on_return is not None or req.num_in_flight_drafts:
-            return 0
-        if (self._speculate and req.num_output_tokens >= req.next_proposal_at
-                and may_speculate(req.params, req.num_output_tokens, req.wants_logprob)):
-            return 0  # it waits for its token, then proposes from it: several tokens beat one step ahead
-        if req.num_output_tokens + req.num_placeholders >= req.params.max_tokens:
-            return 0
-        start = req.num_computed_tokens + req.num_in_flight_tokens
-        n = min(req.num_tokens + req.num_placeholders - start, budget)
-        if n <= 0 or not self.kv.can_allocate(req.request_id, start + n):
-            return 0
-        return n
-
-    def _make_room(self, req: Request, num_tokens: int) -> bool:
-        """Preempt the newest running requests not in flight until `req` fits; False if
-        `req` went too."""
+    def _make_room(self, req: Request, num_tokens: int, position: int) -> bool:
+        """Preempt running requests not in flight, from running[position] (req) on (those before
+        it have their tokens in this iteration), until `req` fits; False if `req` went too."""
         while not self.kv.can_allocate(req.request_id, num_tokens):
-            victim = next(r for r in reversed(self.running) if not r.in_flight)  # req qualifies
+            candidates = [r for r in self.running[position:] if not r.in_flight]  # req qualifies
+            victim = pick_victim(candidates, self.kv, self.config.preemption_victim)
             self._preempt(victim)
             if victim is req:
                 return False
         return True
 
+    def _long_prefill_cap(self, num_remaining_tokens: int, n: int) -> int:
+        """A request's tokens this iteration, `n` as the budget allows, after the long-prefill
+        rule: a request with more than the threshold still to compute gets at most that many, if
+        fewer than max_long_partial_prefills others got tokens this way already (else 0)."""
+        threshold = self.config.long_prefill_token_threshold
+        if not threshold or num_remaining_tokens <= threshold:
+            return n
+        if self._num_long_prefills >= self.config.max_long_partial_prefills:
+            return 0
+        self._num_long_prefills += 1
+        return min(n, threshold)
+
     def _preempt(self, req: Request) -> None:
         # Recompute later: K/V is dropped, generated tokens are kept and re-prefilled.
         self.running.remove(req)
         self.kv.free(req.request_id)
+        req.num_preempted_tokens = req.num_computed_tokens
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
@@ -264,13 +248,18 @@ class Scheduler(IterationMessages, IterationReturns):
             if budget <= 0 and not request_mode:
                 break
             req = self.waiting[i]
-            if not slots.fits(req):
-                i += 1  # its adapter waits for a slot; requests behind it whose adapter has one may go
+            if not slots.fits(req) or not self._long_prefill_cap(req.num_tokens, 1):
+                # Its adapter waits for a slot, or it is a long prompt and enough of them prefill:
+                # requests behind it that may run now go first.
+                i += 1
                 continue
             if not self._admit(req, i, budget):
+                self._short_of_room = True
                 break  # FCFS: the first that may run waits for room, nobody overtakes it
             slots.admit(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if self.config.long_prefill_token_threshold and n > self.config.long_prefill_token_threshold:
+                n = self.config.long_prefill_token_threshold  # counted among the long ones above
             if n > 0:
                 scheduled.append((req, n))
                 budget -= n
@@ -291,6 +280,9 @@ class Scheduler(IterationMessages, IterationReturns):
             return False
         self.kv.allocate(req.request_id, need, hits)
         req.num_computed_tokens = len(hits) * self.kv.block_size
+        if req.num_preempted_tokens:
+            self.counters.num_recomputed_tokens += max(0, req.num_preempted_tokens - req.num_computed_tokens)
+            req.num_preempted_tokens = 0
         if hits and self.kv.window is not None:
             self.kv.release_out_of_window(req.request_id, req.num_computed_tokens)
         if req.num_cached_tokens is None:  # counted once: a recompute after preemption is not news
@@ -298,10 +290,7 @@ class Scheduler(IterationMessages, IterationReturns):
             if self.kv.enable_prefix_caching:
                 self.kv.stats.num_queried_tokens += req.num_prompt_tokens
                 self.kv.stats.num_hit_tokens += req.num_cached_tokens
-        if position:
-            del self.waiting[position]
-        else:
-            self.waiting.popleft()
+        self.waiting.take(position)
         self.running.append(req)
         req.status = RequestStatus.RUNNING
         return True
@@ -323,6 +312,3 @@ class Scheduler(IterationMessages, IterationReturns):
         prompt runs every prompt row: cached K/V would skip them."""
         return [] if req.params.runs_every_prompt_row else self.kv.match_prefix(req)
 
-
-
-_rank = operator.attrgetter("rank")

@@ -205,6 +205,8 @@ class LLMEngine:
             num_prefix_queried_tokens=self.kv.stats.num_queried_tokens,
             num_prefix_hit_tokens=self.kv.stats.num_hit_tokens, num_evictions=self.kv.stats.num_evictions,
             num_structured_requests=self.stats.num_structured_requests,
+            num_free_places=self.scheduler.num_free_places, num_unprefilled_tokens=self.scheduler.num_unprefilled_tokens,
+            num_recomputed_tokens=self.stats.scheduler.num_recomputed_tokens,
             lora=self.loras.snapshot(self.scheduler.running, (t.request for t in self.outputs.tracked.values())),
             speculation=(self.stats.speculation.copy() if self.config.scheduler.speculative_config is not None
                          else None))

@@ -129,3 +129,6 @@ class EngineSnapshot:
     lora: LoRASnapshot | None = None  # with enable_lora
     speculation: SpeculationStats | None = None  # with speculative_config (a copy)
     num_structured_requests: int = 0  # requests added with a structured_outputs grammar
+    num_free_places: int = 0  # requests the next iteration could still admit
+    num_unprefilled_tokens: int = 0  # prompt tokens of waiting and running requests not yet computed
+    num_recomputed_tokens: int = 0  # computed again after preemptions

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from ..core.threads import NamedThread
 from ..core.errors import InvalidRequestError, OrcaError
 from ..engine.llm_engine import LLMEngine
-from ..engine.outputs import IterationRecord, PreparedRequest
+from ..engine.outputs import EngineSnapshot, IterationRecord, PreparedRequest
 from ..executors.stages import StageStats
+from .admission import Admission, AdmissionLimits, EngineLoad, Refusal
 from .inputs import GenerateRequest, LoRACommand
 from .sender import Sender
 from .sender_messages import (Deltas, ErrorKind, Fail, FailAll, Metrics, Open, Rejected, Reply, ResponseSink,
@@ -59,12 +60,12 @@ class EngineLoop:
     reported with every iteration's stats; `stream_interval`: the sender's."""
 
     def __init__(self, engine: LLMEngine, metrics: Metrics | None = None,
-                 trace_path: str | None = None, max_queue_size: int | None = None,
+                 trace_path: str | None = None, admission: AdmissionLimits | None = None,
                  stage_stats: Callable[[], list[StageStats]] | None = None, stream_interval: int = 1,
                  runtime_lora_updating: bool = False) -> None:
         self.engine = engine
         self.runtime_lora_updating = runtime_lora_updating  # LoRA commands may load and unload
-        self.max_queue_size = max_queue_size  # None: unbounded
+        self.admission = Admission(admission or AdmissionLimits())  # guarded by _lock
         self._stage_stats = stage_stats
         # One JSON line per iteration (batch shape, K/V use, queue), to watch batching happen.
         self._trace = TraceFile(trace_path)
@@ -76,8 +77,6 @@ class EngineLoop:
         self._ids = itertools.count()
         self._lock = threading.Lock()  # guards the fields below
         self._closed = False
-        self._pending: set[str] = set()  # submitted, not yet handed to the engine
-        self._num_engine_waiting = 0  # the engine's queue, as of its last command or iteration
         self._aborted_early: set[str] = set()  # cancelled before the engine saw them
         self.num_restarts = 0
         self._broken: str | None = None  # why the engine cannot serve, if it cannot
@@ -98,14 +97,12 @@ class EngineLoop:
             if self._closed or self._broken:
                 sink.fail(self._broken or "the server is shutting down", ErrorKind.UNAVAILABLE)
                 return
-            num_waiting = len(self._pending) + self._num_engine_waiting
-            if self.max_queue_size is not None and num_waiting >= self.max_queue_size:
-                self.sender.put(Rejected())
-                sink.fail(f"the queue is full: {num_waiting} requests are waiting "
-                          f"(max_queue_size {self.max_queue_size}); retry later", ErrorKind.UNAVAILABLE)
-                return
             request_id = f"req-{next(self._ids)}"
-            self._pending.add(request_id)
+            refusal = self.admission.enter(request_id)
+            if refusal is not None:
+                self.sender.put(Rejected(refusal.reason.value))
+                sink.fail(refusal.message, ErrorKind.UNAVAILABLE)
+                return
             # The stream is opened before the engine can produce anything for it.
             self.sender.put(Open(request_id, Stream(request, sink, time.monotonic())))
             self._to_tokenize.put(_Add(request_id, request))
@@ -144,6 +141,10 @@ class EngineLoop:
         while not isinstance(add := self._to_tokenize.get(), Stop):
             try:
                 add.prepared = self.engine.prepare(add.request.prompt, add.request.params)
+                if (refusal := self._tokenized(add)) is not None:
+                    self.sender.put(Rejected(refusal.reason.value))
+                    self.sender.put(Fail(add.request_id, refusal.message, ErrorKind.UNAVAILABLE))
+                    continue
                 add.grammar = self.engine.compile_grammar(add.prepared.params)
             except Exception as e:
                 self._settle(add.request_id)
@@ -154,6 +155,14 @@ class EngineLoop:
             else:
                 add.grammar.add_done_callback(lambda _, add=add: self._inbox.put(add))
         self._inbox.put(Stop())
+
+    def _tokenized(self, add: _Add) -> Refusal | None:
+        """The token cap, once the prompt's length is known; a refused request is settled."""
+        with self._lock:
+            refusal = self.admission.tokenized(add.request_id, len(add.prepared.token_ids))
+            if refusal is not None:
+                self._aborted_early.discard(add.request_id)
+        return refusal
 
     # -- engine thread ------------------------------------------------------------------------
     def _engine_main(self) -> None:
@@ -202,7 +211,7 @@ class EngineLoop:
 
     def _add(self, add: _Add) -> None:
         with self._lock:
-            self._pending.discard(add.request_id)
+            self.admission.settle(add.request_id)
             if add.request_id in self._aborted_early:
                 self._aborted_early.discard(add.request_id)
                 return  # cancelled while it was being tokenized; its stream has ended
@@ -216,7 +225,7 @@ class EngineLoop:
         except Exception as e:
             self.engine.abort_request(add.request_id)  # in case it got halfway in
             self.sender.put(_refusal(add.request_id, e, "adding the request"))
-        self._publish_waiting()
+        self._publish_load()
 
     def _run_command(self, c: _Command) -> None:
         command, engine = c.command, self.engine
@@ -245,7 +254,7 @@ class EngineLoop:
             self._report(self._stats())
             return
         with self._lock:
-            if request_id in self._pending:  # the add comes later: drop it then
+            if self.admission.is_pending(request_id):  # the add comes later: drop it then
                 self._aborted_early.add(request_id)
                 self.sender.put(Fail(request_id, "the request was cancelled", ErrorKind.CANCELLED))
 
@@ -282,14 +291,15 @@ class EngineLoop:
 
     def _settle(self, request_id: str) -> None:
         with self._lock:
-            self._pending.discard(request_id)
+            self.admission.settle(request_id)
             self._aborted_early.discard(request_id)
 
-    def _publish_waiting(self, num_waiting: int | None = None) -> None:
-        if num_waiting is None:
-            num_waiting = self.engine.snapshot().num_waiting
+    def _publish_load(self, snapshot: EngineSnapshot | None = None) -> None:
+        """The engine's counts, for the admission of requests that arrive next."""
+        s = snapshot or self.engine.snapshot()
+        load = EngineLoad(s.num_waiting, s.num_running, s.num_free_places, s.num_unprefilled_tokens)
         with self._lock:
-            self._num_engine_waiting = num_waiting
+            self.admission.load = load
 
     def _report(self, stats: Stats) -> None:
         # Through the sender, after the deltas before it: a reader of the metrics never sees
@@ -300,7 +310,7 @@ class EngineLoop:
     def _stats(self, iteration: IterationRecord | None = None) -> Stats:
         """Gauges and counters for the metrics; `iteration` when one has just run."""
         snapshot = self.engine.snapshot()
-        self._publish_waiting(snapshot.num_waiting)
+        self._publish_load(snapshot)
         return Stats(snapshot, self.num_restarts, iteration.num_requests if iteration else 0,
                      self._stage_stats() if self._stage_stats else None,
                      self.engine.grammars.take_compile_seconds(),

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..core.config import PARTS, EngineConfig, auto_device, auto_dtype, is_model_parameter
 from ..core.errors import ConfigError
+from .admission import AdmissionLimits
 
 
 def _option_types() -> dict[str, type]:
@@ -49,7 +50,7 @@ class ServingOptions:
     """config.pbtxt parameters of the serving loop rather than of the engine."""
 
     iteration_trace: str | None = None
-    max_queue_size: int | None = None  # None: unbounded
+    admission: AdmissionLimits = dataclasses.field(default_factory=AdmissionLimits)  # caps at arrival
     vllm_metrics: bool = True  # the same facts under vLLM's metric names too
     stream_interval: int = 1  # a stream's tokens per response (the first and the last go at once)
     runtime_lora_updating: bool = False  # LoRA adapters may be loaded and unloaded by request
@@ -58,7 +59,9 @@ class ServingOptions:
 def serving_options(parameters: dict[str, str]) -> ServingOptions:
     """Take the serving loop's parameters out of `parameters`; empty means unset."""
     trace = parameters.pop("iteration_trace", "").strip() or None
-    return ServingOptions(trace, _positive(parameters, "max_queue_size", None, "(unbounded)"),
+    caps = {name: _positive(parameters, name, None, "(unbounded)")
+            for name in ("max_queue_size", "max_num_queued_reqs", "max_num_queued_tokens")}
+    return ServingOptions(trace, AdmissionLimits(**caps),
                           _flag(parameters, "vllm_metrics", True), _positive(parameters, "stream_interval", 1, "(1)"),
                           _flag(parameters, "runtime_lora_updating", False))
 

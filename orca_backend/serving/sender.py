@@ -111,7 +111,8 @@ class Sender:
         elif isinstance(message, Deltas):
             self._take_deltas(message)
         elif isinstance(message, Rejected):
-            self._observed.num_rejected += 1
+            rejected = self._observed.rejected
+            rejected[message.reason] = rejected.get(message.reason, 0) + 1
         elif isinstance(message, Stats):
             if message.batch_size:
                 self._observed.batch_sizes.append(message.batch_size)

@@ -126,7 +126,9 @@ class Stats:
 
 @dataclass(slots=True)
 class Rejected:
-    """A request was refused before it was queued (the queue was full)."""
+    """A request was refused before it was queued, for this reason (an admission cap's name)."""
+
+    reason: str
 
 
 @dataclass(slots=True)
@@ -147,12 +149,12 @@ class Observed:
     finish_reasons: list[str] = field(default_factory=list)
     num_generated_tokens: int = 0
     ended_early: list[ErrorKind] = field(default_factory=list)  # taken requests that failed or were cancelled
-    num_rejected: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)  # refusals at arrival, by reason
     num_sends: int = 0  # responses (errors included) sent to tritonserver
     num_cancel_checks: int = 0
     sender_lag: list[float] = field(default_factory=list)  # per response: its oldest token made -> sent
     batch_sizes: list[int] = field(default_factory=list)  # of each iteration that returned
 
     def __bool__(self) -> bool:
-        return bool(self.num_sends or self.num_cancel_checks or self.num_rejected or self.ended_early
+        return bool(self.num_sends or self.num_cancel_checks or self.rejected or self.ended_early
                     or self.num_generated_tokens or self.sender_lag or self.batch_sizes)

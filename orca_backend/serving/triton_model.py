@@ -57,7 +57,7 @@ class TritonPythonModel:
         metrics = MetricsRecorder(TritonMetrics(name, args.get("model_version", "1"),
                                                 self.engine.rules.max_model_len if options.vllm_metrics else None))
         self.loop = EngineLoop(self.engine, metrics, trace_path(options.iteration_trace, name),
-                               options.max_queue_size, stage_stats, options.stream_interval,
+                               options.admission, stage_stats, options.stream_interval,
                                options.runtime_lora_updating)
         self.loop.start()
         _close_on_interrupt(self.loop)

@@ -79,8 +79,9 @@ async def _check_key(request: Request) -> None:  # async: FastAPI would run a pl
 
 
 async def _api_error(request: Request, e: APIError) -> JSONResponse:
-    # Every 503 is passing (the server starting, a full queue): say when to try again.
-    return JSONResponse(e.body(), status_code=e.status, headers={"Retry-After": "1"} if e.status == 503 else None)
+    # Every 503 and 429 is passing (the server starting, a full queue): say when to try again.
+    return JSONResponse(e.body(), status_code=e.status,
+                        headers={"Retry-After": "1"} if e.status in (429, 503) else None)
 
 
 async def _http_error(request: Request, e: HTTPException) -> JSONResponse:

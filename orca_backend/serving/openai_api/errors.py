@@ -53,7 +53,14 @@ _GRPC_TO_HTTP = {
 }
 
 
+def overloaded(message: str) -> APIError:
+    """A refusal at arrival (an admission cap): 429, to retry after a moment or elsewhere."""
+    return APIError(429, message, code="queue_full", kind="rate_limit_error")
+
+
 def from_grpc(code: grpc.StatusCode, details: str, param: str | None = None) -> APIError:
+    if code == grpc.StatusCode.UNAVAILABLE and details.startswith(_OVERLOADED):
+        return overloaded(details)
     status = _GRPC_TO_HTTP.get(code, 500)
     if code == grpc.StatusCode.UNAVAILABLE and "failed to connect" in details.lower():
         details = "the inference server cannot be reached"  # gRPC's text names addresses and files
@@ -65,7 +72,8 @@ def from_grpc(code: grpc.StatusCode, details: str, param: str | None = None) -> 
 
 # The serving model's errors by what they say: over Triton 2.51's gRPC stream an error
 # response is a message without its status code (see backend.py), and these are its words.
-_UNAVAILABLE = ("the queue is full", "the server is shutting down", "the engine could not be restarted")
+_OVERLOADED = "the queue is full"
+_UNAVAILABLE = ("the server is shutting down", "the engine could not be restarted")
 _INVALID = ("prompt ", "max_tokens ", "sampling parameter ", "unknown sampling parameter", "input '",
             "exclude_input_in_output", "parameter '", "request parameters", "sampling_parameters ",
             "request id ", "structured_outputs ", "unknown structured_outputs ", "LoRA ", "lora_command ",
@@ -74,8 +82,10 @@ _INVALID = ("prompt ", "max_tokens ", "sampling parameter ", "unknown sampling p
 
 
 def from_model_message(text: str) -> APIError:
-    """An error the model sent in its stream: 400 for bad input, 503 for a full queue or a
-    server going away, else 500 (the first line, no paths)."""
+    """An error the model sent in its stream: 400 for bad input, 429 for a full queue, 503 for
+    a server going away, else 500 (the first line, no paths)."""
+    if text.startswith(_OVERLOADED):
+        return overloaded(text)
     if text.startswith(_UNAVAILABLE):
         return APIError(503, server_message(text))
     if text.startswith(_INVALID) or " is not supported by model " in text or "does not stream" in text:

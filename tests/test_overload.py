@@ -1,0 +1,115 @@
+"""Behaviour under overload, as bookkeeping: admission at arrival, the preemption victim, the
+long-prefill cap and the scheduler's counts the admission reads (fake runner, no model)."""
+from __future__ import annotations
+
+import pytest
+
+from orca_backend.serving.admission import Admission, AdmissionLimits, EngineLoad, Reason
+
+from fakes import FakeEngine
+
+
+def _enter(admission: Admission, n: int) -> list:
+    return [admission.enter(f"r{i}") for i in range(n)]
+
+
+def test_a_burst_that_fits_the_batch_is_not_a_queue():
+    admission = Admission(AdmissionLimits(max_queue_size=4))
+    admission.load = EngineLoad(num_free_places=32)
+    refusals = _enter(admission, 80)
+    assert refusals[:36] == [None] * 36
+    assert {r.reason for r in refusals[36:]} == {Reason.QUEUE}
+    assert refusals[36].message == "the queue is full: 4 requests are waiting (max_queue_size 4); retry later"
+    # The engine took 36: 32 run, 4 wait; nothing is pending. Still full.
+    for i in range(36):
+        admission.settle(f"r{i}")
+    admission.load = EngineLoad(num_waiting=4, num_running=32, num_free_places=0)
+    assert admission.enter("late").reason == Reason.QUEUE
+    admission.load = EngineLoad(num_waiting=3, num_running=32, num_free_places=0)  # one was admitted
+    assert admission.enter("later") is None
+
+
+def test_max_num_queued_reqs_counts_waiting_running_and_pending():
+    admission = Admission(AdmissionLimits(max_num_queued_reqs=10))
+    admission.load = EngineLoad(num_waiting=2, num_running=6, num_free_places=26)
+    refusals = _enter(admission, 3)
+    assert refusals[:2] == [None, None] and refusals[2].reason == Reason.REQUESTS
+    assert refusals[2].message == ("the queue is full: 10 requests are waiting or running "
+                                   "(max_num_queued_reqs 10); retry later")
+
+
+def test_max_num_queued_tokens_bounds_the_backlog_ahead_of_a_request():
+    admission = Admission(AdmissionLimits(max_num_queued_tokens=100))
+    _enter(admission, 4)
+    assert admission.tokenized("r0", 500) is None  # nothing ahead of it: served, whatever its length
+    refused = admission.tokenized("r1", 1)
+    assert refused.reason == Reason.TOKENS and not admission.is_pending("r1")
+    assert refused.message == ("the queue is full: 500 prompt tokens are waiting to be prefilled, 1 more "
+                               "would pass max_num_queued_tokens 100; retry later")
+    admission.settle("r0")  # handed to the engine, which has prefilled all but 40 of it
+    admission.load = EngineLoad(num_running=1, num_unprefilled_tokens=40)
+    assert admission.tokenized("r2", 60) is None
+    assert admission.tokenized("r3", 1).reason == Reason.TOKENS  # 40 + 60 ahead of it
+
+
+def test_limits_are_checked():
+    with pytest.raises(ValueError, match="max_num_queued_tokens must be >= 1 or unset, got 0"):
+        AdmissionLimits(max_num_queued_tokens=0)
+
+
+def test_free_places_count_the_batch_and_none_while_a_request_waits_for_room():
+    eng = FakeEngine(num_blocks=4, block_size=4, max_batch_size=3)
+    assert eng.scheduler.num_free_places == 3
+    eng.add("a", 6, max_tokens=3)  # 2 blocks each, room for its next 2 tokens
+    eng.add("b", 6, max_tokens=3)
+    eng.step()
+    assert eng.scheduler.num_free_places == 1 and eng.scheduler.num_unprefilled_tokens == 0
+    eng.add("c", 8, max_tokens=2)  # no block left for it
+    eng.step()
+    assert [r.request_id for r in eng.scheduler.waiting] == ["c"]
+    assert eng.scheduler.num_free_places == 0 and eng.scheduler.num_unprefilled_tokens == 8
+
+
+def _preempting(rule: str, enable_prefix_caching: bool = False):
+    """An old short request and a newer long one; the old one's next block is not there."""
+    eng = FakeEngine(num_blocks=5, block_size=4, enable_prefix_caching=enable_prefix_caching,
+                     preemption_victim=rule)
+    requests = [eng.add("short", 2, max_tokens=8), eng.add("long", 12, max_tokens=8)]
+    eng.run()
+    for req in requests:  # outputs exact, every block back
+        assert req.output_token_ids == [1000 + i for i in range(8)]
+    assert eng.kv.num_used_blocks == 0
+    return eng, requests
+
+
+def test_the_victim_is_the_request_whose_recompute_wastes_least():
+    newest, (short, long) = _preempting("newest")
+    assert (short.num_preemptions, long.num_preemptions) == (0, 1)
+    assert newest.scheduler.counters.num_recomputed_tokens == 14  # the long one's prompt and 2 tokens
+    least, (short, long) = _preempting("least_waste")
+    assert (short.num_preemptions, long.num_preemptions) == (1, 0)
+    assert least.scheduler.counters.num_recomputed_tokens == 4
+
+
+def test_blocks_still_cached_are_not_recomputed_nor_counted():
+    eng, (short, long) = _preempting("newest", enable_prefix_caching=True)
+    assert long.num_preemptions == 1
+    # Its tail block went to the short one as that grew; its 2 leading blocks were hits.
+    assert eng.scheduler.counters.num_recomputed_tokens == 14 - 8
+
+
+def test_long_prefills_take_turns_and_a_short_prompt_goes_past_them():
+    capped = FakeEngine(num_blocks=64, max_num_batched_tokens=64, long_prefill_token_threshold=8)
+    plain = FakeEngine(num_blocks=64, max_num_batched_tokens=64)
+    for eng in (capped, plain):
+        eng.add("long1", 40, max_tokens=2)
+        eng.add("long2", 40, max_tokens=2)
+        eng.add("short", 5, max_tokens=2)
+    first = capped.step()
+    assert first.request_ids == ["long1", "short"] and first.num_scheduled_tokens == [8, 5]
+    assert plain.step().request_ids == ["long1", "long2"]  # the short one waits behind both
+    capped.run()
+    # long1 in slices of 8; once 8 or fewer are left it is not long any more, and long2 starts.
+    assert [b.request_ids for b in capped.batches][:5] == [["long1", "short"], ["long1", "short"], ["long1"],
+                                                         ["long1"], ["long1", "long2"]]
+    assert capped.batches[4].num_scheduled_tokens == [8, 8]
