@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from orca_backend.core.request import Request
+from orca_backend.core.sampling_params import SamplingParams
 from orca_backend.serving.admission import Admission, AdmissionLimits, EngineLoad, Reason
 
 from fakes import FakeEngine
@@ -113,3 +115,35 @@ def test_long_prefills_take_turns_and_a_short_prompt_goes_past_them():
     assert [b.request_ids for b in capped.batches][:5] == [["long1", "short"], ["long1", "short"], ["long1"],
                                                          ["long1"], ["long1", "long2"]]
     assert capped.batches[4].num_scheduled_tokens == [8, 8]
+
+
+def _waiting(eng: FakeEngine, request_id: str, ttft_ms: float | None = None, priority: int = 0) -> None:
+    eng.scheduler.add(Request(request_id, [1, 2, 3], SamplingParams(max_tokens=2, slo_ttft_ms=ttft_ms, priority=priority),
+                              arrival_time=100.0))
+
+
+def test_deadline_order_is_earliest_first_and_aging_bounds_it():
+    eng = FakeEngine(max_batch_size=1, scheduling_policy="deadline", priority_aging_iterations=4)
+    eng.add("busy", 2, max_tokens=40)
+    eng.step()
+    for request_id, ttft_ms in (("late", 10_000), ("none", None), ("early", 1_000)):
+        _waiting(eng, request_id, ttft_ms)
+    eng.step()
+    assert [r.request_id for r in eng.scheduler.waiting] == ["early", "late", "none"]
+    for _ in range(4):  # an aging step: the three waited it, a newcomer did not
+        eng.step()
+    _waiting(eng, "fresh", 1)
+    eng.step()
+    assert [r.request_id for r in eng.scheduler.waiting] == ["early", "late", "none", "fresh"]
+
+
+@pytest.mark.parametrize("policy, first", [("fcfs", "low"), ("priority", "high")])
+def test_fcfs_ignores_priorities(policy, first):
+    eng = FakeEngine(max_batch_size=1, scheduling_policy=policy)
+    eng.add("busy", 2, max_tokens=2)
+    eng.step()
+    _waiting(eng, "low", priority=5)
+    _waiting(eng, "high", priority=-5)
+    eng.run()
+    order = [b.request_ids[0] for b in eng.batches if b.request_ids[0] != "busy"]
+    assert order[0] == first

@@ -17,6 +17,9 @@ POLICIES = ("paged", "reserve")  # K/V: blocks as tokens arrive, or ORCA's reser
 # Whom a request short of K/V room preempts: the running request whose recompute wastes the least
 # (its computed tokens not in the prefix cache, the worst priority first), or the newest admitted.
 PREEMPTION_VICTIMS = ("least_waste", "newest")
+# The order of the waiting queue: by priority with aging (FCFS within one), FCFS whatever the
+# priorities (vLLM's "fcfs"), or by priority with aging and then by earliest first-token deadline.
+SCHEDULING_POLICIES = ("priority", "fcfs", "deadline")
 BATCHING_MODES = ("iteration", "request")
 # Where the model runner lives: this process, a child process, stages in this process, or
 # stages as Triton models (only inside tritonserver).
@@ -64,6 +67,7 @@ class SchedulerConfig:
     # priority x this + the iteration it arrived in, so one arriving this many iterations later
     # than another of the next better priority ranks behind it (starvation's bound).
     priority_aging_iterations: int = 256
+    scheduling_policy: str = "priority"  # one of SCHEDULING_POLICIES
     preemption_victim: str = "least_waste"  # one of PREEMPTION_VICTIMS
     # Long prompts (vLLM's names; 0: off): a prompt of more than long_prefill_token_threshold tokens
     # prefills at most that many a step, and at most max_long_partial_prefills such prompts prefill at
@@ -85,6 +89,7 @@ class SchedulerConfig:
         _need_one_of(self, "policy", POLICIES)
         _need_one_of(self, "batching", BATCHING_MODES)
         _need_one_of(self, "preemption_victim", PREEMPTION_VICTIMS)
+        _need_one_of(self, "scheduling_policy", SCHEDULING_POLICIES)
         _need(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold",
               self.long_prefill_token_threshold, "an integer >= 0 (0: off)")
         if self.async_scheduling is None:

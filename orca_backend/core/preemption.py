@@ -20,8 +20,10 @@ def waste(req: Request, kv: BlockManager) -> int:
     return max(0, req.num_computed_tokens - kv.num_cached_tokens(req.request_id))
 
 
-def pick_victim(candidates: list[Request], kv: BlockManager, rule: str) -> Request:
-    """One of `candidates` (running, in admission order, none in flight) by `rule`."""
+def pick_victim(candidates: list[Request], kv: BlockManager, rule: str, by_priority: bool = True) -> Request:
+    """One of `candidates` (running, in admission order, none in flight) by `rule`;
+    `by_priority` False: priorities do not count (scheduling_policy "fcfs")."""
     if rule == "newest":
         return candidates[-1]
-    return min(reversed(candidates), key=lambda r: (-r.params.priority, waste(r, kv), r.num_computed_tokens))
+    return min(reversed(candidates), key=lambda r: (-r.params.priority if by_priority else 0, waste(r, kv),
+                                                     r.num_computed_tokens))

@@ -1,4 +1,4 @@
-"""Priorities (vLLM's: lower first), a mixin of `Scheduler`.
+"""Priorities (vLLM's: lower first) and deadlines, a mixin of `Scheduler`.
 
 While requests of different priorities are unfinished, both queues are kept in order of rank,
 `priority x priority_aging_iterations + the iteration the request arrived in`, then arrival:
@@ -6,11 +6,20 @@ the best ranked waiting request is admitted first, and the worst ranked running 
 preempted first. A waiting request that cannot get in (no slot in the batch, or no K/V room)
 preempts running requests of a worse priority for its place. A request is never passed by one
 of a better priority that arrived `(its priority - theirs) x priority_aging_iterations`
-iterations or more after it: starvation's bound.
+iterations or more after it: starvation's bound. With scheduling_policy "fcfs" priorities do
+not count: one queue, in order of arrival.
+
+With scheduling_policy "deadline", the waiting queue is ordered on every iteration by priority
+less the aging steps waited (`(iterations since arrival) // priority_aging_iterations`), then by
+first-token deadline (arrival + `slo_ttft_ms`; none is last), then arrival. Within a priority the
+earliest deadline goes first, and one that arrived priority_aging_iterations iterations or more
+later never passes: a request without a target waits at most that long behind those with one.
+Across priorities the bound is one aging step longer than with "priority".
 """
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 
 from .adapter_slots import AdapterSlots
 from .config import SchedulerConfig
@@ -30,6 +39,7 @@ class PriorityRanking:
     waiting: WaitingQueue
     running: list[Request]
     _max_running: int
+    num_iterations: int
 
     def _preempt(self, req: Request) -> None:
         raise NotImplementedError
@@ -46,8 +56,9 @@ class PriorityRanking:
     def _rank_queues(self) -> None:
         """Mixed priorities: both queues in order of rank (the worst running request last, to
         be preempted first); the best waiting one takes the place of worse running ones."""
-        self.waiting.sort(_rank)
-        self.running.sort(key=_rank)
+        key = self._order_key()
+        self.waiting.sort(key)
+        self.running.sort(key=key)
         if not self.waiting or self.config.batching == "request":
             return
         head = self.waiting[0]
@@ -58,7 +69,17 @@ class PriorityRanking:
                 self._preempt(victim)
                 if self._fits(head):
                     break
-            self.waiting.sort(_rank)  # the preempted go behind it
+            self.waiting.sort(key)  # the preempted go behind it
+
+    def _order_key(self) -> Callable[[Request], tuple]:
+        if self.config.scheduling_policy != "deadline":
+            return _rank
+        now, aging = self.num_iterations, self.config.priority_aging_iterations
+        return lambda r: (r.params.priority - (now - r.arrival_iteration) // aging, r.deadline, r.rank[1])
+
+    def _class_of(self, req: Request) -> int:
+        """The priority a request is queued by: its own, or 0 for all with "fcfs"."""
+        return 0 if self.config.scheduling_policy == "fcfs" else req.params.priority
 
     def _fits(self, req: Request) -> bool:
         """Whether a waiting request could be admitted now: a place in the batch and its blocks."""

@@ -69,6 +69,8 @@ class Request:
     # Its place among requests of mixed priorities, set on arrival: rank (priority x the aging
     # step + the iteration it arrived in; lower runs first), then arrival order.
     rank: tuple[int, int] = (0, 0)
+    arrival_iteration: int = 0  # the scheduler's iteration count when it arrived
+    arrival_time: float = 0.0  # when it arrived, in seconds of the server's monotonic clock
     num_prompt_tokens: int = field(init=False, default=0)
 
     @property
@@ -99,6 +101,12 @@ class Request:
         if start >= n:
             return self.output_token_ids[start - n:end - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+
+    @property
+    def deadline(self) -> float:
+        """When its first token is due (arrival + slo_ttft_ms); infinity without a target."""
+        ttft = self.params.slo_ttft_ms
+        return float("inf") if ttft is None else self.arrival_time + ttft / 1000
 
     @property
     def wants_logprob(self) -> bool:

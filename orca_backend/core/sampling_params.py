@@ -59,6 +59,12 @@ class SamplingParams:
     # Scheduling order among waiting requests and who is preempted first (vLLM's convention:
     # lower runs first, ties by arrival); see core/scheduler.py for the starvation bound.
     priority: int = 0
+    # Latency targets, in milliseconds (llm-d's x-slo-ttft-ms and x-slo-tpot-ms): time to the first
+    # token, from arrival, and time per output token after it. With scheduling_policy "deadline",
+    # waiting requests of a priority run by earliest first-token deadline; a server with
+    # reject_infeasible refuses at arrival a request its cost model says cannot meet them.
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
     # An embedding request (set by the embedding_request input and /v1/embeddings, not a sampling
     # parameter): its prompt runs and the pooled hidden state comes back instead of tokens, cut to
     # its first `dimensions` values (before normalizing) when that is set.
@@ -107,6 +113,9 @@ class SamplingParams:
         _check(self.dimensions is None or self.dimensions >= 1, "dimensions", self.dimensions, "must be >= 1")
         _check(PRIORITY_RANGE[0] <= self.priority <= PRIORITY_RANGE[1], "priority", self.priority,
                f"must be an integer in [{PRIORITY_RANGE[0]}, {PRIORITY_RANGE[1]}]")
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            value = getattr(self, name)
+            _check(value is None or value > 0, name, value, "must be > 0 (milliseconds)")
         _check(all(w for w in self.bad_words) and all(_is_text(w) for w in self.bad_words), "bad_words",
                self.bad_words, "must be non-empty strings of valid Unicode text")
 
@@ -156,11 +165,11 @@ _TYPES: dict[str, type] = {
     "max_tokens": int, "min_tokens": int, "top_k": int, "seed": int, "logprobs": int, "prompt_logprobs": int,
     "priority": int, "dimensions": int, "embed": bool,
     "temperature": float, "top_p": float, "min_p": float, "repetition_penalty": float,
-    "presence_penalty": float, "frequency_penalty": float,
+    "presence_penalty": float, "frequency_penalty": float, "slo_ttft_ms": float, "slo_tpot_ms": float,
     "ignore_eos": bool, "include_stop_str_in_output": bool, "skip_special_tokens": bool,
 }
 _OPTIONAL = {"max_tokens", "seed", "logprobs", "prompt_logprobs", "cache_salt", "structured_outputs",
-             "logit_bias", "allowed_token_ids", "dimensions"}
+             "logit_bias", "allowed_token_ids", "dimensions", "slo_ttft_ms", "slo_tpot_ms"}
 # Fields a client does not set through sampling_parameters: the engine's own, and an embedding
 # request's (their own input).
 _NOT_SAMPLING = {"bad_words_token_ids", "embed", "dimensions"}

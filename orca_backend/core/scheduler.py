@@ -76,7 +76,8 @@ class Scheduler(IterationMessages, IterationReturns, PriorityRanking, RowsAhead)
     # -- requests in and out ------------------------------------------------------------
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
-        priority = req.params.priority
+        priority = self._class_of(req)
+        req.arrival_iteration = self.num_iterations
         req.rank = (priority * self.config.priority_aging_iterations + self.num_iterations, next(self._arrivals))
         self._priorities[priority] += 1
         self.waiting.append(req)
@@ -104,9 +105,10 @@ class Scheduler(IterationMessages, IterationReturns, PriorityRanking, RowsAhead)
             self.waiting.remove(req)
         req.status = status
         self.kv.free(req.request_id)
-        self._priorities[req.params.priority] -= 1
-        if not self._priorities[req.params.priority]:
-            del self._priorities[req.params.priority]
+        priority = self._class_of(req)
+        self._priorities[priority] -= 1
+        if not self._priorities[priority]:
+            del self._priorities[priority]
         if req.num_sent_tokens:
             self._finished_ids.append(req.request_id)
 
@@ -140,7 +142,7 @@ class Scheduler(IterationMessages, IterationReturns, PriorityRanking, RowsAhead)
         # Speculate only at low load: a big batch is no longer bound by reading the weights.
         self._speculate = spec is not None and len(self.running) <= spec.max_batch_size
         self._num_long_prefills = 0
-        if len(self._priorities) > 1:
+        if len(self._priorities) > 1 or (self.config.scheduling_policy == "deadline" and len(self.waiting) > 1):
             self._rank_queues()
             num_preemptions = self.num_preemptions  # those that make room for a better request
         budget = self._schedule_running(scheduled, self.config.max_num_batched_tokens)
@@ -204,7 +206,8 @@ class Scheduler(IterationMessages, IterationReturns, PriorityRanking, RowsAhead)
         it have their tokens in this iteration), until `req` fits; False if `req` went too."""
         while not self.kv.can_allocate(req.request_id, num_tokens):
             candidates = [r for r in self.running[position:] if not r.in_flight]  # req qualifies
-            victim = pick_victim(candidates, self.kv, self.config.preemption_victim)
+            victim = pick_victim(candidates, self.kv, self.config.preemption_victim,
+                                 by_priority=self.config.scheduling_policy != "fcfs")
             self._preempt(victim)
             if victim is req:
                 return False

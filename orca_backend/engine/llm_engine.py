@@ -101,14 +101,16 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int] | PreparedRequest,
                     params: SamplingParams | None = None, track_logprob: bool = False,
-                    grammar: Future | None = None, lora_name: str | None = None) -> Request:
+                    grammar: Future | None = None, lora_name: str | None = None,
+                    arrival_time: float | None = None) -> Request:
         """Validate and queue a request; raises InvalidRequestError naming what is wrong.
 
         `prompt`: text or token ids, checked here with `params`; or what `prepare` returned
         (a server's tokenizer thread checked it), not checked again (`params` unused).
         `lora_name`: the adapter it runs with (one `add_lora` registered); None: the base model.
         `track_logprob` keeps a cumulative log-probability even when `params.logprobs` is unset;
-        `grammar`: the future `compile_grammar` gave for these params (else the compile starts here).
+        `grammar`: the future `compile_grammar` gave for these params (else the compile starts here);
+        `arrival_time`: when it arrived by time.monotonic() (None: now), whence its deadline.
         """
         if request_id in self.outputs.tracked:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -120,7 +122,8 @@ class LLMEngine:
         ready = grammar is None or grammar.done()  # read once: it may end at any moment
         if grammar is not None and ready:
             grammar_of(grammar)  # a refused grammar raises its InvalidRequestError here
-        req = Request(request_id, token_ids, params, track_logprob=track_logprob, lora=lora)
+        req = Request(request_id, token_ids, params, track_logprob=track_logprob, lora=lora,
+                      arrival_time=time.monotonic() if arrival_time is None else arrival_time)
         self.outputs.track(req)
         if grammar is not None:
             self.stats.num_structured_requests += 1

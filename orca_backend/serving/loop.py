@@ -41,6 +41,7 @@ class _Add:
     request: GenerateRequest
     prepared: PreparedRequest | None = None  # set by the tokenizer thread
     grammar: Future | None = None  # its structured_outputs grammar, compiled (or failed)
+    arrival: float = 0.0  # time.monotonic() at submission
 
 
 @dataclass(slots=True)
@@ -103,9 +104,10 @@ class EngineLoop:
                 self.sender.put(Rejected(refusal.reason.value))
                 sink.fail(refusal.message, ErrorKind.UNAVAILABLE)
                 return
+            arrival = time.monotonic()
             # The stream is opened before the engine can produce anything for it.
-            self.sender.put(Open(request_id, Stream(request, sink, time.monotonic())))
-            self._to_tokenize.put(_Add(request_id, request))
+            self.sender.put(Open(request_id, Stream(request, sink, arrival)))
+            self._to_tokenize.put(_Add(request_id, request, arrival=arrival))
 
     def submit_command(self, command: LoRACommand, sink: ResponseSink) -> None:
         """Queue a LoRA command for the engine thread (which owns the adapters); answered once."""
@@ -221,7 +223,7 @@ class EngineLoop:
             return
         try:
             self.engine.add_request(add.request_id, add.prepared, track_logprob=add.request.return_cumulative_logprob,
-                                    grammar=add.grammar, lora_name=add.request.lora_name)
+                                    grammar=add.grammar, lora_name=add.request.lora_name, arrival_time=add.arrival)
         except Exception as e:
             self.engine.abort_request(add.request_id)  # in case it got halfway in
             self.sender.put(_refusal(add.request_id, e, "adding the request"))

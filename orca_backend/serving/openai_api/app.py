@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from .backend import Backend
-from .errors import APIError, invalid, unauthorized
+from .errors import APIError, invalid, shown, unauthorized
 from .chat_output import ChatOutput
 from .embeddings import EmbeddingRequest
 from .formats import Choice, completion_choice, completion_delta, envelope, new_id, usage
@@ -169,7 +169,7 @@ async def _lora_model(backend: Backend, body: dict):
 
 
 async def _completions(request: Request):
-    req = parse(CompletionRequest, await _body(request))
+    req = parse(CompletionRequest, _with_slo_headers(request, await _body(request)))
     sampling, prompts = req.sampling(), req.prompts()
     backend: Backend = request.app.state.backend
     served, lora = await backend.resolve(req.model)
@@ -191,7 +191,7 @@ async def _completions(request: Request):
 
 
 async def _chat(request: Request):
-    req = parse(ChatRequest, await _body(request))
+    req = parse(ChatRequest, _with_slo_headers(request, await _body(request)))
     state = request.app.state
     sampling, messages = req.sampling(), req.template_messages()
     tool_choice = req.tool_choice_for(state.tool_parser)
@@ -256,6 +256,23 @@ async def _models_or_none(backend: Backend):
         return await backend.models(refresh=True)
     except APIError:
         return None
+
+
+_SLO_HEADERS = {"x-slo-ttft-ms": "slo_ttft_ms", "x-slo-tpot-ms": "slo_tpot_ms"}  # llm-d's
+
+
+def _with_slo_headers(request: Request, body):
+    """llm-d's latency-target headers as the body's fields; a field the body sets wins."""
+    if isinstance(body, dict):
+        for header, field in _SLO_HEADERS.items():
+            value = request.headers.get(header)
+            if value is not None and body.get(field) is None:
+                try:
+                    body[field] = float(value)
+                except ValueError:
+                    raise invalid(f"header '{header}' must be a number of milliseconds, got {shown(value)}",
+                                  field) from None
+    return body
 
 
 async def _body(request: Request):

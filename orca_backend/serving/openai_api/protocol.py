@@ -21,7 +21,7 @@ from .tools import ToolChoice, check_tool_choice, check_tools
 _PASSED = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
            "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
            "include_stop_str_in_output", "skip_special_tokens", "cache_salt", "logit_bias", "allowed_token_ids",
-           "bad_words", "priority")
+           "bad_words", "priority", "slo_ttft_ms", "slo_tpot_ms")
 # Fields we cannot honour, accepted only with a value that asks for nothing.
 _NO_OP = {
     "tools": lambda v: not v,
@@ -88,6 +88,8 @@ class _Request(Body):
     allowed_token_ids: list[int] | None = None  # vLLM's extra fields
     bad_words: list[str] | None = None
     priority: int | None = None  # vLLM's: lower runs first
+    slo_ttft_ms: float | None = None  # latency targets (llm-d's x-slo-ttft-ms / x-slo-tpot-ms headers set them too)
+    slo_tpot_ms: float | None = None
     response_format: dict | None = None  # OpenAI's: text, json_object or json_schema
     structured_outputs: dict | str | None = None  # vLLM's extra field
 
