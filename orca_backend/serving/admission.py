@@ -29,7 +29,6 @@ class Reason(str, enum.Enum):
     QUEUE = "max_queue_size"
     REQUESTS = "max_num_queued_reqs"
     TOKENS = "max_num_queued_tokens"
-    DRAINING = "draining"
 
 
 @dataclass(slots=True, frozen=True)
