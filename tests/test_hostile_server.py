@@ -66,7 +66,8 @@ def hostile(tmp_path_factory, default_model):
     repository = root / "models"
     repository.mkdir()
     _model(repository, "orca_small_queue", {"max_batch_size": "1", "max_queue_size": "2",
-                                            "max_num_queued_tokens": "64", "kv_cache_tokens": "2048",
+                                            "max_num_queued_tokens": "64", "reject_infeasible": "true",
+                                            "kv_cache_tokens": "2048",
                                             "vllm_metrics": "false"})
     _model(repository, "orca_faulty", {"kv_cache_tokens": "2048"}, FAULTY_MODEL_PY)
     _model(repository, "orca_process", {"executor": "process", "max_inflight": "2",
@@ -160,12 +161,16 @@ def test_the_token_cap_refuses_a_prompt_that_would_pass_it_and_serves_the_rest(h
         wait_until(lambda: hostile.metric("orca_unprefilled_tokens", model) == 40, 30, "40 tokens waiting")
         with StreamingClient(hostile.grpc_url, model=model) as other:  # its error is blamed on its stream's oldest
             refused = other.generate(long_prompt, sampling={"max_tokens": 3}, timeout=60)
+            # Dozens of iterations have run: the cost model is fitted, and no iteration takes a microsecond.
+            infeasible = other.generate("Short", sampling={"max_tokens": 3, "slo_ttft_ms": 0.001}, timeout=60)
         short = c.send("Short", sampling={"max_tokens": 3, **GREEDY})  # 1 token: within the cap
         results = [c.wait(i, timeout=120) for i in (running, queued, short)]
     assert refused.error == ("the queue is full: 40 prompt tokens are waiting to be prefilled, 40 more would "
                              "pass max_num_queued_tokens 64; retry later")
     assert [(r.error, len(r.responses)) for r in results] == [(None, 60), (None, 3), (None, 3)]
+    assert infeasible.error.startswith("slo_ttft_ms 0.001 cannot be met: the first token would come after about ")
     wait_until(lambda: _rejected(hostile, model, "max_num_queued_tokens") == 1, 10, "the refusal counted")
+    assert _rejected(hostile, model, "reject_infeasible") == 1
     assert_no_leak(hostile, model)
 
 

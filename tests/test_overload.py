@@ -7,6 +7,7 @@ import pytest
 from orca_backend.core.request import Request
 from orca_backend.core.sampling_params import SamplingParams
 from orca_backend.serving.admission import Admission, AdmissionLimits, EngineLoad, Reason
+from orca_backend.serving.iteration_cost import MIN_ITERATIONS, CostFit, IterationCost
 
 from fakes import FakeEngine
 
@@ -52,6 +53,48 @@ def test_max_num_queued_tokens_bounds_the_backlog_ahead_of_a_request():
     admission.load = EngineLoad(num_running=1, num_unprefilled_tokens=40)
     assert admission.tokenized("r2", 60) is None
     assert admission.tokenized("r3", 1).reason == Reason.TOKENS  # 40 + 60 ahead of it
+
+
+def test_reject_infeasible_refuses_what_the_cost_model_says_cannot_be_met():
+    admission = Admission(AdmissionLimits(reject_infeasible=True))
+    _enter(admission, 6)
+    load = dict(num_running=4, num_unprefilled_tokens=200, token_budget=64)
+    admission.load = EngineLoad(**load)  # no fit yet: nothing refused on its account
+    assert admission.tokenized("r0", 40, slo_ttft_ms=0.001, slo_tpot_ms=0.001) is None
+    admission.settle("r0")
+    # 10 ms + 1 ms a token: 240 tokens in iterations of 60 prefill tokens = 4 iterations of 74 ms.
+    admission.load = EngineLoad(**load, cost=CostFit(0.010, 0.001))
+    refused = admission.tokenized("r1", 40, slo_ttft_ms=250)
+    assert refused.reason == Reason.INFEASIBLE and not admission.is_pending("r1")
+    assert refused.message == ("slo_ttft_ms 250 cannot be met: the first token would come after about 296 ms "
+                               "(240 prompt tokens to prefill); retry later or elsewhere")
+    assert admission.tokenized("r2", 40, slo_ttft_ms=400) is None
+    admission.settle("r2")
+    assert admission.tokenized("r3", 40, slo_ttft_ms=400, waited_seconds=0.2).reason == Reason.INFEASIBLE
+    refused = admission.tokenized("r4", 40, slo_tpot_ms=10)  # a step beside 4 others: 15 ms
+    assert refused.message == ("slo_tpot_ms 10 cannot be met: a decode step beside 4 running requests takes "
+                               "about 15 ms; retry later or elsewhere")
+    assert admission.tokenized("r5", 40, slo_tpot_ms=20) is None  # and none without targets is refused
+    assert Admission(AdmissionLimits()).tokenized("x", 40, slo_ttft_ms=0.001) is None  # off by default
+
+
+def test_the_iteration_cost_is_fitted_and_follows_the_machine():
+    cost = IterationCost()
+    for n in range(MIN_ITERATIONS - 1):
+        cost.observe(n * 10, 0.005 + 0.0002 * n * 10)
+    assert cost.fit() is None
+    cost.observe(100, 0.025)
+    fit = cost.fit()
+    assert fit.fixed_seconds == pytest.approx(0.005) and fit.token_seconds == pytest.approx(0.0002)
+    for _ in range(1000):  # the machine slows down by half: the old iterations no longer count
+        for n in (1, 64):
+            cost.observe(n, 1.5 * (0.005 + 0.0002 * n))
+    fit = cost.fit()
+    assert fit.fixed_seconds == pytest.approx(0.0075, rel=1e-3) and fit.token_seconds == pytest.approx(0.0003, rel=1e-3)
+    same = IterationCost()
+    for _ in range(MIN_ITERATIONS):
+        same.observe(32, 0.02)  # one size only: its time is the fixed part
+    assert same.fit().fixed_seconds == pytest.approx(0.02) and same.fit().token_seconds == 0.0
 
 
 def test_limits_are_checked():

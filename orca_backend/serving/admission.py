@@ -12,6 +12,12 @@ unset:
   others' backlog is not empty and its prompt would take the total past the cap: the backlog
   ahead of an admitted request bounds its time to first token. One prompt longer than the cap
   is served when nothing else waits for prefill.
+- `reject_infeasible`: a request with latency targets (`slo_ttft_ms`, `slo_tpot_ms`) that the
+  engine's cost model (`iteration_cost.py`, fitted to the iterations run so far) says it cannot
+  meet: its first token after the prefill backlog ahead of it and its own prompt, or a decode
+  step beside the running requests, would come too late. Refused at once, so that a router
+  sends it to a replica that can meet it, rather than served late. Nothing is refused on this
+  account before the model has seen enough iterations.
 
 The engine thread publishes its counts (`EngineLoad`) after each command and iteration; what
 was submitted since, and not yet handed to the engine, is counted here. Bookkeeping only: the
@@ -22,6 +28,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from .iteration_cost import CostFit
+
 
 class Reason(str, enum.Enum):
     """Why a request was refused at arrival: the `reason` label of the rejection counters."""
@@ -29,6 +37,7 @@ class Reason(str, enum.Enum):
     QUEUE = "max_queue_size"
     REQUESTS = "max_num_queued_reqs"
     TOKENS = "max_num_queued_tokens"
+    INFEASIBLE = "reject_infeasible"
 
 
 @dataclass(slots=True, frozen=True)
@@ -44,6 +53,7 @@ class AdmissionLimits:
     max_queue_size: int | None = None
     max_num_queued_reqs: int | None = None
     max_num_queued_tokens: int | None = None
+    reject_infeasible: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_queue_size", "max_num_queued_reqs", "max_num_queued_tokens"):
@@ -60,6 +70,8 @@ class EngineLoad:
     num_running: int = 0
     num_free_places: int = 0  # requests the next iteration could still admit
     num_unprefilled_tokens: int = 0  # prompt tokens of its requests not yet computed
+    token_budget: int = 1  # tokens an iteration computes at most (max_num_batched_tokens)
+    cost: CostFit | None = None  # what an iteration costs, once fitted
 
 
 class Admission:
@@ -85,18 +97,43 @@ class Admission:
         self._pending[request_id] = 0
         return None
 
-    def tokenized(self, request_id: str, num_tokens: int) -> Refusal | None:
-        """A pending request's prompt is known: refused by the token cap (and no longer
-        pending), or counted."""
+    def tokenized(self, request_id: str, num_tokens: int, slo_ttft_ms: float | None = None,
+                  slo_tpot_ms: float | None = None, waited_seconds: float = 0.0) -> Refusal | None:
+        """A pending request's prompt is known: refused by the token cap or as infeasible (and
+        no longer pending), or counted. `waited_seconds`: since its arrival."""
         cap = self.limits.max_num_queued_tokens
         backlog = self._num_pending_tokens + self.load.num_unprefilled_tokens
+        refusal = None
         if cap is not None and backlog and backlog + num_tokens > cap:
+            refusal = Refusal(Reason.TOKENS, f"the queue is full: {backlog} prompt tokens are waiting to be prefilled, "
+                                             f"{num_tokens} more would pass max_num_queued_tokens {cap}; retry later")
+        elif self.limits.reject_infeasible:
+            refusal = self._infeasible(backlog + num_tokens, slo_ttft_ms, slo_tpot_ms, waited_seconds)
+        if refusal is not None:
             self.settle(request_id)
-            return Refusal(Reason.TOKENS, f"the queue is full: {backlog} prompt tokens are waiting to be prefilled, "
-                                          f"{num_tokens} more would pass max_num_queued_tokens {cap}; retry later")
+            return refusal
         if request_id in self._pending:
             self._num_pending_tokens += num_tokens - self._pending[request_id]
             self._pending[request_id] = num_tokens
+        return None
+
+    def _infeasible(self, num_prefill_tokens: int, slo_ttft_ms: float | None, slo_tpot_ms: float | None,
+                    waited_seconds: float) -> Refusal | None:
+        load, cost = self.load, self.load.cost
+        if cost is None:
+            return None
+        if slo_ttft_ms is not None:
+            ttft_ms = 1000 * (waited_seconds + cost.ttft_seconds(num_prefill_tokens, load.num_running, load.token_budget))
+            if ttft_ms > slo_ttft_ms:
+                return Refusal(Reason.INFEASIBLE, f"slo_ttft_ms {slo_ttft_ms:g} cannot be met: the first token would "
+                                                  f"come after about {ttft_ms:.0f} ms ({num_prefill_tokens} prompt "
+                                                  f"tokens to prefill); retry later or elsewhere")
+        if slo_tpot_ms is not None:
+            tpot_ms = 1000 * cost.tpot_seconds(load.num_running)
+            if tpot_ms > slo_tpot_ms:
+                return Refusal(Reason.INFEASIBLE, f"slo_tpot_ms {slo_tpot_ms:g} cannot be met: a decode step beside "
+                                                  f"{load.num_running} running requests takes about {tpot_ms:.0f} ms; "
+                                                  "retry later or elsewhere")
         return None
 
     def is_pending(self, request_id: str) -> bool:

@@ -25,6 +25,7 @@ from ..engine.llm_engine import LLMEngine
 from ..engine.outputs import EngineSnapshot, IterationRecord, PreparedRequest
 from ..executors.stages import StageStats
 from .admission import Admission, AdmissionLimits, EngineLoad, Refusal
+from .iteration_cost import IterationCost
 from .inputs import GenerateRequest, LoRACommand
 from .sender import Sender
 from .sender_messages import (Deltas, ErrorKind, Fail, FailAll, Metrics, Open, Rejected, Reply, ResponseSink,
@@ -68,6 +69,7 @@ class EngineLoop:
         self.runtime_lora_updating = runtime_lora_updating  # LoRA commands may load and unload
         self.admission = Admission(admission or AdmissionLimits())  # guarded by _lock
         self._stage_stats = stage_stats
+        self._cost = IterationCost()  # the engine thread's, fitted to its iterations
         # One JSON line per iteration (batch shape, K/V use, queue), to watch batching happen.
         self._trace = TraceFile(trace_path)
         self._to_tokenize: queue.Queue = queue.Queue()  # _Add | Stop
@@ -161,7 +163,9 @@ class EngineLoop:
     def _tokenized(self, add: _Add) -> Refusal | None:
         """The token cap, once the prompt's length is known; a refused request is settled."""
         with self._lock:
-            refusal = self.admission.tokenized(add.request_id, len(add.prepared.token_ids))
+            params = add.prepared.params
+            refusal = self.admission.tokenized(add.request_id, len(add.prepared.token_ids), params.slo_ttft_ms,
+                                               params.slo_tpot_ms, time.monotonic() - add.arrival)
             if refusal is not None:
                 self._aborted_early.discard(add.request_id)
         return refusal
@@ -185,6 +189,7 @@ class EngineLoop:
         if step:
             self.sender.put(Deltas(list(step)))
         for iteration in step.iterations:
+            self._cost.observe(iteration.num_tokens, iteration.seconds)
             self._trace.write(iteration)
             self._report(self._stats(iteration))
         if not step.iterations and not self.engine.has_unfinished_requests():
@@ -299,7 +304,8 @@ class EngineLoop:
     def _publish_load(self, snapshot: EngineSnapshot | None = None) -> None:
         """The engine's counts, for the admission of requests that arrive next."""
         s = snapshot or self.engine.snapshot()
-        load = EngineLoad(s.num_waiting, s.num_running, s.num_free_places, s.num_unprefilled_tokens)
+        load = EngineLoad(s.num_waiting, s.num_running, s.num_free_places, s.num_unprefilled_tokens,
+                          self.engine.config.scheduler.max_num_batched_tokens, self._cost.fit())
         with self._lock:
             self.admission.load = load
 

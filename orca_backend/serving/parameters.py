@@ -61,7 +61,7 @@ def serving_options(parameters: dict[str, str]) -> ServingOptions:
     trace = parameters.pop("iteration_trace", "").strip() or None
     caps = {name: _positive(parameters, name, None, "(unbounded)")
             for name in ("max_queue_size", "max_num_queued_reqs", "max_num_queued_tokens")}
-    return ServingOptions(trace, AdmissionLimits(**caps),
+    return ServingOptions(trace, AdmissionLimits(**caps, reject_infeasible=_flag(parameters, "reject_infeasible", False)),
                           _flag(parameters, "vllm_metrics", True), _positive(parameters, "stream_interval", 1, "(1)"),
                           _flag(parameters, "runtime_lora_updating", False))
 
