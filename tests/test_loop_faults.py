@@ -2,6 +2,7 @@
 default model and sinks that record what clients would receive."""
 from __future__ import annotations
 
+import collections
 import json
 import threading
 
@@ -11,7 +12,7 @@ from orca_backend.serving.admission import AdmissionLimits
 from orca_backend.serving.inputs import GenerateRequest
 from orca_backend.serving.loop import EngineLoop
 from orca_backend.serving.metric_series import MetricsRecorder
-from orca_backend.serving.sender_messages import Stats
+from orca_backend.serving.sender_messages import Observed, Stats
 
 from fakes import FakeSink
 from helpers import wait_until
@@ -148,6 +149,48 @@ def test_a_flood_that_fits_the_batch_is_served_and_only_the_rest_refused(engine,
     served = [s for s in sinks if s not in refused]
     assert [(s.error, s.num_output_tokens) for s in served] == [(None, 3)] * 36
     assert engine.kv.num_used_blocks == 0
+
+
+def test_a_drain_finishes_what_is_open_refuses_what_comes_and_ends_the_rest_at_its_deadline(engine):
+    rejected = collections.Counter()
+    loop = EngineLoop(engine, metrics=_Rejections(rejected))
+    loop.start()
+    try:
+        endless, short = _submit(loop, max_tokens=2000), _submit(loop, max_tokens=8)[0]
+        wait_until(lambda: endless[0].responses, 60, "the long request to stream")
+        loop.drain(3600)
+        short_after, = _submit(loop, max_tokens=2)  # refused: the loop is draining
+        _finished([short, short_after])
+        assert not endless[0].done.is_set()  # it runs on until the deadline
+        loop.drain(0)  # an earlier deadline wins
+        _finished(endless)
+    finally:
+        loop.shutdown()
+    assert (short.error, short.num_output_tokens) == (None, 8)
+    assert short_after.error == ("unavailable", "the server is draining: it takes no new requests; "
+                                                "retry on another replica")
+    assert endless[0].error == ("unavailable", "the server is draining: the request did not finish within "
+                                               "drain_timeout_seconds 0")
+    assert 0 < endless[0].num_output_tokens < 2000
+    assert engine.kv.num_used_blocks == 0
+    assert rejected == {"draining": 1}
+
+
+class _Rejections:
+    """Metrics that keep the refusals' count by reason."""
+
+    def __init__(self, counts: collections.Counter) -> None:
+        self.counts = counts
+
+    def put(self, item) -> None:
+        if isinstance(item, Observed):
+            self.counts.update(item.rejected)
+
+    def start(self) -> None:
+        pass
+
+    def stop(self, timeout=None) -> None:
+        pass
 
 
 @pytest.mark.parametrize("stream", [True, False])

@@ -38,6 +38,7 @@ class Reason(str, enum.Enum):
     REQUESTS = "max_num_queued_reqs"
     TOKENS = "max_num_queued_tokens"
     INFEASIBLE = "reject_infeasible"
+    DRAINING = "draining"  # the model is being unloaded or the server stopped: no new requests
 
 
 @dataclass(slots=True, frozen=True)

@@ -6,6 +6,7 @@ a server.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from ..core.errors import InvalidRequestError
@@ -157,3 +158,19 @@ def _bool(value, name: str) -> bool:
     if isinstance(value, str) and value.lower() in ("true", "false"):
         return value.lower() == "true"
     raise InvalidRequestError(f"parameter {name!r} must be true or false, got {value!r}")
+
+
+def run_lora_command(engine, command: LoRACommand, runtime_lora_updating: bool) -> str:
+    """Apply `command` to the engine's adapters (on the engine thread); the answer's JSON."""
+    if command.action != "list" and not runtime_lora_updating:
+        raise InvalidRequestError(f"loading and unloading LoRA adapters at run time is off; set the model "
+                                  f"parameter runtime_lora_updating to true to allow '{command.action}'")
+    if command.action == "load":
+        engine.add_lora(command.lora_name, command.lora_path)
+    elif command.action == "unload":
+        engine.remove_lora(command.lora_name)
+    elif not engine.config.scheduler.enable_lora:
+        raise InvalidRequestError("LoRA feature is not enabled.")
+    running, waiting = engine.lora_requests()
+    return json.dumps({"loras": engine.loras.listing(), "max_loras": engine.config.scheduler.max_loras,
+                       "running": running, "waiting": waiting})

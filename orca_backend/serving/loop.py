@@ -3,14 +3,13 @@ thread that talks to clients (`sender.py`).
 
 The engine thread owns the engine (scheduler, K/V manager, runner) and never waits on a
 client or on a tokenizer. Each request gets exactly one final response, whether it finished,
-failed, was cancelled, was refused because the queue was full, or the server shut down. A
+failed, was cancelled, was refused at arrival, or the server drained or shut down. A
 failure of a loop thread itself ends every open request with an error, and the engine is
 restarted with an empty pool: the server keeps serving.
 """
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import queue
 import threading
@@ -20,13 +19,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from ..core.threads import NamedThread
-from ..core.errors import InvalidRequestError, OrcaError
+from ..core.errors import OrcaError
 from ..engine.llm_engine import LLMEngine
 from ..engine.outputs import EngineSnapshot, IterationRecord, PreparedRequest
 from ..executors.stages import StageStats
-from .admission import Admission, AdmissionLimits, EngineLoad, Refusal
+from .admission import Admission, AdmissionLimits, EngineLoad, Reason, Refusal
 from .iteration_cost import IterationCost
-from .inputs import GenerateRequest, LoRACommand
+from .inputs import GenerateRequest, LoRACommand, run_lora_command
 from .sender import Sender
 from .sender_messages import (Deltas, ErrorKind, Fail, FailAll, Metrics, Open, Rejected, Reply, ResponseSink,
                               Stats, Stop, Stream)
@@ -34,6 +33,7 @@ from .trace import TraceFile
 
 log = logging.getLogger(__name__)
 JOIN_TIMEOUT_SECONDS = 60
+DRAINING = Refusal(Reason.DRAINING, "the server is draining: it takes no new requests; retry on another replica")
 
 
 @dataclass(slots=True)
@@ -48,6 +48,12 @@ class _Add:
 @dataclass(slots=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(slots=True)
+class _Drain:
+    deadline: float  # time.monotonic() after which what is still open is ended
+    message: str
 
 
 @dataclass(slots=True)
@@ -80,9 +86,11 @@ class EngineLoop:
         self._ids = itertools.count()
         self._lock = threading.Lock()  # guards the fields below
         self._closed = False
+        self._draining = False
         self._aborted_early: set[str] = set()  # cancelled before the engine saw them
         self.num_restarts = 0
         self._broken: str | None = None  # why the engine cannot serve, if it cannot
+        self._drain: _Drain | None = None  # the engine thread's, once draining
         self._threads = [NamedThread(target=self._tokenizer_main, name="orca-tokenizer", daemon=True),
                          NamedThread(target=self._engine_main, name="orca-engine", daemon=True)]
 
@@ -101,7 +109,7 @@ class EngineLoop:
                 sink.fail(self._broken or "the server is shutting down", ErrorKind.UNAVAILABLE)
                 return
             request_id = f"req-{next(self._ids)}"
-            refusal = self.admission.enter(request_id)
+            refusal = DRAINING if self._draining else self.admission.enter(request_id)
             if refusal is not None:
                 self.sender.put(Rejected(refusal.reason.value))
                 sink.fail(refusal.message, ErrorKind.UNAVAILABLE)
@@ -118,6 +126,22 @@ class EngineLoop:
                 sink.fail(self._broken or "the server is shutting down", ErrorKind.UNAVAILABLE)
                 return
             self._inbox.put(_Command(command, sink))
+
+    def drain(self, timeout_seconds: float) -> None:
+        """Take no new request (each is refused with UNAVAILABLE); the open ones run on for up
+        to `timeout_seconds`, then what is left ends with an error naming the timeout. Called
+        again while draining, the earlier of the two ends wins."""
+        with self._lock:
+            if self._closed:
+                return
+            self._draining = True
+            self._inbox.put(_Drain(time.monotonic() + timeout_seconds,
+                                   f"the server is draining: the request did not finish within "
+                                   f"drain_timeout_seconds {timeout_seconds:g}"))
+
+    @property
+    def stopping(self) -> bool:  # draining or closed: it takes no new requests
+        return self._draining or self._closed
 
     def shutdown(self) -> None:
         """Finish every open request with a final response, then stop every thread."""
@@ -178,6 +202,8 @@ class EngineLoop:
                 running = self._take_commands()
                 if running and not self._broken:
                     self._step()
+                if self._drain is not None and time.monotonic() >= self._drain.deadline:
+                    self._end_all(self._drain.message, ErrorKind.UNAVAILABLE)
             except Exception as e:
                 log.exception("the engine thread failed; restarting the engine")
                 self._restart(e)
@@ -209,6 +235,9 @@ class EngineLoop:
                 self._add(command)
             elif isinstance(command, _Command):
                 self._run_command(command)
+            elif isinstance(command, _Drain):
+                if self._drain is None or command.deadline < self._drain.deadline:
+                    self._drain = command
             else:
                 self._abort(command.request_id)
             block = self._idle() and self._inbox.empty()
@@ -235,21 +264,9 @@ class EngineLoop:
         self._publish_load()
 
     def _run_command(self, c: _Command) -> None:
-        command, engine = c.command, self.engine
+        command = c.command
         try:
-            if command.action != "list" and not self.runtime_lora_updating:
-                raise InvalidRequestError(f"loading and unloading LoRA adapters at run time is off; set the model "
-                                          f"parameter runtime_lora_updating to true to allow '{command.action}'")
-            if command.action == "load":
-                engine.add_lora(command.lora_name, command.lora_path)
-            elif command.action == "unload":
-                engine.remove_lora(command.lora_name)
-            elif not engine.config.scheduler.enable_lora:
-                raise InvalidRequestError("LoRA feature is not enabled.")
-            running, waiting = engine.lora_requests()
-            reply = {"loras": engine.loras.listing(), "max_loras": engine.config.scheduler.max_loras,
-                     "running": running, "waiting": waiting}
-            self.sender.put(Reply(c.sink, json.dumps(reply)))
+            self.sender.put(Reply(c.sink, run_lora_command(self.engine, command, self.runtime_lora_updating)))
         except Exception as e:
             refusal = _refusal("lora-command", e, f"the LoRA command {command.action!r}")
             self.sender.put(Reply(c.sink, "", (refusal.message, refusal.kind)))

@@ -45,6 +45,9 @@ def instance_device(args: dict) -> str:
     return auto_device(args.get("model_instance_kind", "CPU"), int(args.get("model_instance_device_id", 0)))
 
 
+DRAIN_TIMEOUT_SECONDS = 20.0  # below tritonserver's --exit-timeout-secs (30)
+
+
 @dataclass(slots=True)
 class ServingOptions:
     """config.pbtxt parameters of the serving loop rather than of the engine."""
@@ -54,6 +57,8 @@ class ServingOptions:
     vllm_metrics: bool = True  # the same facts under vLLM's metric names too
     stream_interval: int = 1  # a stream's tokens per response (the first and the last go at once)
     runtime_lora_updating: bool = False  # LoRA adapters may be loaded and unloaded by request
+    # On unload or Ctrl+C / SIGTERM: how long open requests may run on before they are ended.
+    drain_timeout_seconds: float = DRAIN_TIMEOUT_SECONDS
 
 
 def serving_options(parameters: dict[str, str]) -> ServingOptions:
@@ -63,7 +68,20 @@ def serving_options(parameters: dict[str, str]) -> ServingOptions:
             for name in ("max_queue_size", "max_num_queued_reqs", "max_num_queued_tokens")}
     return ServingOptions(trace, AdmissionLimits(**caps, reject_infeasible=_flag(parameters, "reject_infeasible", False)),
                           _flag(parameters, "vllm_metrics", True), _positive(parameters, "stream_interval", 1, "(1)"),
-                          _flag(parameters, "runtime_lora_updating", False))
+                          _flag(parameters, "runtime_lora_updating", False), _drain_timeout(parameters))
+
+
+def _drain_timeout(parameters: dict[str, str]) -> float:
+    raw = parameters.pop("drain_timeout_seconds", "").strip()
+    if raw in ("", "auto"):
+        return DRAIN_TIMEOUT_SECONDS
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise ConfigError(f"model parameter 'drain_timeout_seconds' must be a number of seconds >= 0, got {raw!r}")
+    return value
 
 
 def _flag(parameters: dict[str, str], name: str, default: bool) -> bool:

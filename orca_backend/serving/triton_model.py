@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
@@ -33,6 +34,7 @@ from .triton_io import error_response, parse_request, response_tensors
 
 log = logging.getLogger(__name__)
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+UNLOAD_POLL_SECONDS = 0.5
 _COMMAND_OUTPUTS = GenerateRequest("", SamplingParams())  # a LoRA command's answer: text_output only
 
 
@@ -60,9 +62,15 @@ class TritonPythonModel:
                                options.admission, stage_stats, options.stream_interval,
                                options.runtime_lora_updating)
         self.loop.start()
-        _close_on_interrupt(self.loop)
+        _drain_on_interrupt(self.loop, options.drain_timeout_seconds)
+        # From the first request on (Triton is asked nothing while the model loads).
+        self._watch_unload = lambda: _drain_on_unload(self.loop, name, args.get("model_version", "1"),
+                                                      options.drain_timeout_seconds)
 
     def execute(self, requests) -> None:
+        if self._watch_unload is not None:
+            self._watch_unload, watch = None, self._watch_unload
+            watch()
         for request in requests:
             sink = _TritonSink(request)
             try:
@@ -86,8 +94,9 @@ class TritonPythonModel:
         self.engine.shutdown()
 
 
-def _close_on_interrupt(loop: EngineLoop) -> None:
-    """End open streams when Ctrl+C (SIGINT to the process group) reaches this stub process.
+def _drain_on_interrupt(loop: EngineLoop, timeout_seconds: float) -> None:
+    """Drain when SIGINT reaches this stub process (Ctrl+C in a terminal signals the whole
+    process group; `make serve` turns SIGTERM into that); a second one ends what is open at once.
 
     Triton calls finalize() only after every open stream has ended, so a server stopped while
     requests stream would otherwise wait out its exit timeout. The stub's main thread sits in
@@ -100,11 +109,29 @@ def _close_on_interrupt(loop: EngineLoop) -> None:
     signal.signal(signal.SIGINT, lambda *_: None)
 
     def watch() -> None:
-        while os.read(read_fd, 1) != bytes([signal.SIGINT]):
-            pass
-        loop.close()
+        for act in (lambda: loop.drain(timeout_seconds), loop.close):
+            while os.read(read_fd, 1) != bytes([signal.SIGINT]):
+                pass
+            act()
 
     NamedThread(target=watch, name="orca-interrupt", daemon=True).start()
+
+
+def _drain_on_unload(loop: EngineLoop, name: str, version: str, timeout_seconds: float) -> None:
+    """Drain once Triton starts unloading the model (the repository API's unload, or the
+    server stopping): it is not ready from then on, and Triton calls nothing of ours until
+    every open stream has ended. Asked twice a second."""
+    def watch() -> None:
+        while not loop.stopping:
+            try:
+                ready = pb_utils.is_model_ready(model_name=name, model_version=version)
+            except Exception:  # the server is going away
+                ready = False
+            if not ready:
+                loop.drain(timeout_seconds)
+            time.sleep(UNLOAD_POLL_SECONDS)
+
+    NamedThread(target=watch, name="orca-unload-watch", daemon=True).start()
 
 
 class _TritonSink:

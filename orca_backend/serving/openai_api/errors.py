@@ -54,12 +54,14 @@ _GRPC_TO_HTTP = {
 
 
 def overloaded(message: str) -> APIError:
-    """A refusal at arrival (an admission cap): 429, to retry after a moment or elsewhere."""
-    return APIError(429, message, code="queue_full", kind="rate_limit_error")
+    """A refusal at arrival (an admission cap, or latency targets out of reach): 429, to retry
+    after a moment or elsewhere."""
+    code = "slo_infeasible" if " cannot be met: " in message else "queue_full"
+    return APIError(429, message, code=code, kind="rate_limit_error")
 
 
 def from_grpc(code: grpc.StatusCode, details: str, param: str | None = None) -> APIError:
-    if code == grpc.StatusCode.UNAVAILABLE and details.startswith(_OVERLOADED):
+    if code == grpc.StatusCode.UNAVAILABLE and _is_overloaded(details):
         return overloaded(details)
     status = _GRPC_TO_HTTP.get(code, 500)
     if code == grpc.StatusCode.UNAVAILABLE and "failed to connect" in details.lower():
@@ -72,8 +74,9 @@ def from_grpc(code: grpc.StatusCode, details: str, param: str | None = None) -> 
 
 # The serving model's errors by what they say: over Triton 2.51's gRPC stream an error
 # response is a message without its status code (see backend.py), and these are its words.
-_OVERLOADED = "the queue is full"
-_UNAVAILABLE = ("the server is shutting down", "the engine could not be restarted")
+_OVERLOADED = ("the queue is full", "slo_ttft_ms ", "slo_tpot_ms ")  # the latter two: "... cannot be met"
+_UNAVAILABLE = ("the server is shutting down", "the server is draining", "the engine could not be restarted",
+                "Request for unknown model")  # Triton's, while the model is unloading
 _INVALID = ("prompt ", "max_tokens ", "sampling parameter ", "unknown sampling parameter", "input '",
             "exclude_input_in_output", "parameter '", "request parameters", "sampling_parameters ",
             "request id ", "structured_outputs ", "unknown structured_outputs ", "LoRA ", "lora_command ",
@@ -84,13 +87,18 @@ _INVALID = ("prompt ", "max_tokens ", "sampling parameter ", "unknown sampling p
 def from_model_message(text: str) -> APIError:
     """An error the model sent in its stream: 400 for bad input, 429 for a full queue, 503 for
     a server going away, else 500 (the first line, no paths)."""
-    if text.startswith(_OVERLOADED):
+    if _is_overloaded(text):
         return overloaded(text)
     if text.startswith(_UNAVAILABLE):
         return APIError(503, server_message(text))
     if text.startswith(_INVALID) or " is not supported by model " in text or "does not stream" in text:
         return APIError(400, text)
     return APIError(500, server_message(text))
+
+
+def _is_overloaded(text: str) -> bool:
+    """A full queue, or latency targets that cannot be met (refused at arrival: retry later)."""
+    return text.startswith(_OVERLOADED[0]) or (text.startswith(_OVERLOADED[1:]) and " cannot be met: " in text)
 
 
 def server_message(text: str) -> str:
