@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install model serve test test-fast bench bench-full bench-prefix bench-engine bench-cpu bench-executors bench-pipeline bench-tp bench-startup bench-host bench-structured bench-tools bench-models bench-lora bench-moe bench-quantized bench-spec bench-sampler eval-harness perf simulate clean
+.PHONY: install model serve test test-fast bench bench-full bench-prefix bench-engine bench-cpu bench-executors bench-pipeline bench-tp bench-startup bench-host bench-structured bench-tools bench-models bench-lora bench-moe bench-quantized bench-spec bench-overload bench-sampler eval-harness perf simulate clean
 
 install: $(STAMP)
 
@@ -117,6 +117,12 @@ bench-moe: model
 SAMPLER_BASE ?= HEAD
 bench-sampler: model
 	$(PY) -m benchmarks.bench_sampler --compare $(SAMPLER_BASE)
+
+# Overload: the simulator at Llama-3-8B on an H200 (FCFS without a cap against admission, deadlines,
+# long-prefill turns and the victim rule, each off in turn) on load stepped from 0.5x to 3x capacity,
+# then the default model served here the same way; writes docs/benchmarks/overload.* (about 10 minutes).
+bench-overload: model
+	$(PY) -m benchmarks.bench_overload --markdown docs/benchmarks/overload.md
 
 # Speculative decoding (n-gram) against none and llama-server, batch 1 to 32; writes docs/benchmarks/speculative.md
 bench-spec: model

@@ -17,6 +17,7 @@ the stage's weights again: for a weight-bound decode that costs more than it sav
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..core.errors import ConfigError
@@ -36,6 +37,9 @@ class TraceRequest:
     prompt_token_ids: tuple[int, ...] | None = None  # for prefix sharing; else unique tokens
     max_tokens: int | None = None  # what the request asks for (the `reserve` policy reserves it);
     # default num_output_tokens. It still ends after num_output_tokens, as at an end-of-sequence.
+    priority: int = 0
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
 
     @property
     def num_max_tokens(self) -> int:
@@ -48,6 +52,7 @@ class RequestTiming:
     num_output_tokens: int
     first_token: float | None = None
     finish: float | None = None
+    rejected: bool = False  # refused at arrival by `Simulation.admit`
 
     @property
     def normalized_latency(self) -> float:
@@ -94,6 +99,9 @@ class Simulation:
         self.scheduler = Scheduler(scheduler, self.kv)
         self.num_stages = cost.layout.pipeline_stages
         self._host_free = 0.0  # the host prepares one iteration at a time
+        # Admission at arrival: given the request and the simulation (its scheduler and the
+        # iterations so far), False refuses it. None admits every request.
+        self.admit: Callable[[Request, Simulation, SimulationResult], bool] | None = None
 
     def run(self, trace: list[TraceRequest]) -> SimulationResult:
         self._check(trace)
@@ -109,9 +117,12 @@ class Simulation:
             while next_arrival < len(arrivals) and trace[arrivals[next_arrival]].arrival <= now:
                 i = arrivals[next_arrival]
                 req = _request(i, trace[i])
+                next_arrival += 1
+                if self.admit is not None and not self.admit(req, self, result):
+                    timings[i].rejected = True
+                    continue
                 requests[req.request_id] = (req, i)
                 self.scheduler.add(req)
-                next_arrival += 1
             while len(in_flight) < self.scheduler.config.max_inflight:
                 message = self.scheduler.schedule()
                 if message is None:
@@ -210,5 +221,6 @@ class Simulation:
 def _request(index: int, r: TraceRequest) -> Request:
     # A leading token of its own: no two requests share a prefix unless the trace says so.
     prompt = list(r.prompt_token_ids) if r.prompt_token_ids else [index] + [0] * (r.num_prompt_tokens - 1)
-    return Request(f"r{index}", prompt, SamplingParams(temperature=0, max_tokens=r.num_max_tokens,
-                                                       ignore_eos=True))
+    params = SamplingParams(temperature=0, max_tokens=r.num_max_tokens, ignore_eos=True, priority=r.priority,
+                            slo_ttft_ms=r.slo_ttft_ms, slo_tpot_ms=r.slo_tpot_ms)
+    return Request(f"r{index}", prompt, params, arrival_time=r.arrival)
