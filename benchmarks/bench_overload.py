@@ -98,7 +98,7 @@ def simulate(cost: CostModel, requests: list[TraceRequest], m: Mechanisms, token
 
     def admit(req: Request, s: Simulation, result: SimulationResult) -> bool:
         for it in result.iterations[seen[0]:]:
-            fit.observe(it.num_tokens, it.end - it.start)
+            fit.observe(it.num_tokens, it.end - it.start, it.num_tokens - it.num_requests)
         seen[0] = len(result.iterations)
         sched = s.scheduler
         admission.load = EngineLoad(len(sched.waiting), len(sched.running), sched.num_free_places,
@@ -296,10 +296,11 @@ def served_lines(run: dict) -> list[str]:
         answered = (f"{np.percentile(refusals, 50):.1f} / {np.percentile(refusals, 99):.1f} / {max(refusals):.1f}"
                     if refusals else "none")
         rows.append([model] + [f"{r['goodput']:.2f}" for r in per_step]
-                    + [f"{per_step[2]['p99_ttft'] * 1000:.0f}", sum(r["refused"] for r in per_step),
+                    + [f"{per_step[2]['p99_ttft'] * 1000:.0f}", sum(r["late_ttft"] for r in per_step),
+                       sum(r["late_tpot"] for r in per_step), sum(r["refused"] for r in per_step),
                        sum(r["failed"] for r in per_step), answered])
     return lines + table(["model"] + [f"{load}x" for load, _ in overload_served.STEPS]
-                         + ["p99 TTFT at 2x (ms)", "refused", "failed", "refusal answered p50 / p99 / max (ms)"],
+                         + ["p99 TTFT at 2x (ms)", "TTFT late", "TPOT late", "refused", "failed", "refusal answered p50 / p99 / max (ms)"],
                          rows)
 
 

@@ -154,6 +154,8 @@ def step_rows(outcomes: list[Outcome], slo) -> list[dict]:
         rows.append({"load": load, "goodput": len(good) / seconds,
                      "p99_ttft": float(np.percentile([o.ttft for o in served], 99)) if served else float("nan"),
                      "refused": sum(o.status == 429 for o in mine), "n": len(mine),
+                     "late_ttft": sum(o.ttft * 1000 > slo[0] for o in served),
+                     "late_tpot": sum(o.tpot * 1000 > slo[1] for o in served),
                      "failed": sum(o.status not in (200, 429) or (o.status == 200 and o.error is not None)
                                    for o in mine)})
         start += seconds

@@ -72,10 +72,20 @@ def test_reject_infeasible_refuses_what_the_cost_model_says_cannot_be_met():
     admission.settle("r2")
     assert admission.tokenized("r3", 40, slo_ttft_ms=400, waited_seconds=0.2).reason == Reason.INFEASIBLE
     refused = admission.tokenized("r4", 40, slo_tpot_ms=10)  # a step beside 4 others: 15 ms
-    assert refused.message == ("slo_tpot_ms 10 cannot be met: a decode step beside 4 running requests takes "
-                               "about 15 ms; retry later or elsewhere")
+    assert refused.message == ("slo_tpot_ms 10 cannot be met: a decode step beside 4 running requests and about "
+                               "0 prompt tokens takes about 15 ms; retry later or elsewhere")
     assert admission.tokenized("r5", 40, slo_tpot_ms=20) is None  # and none without targets is refused
+    admission.settle("r5")
+    # Iterations have carried 10 prompt tokens each beside their decodes of late: 25 ms a step.
+    admission.load = EngineLoad(**load, cost=CostFit(0.010, 0.001, prefill_tokens=10))
+    assert admission.tokenized("r6", 40, slo_tpot_ms=20).message.endswith("takes about 25 ms; retry later or elsewhere")
     assert Admission(AdmissionLimits()).tokenized("x", 40, slo_ttft_ms=0.001) is None  # off by default
+    idle = Admission(AdmissionLimits(reject_infeasible=True))
+    _enter(idle, 1)
+    idle.load = EngineLoad(token_budget=64, cost=CostFit(0.010, 0.001))
+    assert idle.tokenized("r0", 40, slo_ttft_ms=0.001) is None  # idle: served, and the fit learns
+    idle.enter("r1")
+    assert idle.tokenized("r1", 40, slo_ttft_ms=0.001).reason == Reason.INFEASIBLE  # r0 ahead of it
 
 
 def test_the_iteration_cost_is_fitted_and_follows_the_machine():
@@ -88,9 +98,11 @@ def test_the_iteration_cost_is_fitted_and_follows_the_machine():
     assert fit.fixed_seconds == pytest.approx(0.005) and fit.token_seconds == pytest.approx(0.0002)
     for _ in range(1000):  # the machine slows down by half: the old iterations no longer count
         for n in (1, 64):
-            cost.observe(n, 1.5 * (0.005 + 0.0002 * n))
+            cost.observe(n, 1.5 * (0.005 + 0.0002 * n), n - 1)  # a decode and n - 1 prompt tokens  # a decode and n - 1 prompt tokens
     fit = cost.fit()
     assert fit.fixed_seconds == pytest.approx(0.0075, rel=1e-3) and fit.token_seconds == pytest.approx(0.0003, rel=1e-3)
+    assert fit.prefill_tokens == pytest.approx(63 / 1.99, rel=1e-3)  # 0 and 63 in turn, the last weighing 1, 0.99 before
+    assert fit.tpot_seconds(3) == pytest.approx(0.0075 + 0.0003 * (4 + 63 / 1.99), rel=1e-3)
     same = IterationCost()
     for _ in range(MIN_ITERATIONS):
         same.observe(32, 0.02)  # one size only: its time is the fixed part

@@ -84,7 +84,9 @@ class LLMEngine:
         # Requests whose structured_outputs grammar is compiling: tracked, not yet scheduled.
         self._compiling: dict[str, Future] = {}
         self._in_flight: dict[int, tuple[SchedulerOutput, Future[RunnerOutput]]] = {}
-        self._submitted: dict[int, float] = {}  # iteration id -> perf_counter() at its submission
+        # iteration id -> perf_counter() at its submission, then as its result was set
+        self._submitted: dict[int, list[float]] = {}
+        self._last_returned = 0.0  # perf_counter() as the previous iteration's result was set
         self._runner_died = False  # its requests have been ended; a new runner is due
 
     def _restart_runner(self) -> None:
@@ -265,13 +267,14 @@ class LLMEngine:
             message = self.scheduler.schedule()
             if message is None:
                 return
-            self._submitted[message.iteration_id] = time.perf_counter()
+            times = self._submitted[message.iteration_id] = [time.perf_counter()]
             try:
                 future = self.executor.submit(message)
             except BaseException:
                 self._submitted.pop(message.iteration_id, None)
                 raise
             self._in_flight[message.iteration_id] = (message, future)
+            future.add_done_callback(lambda _, times=times: times.append(time.perf_counter()))
 
     def _returned(self) -> list[tuple[SchedulerOutput, Future[RunnerOutput]]]:
         """Wait for at least one iteration; every one that has returned, oldest first. A
@@ -288,8 +291,10 @@ class LLMEngine:
     def _complete(self, message: SchedulerOutput, future: Future[RunnerOutput],
                   iterations: list[IterationRecord]) -> list[RequestDelta]:
         """The deltas of a returned iteration; its record joins `iterations`."""
-        submitted = self._submitted.pop(message.iteration_id, None)
-        seconds = time.perf_counter() - submitted if submitted is not None else 0.0
+        now = time.perf_counter()
+        submitted, returned = (*self._submitted.pop(message.iteration_id, [now]), now)[:2]
+        seconds, busy = now - submitted, returned - max(submitted, self._last_returned)
+        self._last_returned = returned
         try:
             out = future.result()
         except RunnerDiedError:
@@ -311,7 +316,7 @@ class LLMEngine:
             message.num_requests, message.num_tokens, message.num_prefill_requests,
             message.num_decode_requests, self.kv.num_used_blocks, len(self.scheduler.waiting),
             sum(s.num_computed_tokens for s in message.scheduled), sum(s.sample for s in message.scheduled),
-            seconds, out.mask_seconds))
+            seconds, out.mask_seconds, max(0.0, busy)))
         return deltas
 
     def _recover(self, error: RunnerDiedError) -> list[RequestDelta]:

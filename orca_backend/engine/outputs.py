@@ -52,6 +52,9 @@ class IterationRecord:
     # flight, that includes its wait behind the one before and their results' handling).
     seconds: float = 0.0
     mask_seconds: float = 0.0  # computing its rows' grammar masks (0: no row had a grammar)
+    # Its own share of the engine's time: from the later of its submission and the previous
+    # iteration's return until its own return (with several in flight, `seconds` less the wait).
+    busy_seconds: float = 0.0
 
 
 class StepOutput(list):

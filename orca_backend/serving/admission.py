@@ -17,7 +17,9 @@ unset:
   meet: its first token after the prefill backlog ahead of it and its own prompt, or a decode
   step beside the running requests, would come too late. Refused at once, so that a router
   sends it to a replica that can meet it, rather than served late. Nothing is refused on this
-  account before the model has seen enough iterations.
+  account before the model has seen enough iterations, nor while the engine is idle (a fit
+  that had grown too slow would otherwise refuse everything forever: it learns only from
+  iterations run).
 
 The engine thread publishes its counts (`EngineLoad`) after each command and iteration; what
 was submitted since, and not yet handed to the engine, is counted here. Bookkeeping only: the
@@ -108,7 +110,7 @@ class Admission:
         if cap is not None and backlog and backlog + num_tokens > cap:
             refusal = Refusal(Reason.TOKENS, f"the queue is full: {backlog} prompt tokens are waiting to be prefilled, "
                                              f"{num_tokens} more would pass max_num_queued_tokens {cap}; retry later")
-        elif self.limits.reject_infeasible:
+        elif self.limits.reject_infeasible and not self._idle(backlog):
             refusal = self._infeasible(backlog + num_tokens, slo_ttft_ms, slo_tpot_ms, waited_seconds)
         if refusal is not None:
             self.settle(request_id)
@@ -117,6 +119,12 @@ class Admission:
             self._num_pending_tokens += num_tokens - self._pending[request_id]
             self._pending[request_id] = num_tokens
         return None
+
+    def _idle(self, backlog: int) -> bool:
+        """Nothing runs, waits or is pending but the request asking: the cost model learns only
+        from iterations run, so a fit too slow for every target would refuse forever."""
+        load = self.load
+        return not (load.num_running or load.num_waiting or backlog) and len(self._pending) <= 1
 
     def _infeasible(self, num_prefill_tokens: int, slo_ttft_ms: float | None, slo_tpot_ms: float | None,
                     waited_seconds: float) -> Refusal | None:
@@ -133,8 +141,9 @@ class Admission:
             tpot_ms = 1000 * cost.tpot_seconds(load.num_running)
             if tpot_ms > slo_tpot_ms:
                 return Refusal(Reason.INFEASIBLE, f"slo_tpot_ms {slo_tpot_ms:g} cannot be met: a decode step beside "
-                                                  f"{load.num_running} running requests takes about {tpot_ms:.0f} ms; "
-                                                  "retry later or elsewhere")
+                                                  f"{load.num_running} running requests and about "
+                                                  f"{cost.prefill_tokens:.0f} prompt tokens takes about {tpot_ms:.0f} "
+                                                  "ms; retry later or elsewhere")
         return None
 
     def is_pending(self, request_id: str) -> bool:

@@ -6,6 +6,10 @@ scheduled adds its compute), fitted by least squares over the iterations run so 
 ones weighing less (each iteration's weight decays by DECAY per iteration after it), so the fit
 follows the machine as it warms up or shares its GPU. Plain arithmetic, O(1) an iteration.
 
+It also follows how many prompt tokens an iteration carries beside its decodes, of late: a
+decoding request's time per token is the decode step plus the prefills that arrive while it
+runs (chunked prefill mixes them into its iterations).
+
 Admission reads the fit to tell whether a request could meet its latency targets
 (`reject_infeasible`); before MIN_ITERATIONS iterations nothing is refused on its account.
 """
@@ -20,10 +24,12 @@ MIN_ITERATIONS = 8  # fitted from this many iterations on
 
 @dataclass(slots=True, frozen=True)
 class CostFit:
-    """seconds = fixed_seconds + token_seconds x tokens, as fitted so far."""
+    """seconds = fixed_seconds + token_seconds x tokens, as fitted so far; `prefill_tokens`:
+    the prompt tokens an iteration has carried beside its decodes, on the same decaying average."""
 
     fixed_seconds: float
     token_seconds: float
+    prefill_tokens: float = 0.0
 
     def iteration_seconds(self, num_tokens: int) -> float:
         return self.fixed_seconds + self.token_seconds * num_tokens
@@ -37,19 +43,21 @@ class CostFit:
         return iterations * self.iteration_seconds(min(budget, num_running + num_prefill_tokens))
 
     def tpot_seconds(self, num_running: int) -> float:
-        """One decode step beside `num_running` other decoding requests."""
-        return self.iteration_seconds(num_running + 1)
+        """One decode step beside `num_running` other decoding requests, with the prompt tokens
+        iterations have carried of late."""
+        return self.iteration_seconds(num_running + 1 + self.prefill_tokens)
 
 
 class IterationCost:
     """The running fit: `observe` each iteration, `fit()` to read it."""
 
     def __init__(self) -> None:
-        self._w = self._x = self._xx = self._y = self._xy = 0.0
+        self._w = self._x = self._xx = self._y = self._xy = self._p = 0.0
         self.num_iterations = 0
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
+    def observe(self, num_tokens: int, seconds: float, num_prefill_tokens: int = 0) -> None:
         d = DECAY
+        self._p = self._p * d + num_prefill_tokens
         self._w = self._w * d + 1
         self._x = self._x * d + num_tokens
         self._xx = self._xx * d + num_tokens * num_tokens
@@ -67,5 +75,5 @@ class IterationCost:
         slope = max(0.0, slope)
         fixed = (self._y - slope * self._x) / self._w
         if fixed < 0:
-            return CostFit(0.0, self._xy / self._xx if self._xx else 0.0)
-        return CostFit(fixed, slope)
+            fixed, slope = 0.0, self._xy / self._xx if self._xx else 0.0
+        return CostFit(fixed, slope, self._p / self._w)

@@ -214,10 +214,10 @@ class EngineLoop:
         step = self.engine.step()
         if step:
             self.sender.put(Deltas(list(step)))
-        for iteration in step.iterations:
-            self._cost.observe(iteration.num_tokens, iteration.seconds)
-            self._trace.write(iteration)
-            self._report(self._stats(iteration))
+        for record in step.iterations:
+            self._cost.observe(record.num_tokens, record.busy_seconds, record.num_tokens - record.num_sampled)
+            self._trace.write(record)
+            self._report(self._stats(record))
         if not step.iterations and not self.engine.has_unfinished_requests():
             self._report(self._stats())  # e.g. the runner has dropped ended requests
 
