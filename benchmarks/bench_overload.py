@@ -94,13 +94,14 @@ def simulate(cost: CostModel, requests: list[TraceRequest], m: Mechanisms, token
     num_blocks = (kv_tokens or cost.kv_capacity_tokens()) // 16
     sim = Simulation(cost, config, num_blocks, 16, enable_prefix_caching=True)
     limits = AdmissionLimits(max_num_queued_tokens=token_cap if m.token_cap else None, reject_infeasible=m.infeasible)
-    admission, fit, seen, admitted = Admission(limits), IterationCost(), [0], {}
+    admission, fit, seen, admitted = Admission(limits), IterationCost(), [0, 0], {}
 
     def admit(req: Request, s: Simulation, result: SimulationResult) -> bool:
-        for it in result.iterations[seen[0]:]:
-            fit.observe(it.num_tokens, it.end - it.start, it.num_tokens - it.num_requests)
-        seen[0] = len(result.iterations)
-        sched = s.scheduler
+        sched, new = s.scheduler, result.iterations[seen[0]:]
+        ended = len(admitted) - sched.num_unfinished  # so far; those since shared among the new iterations
+        for it in new:
+            fit.observe(it.num_tokens, it.end - it.start, it.num_tokens - it.num_requests, (ended - seen[1]) / len(new))
+        seen[:] = len(result.iterations), ended
         admission.load = EngineLoad(len(sched.waiting), len(sched.running), sched.num_free_places,
                                     sched.num_unprefilled_tokens, BUDGET, fit.fit())
         if admission.enter(req.request_id) is not None:

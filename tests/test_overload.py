@@ -2,9 +2,12 @@
 long-prefill cap and the scheduler's counts the admission reads (fake runner, no model)."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from orca_backend.core.request import Request
+from orca_backend.engine.outputs import StepOutput
 from orca_backend.core.sampling_params import SamplingParams
 from orca_backend.serving.admission import Admission, AdmissionLimits, EngineLoad, Reason
 from orca_backend.serving.iteration_cost import MIN_ITERATIONS, CostFit, IterationCost
@@ -58,7 +61,7 @@ def test_max_num_queued_tokens_bounds_the_backlog_ahead_of_a_request():
 def test_reject_infeasible_refuses_what_the_cost_model_says_cannot_be_met():
     admission = Admission(AdmissionLimits(reject_infeasible=True))
     _enter(admission, 6)
-    load = dict(num_running=4, num_unprefilled_tokens=200, token_budget=64)
+    load = dict(num_running=4, num_unprefilled_tokens=200, token_budget=64, num_free_places=8)
     admission.load = EngineLoad(**load)  # no fit yet: nothing refused on its account
     assert admission.tokenized("r0", 40, slo_ttft_ms=0.001, slo_tpot_ms=0.001) is None
     admission.settle("r0")
@@ -80,6 +83,16 @@ def test_reject_infeasible_refuses_what_the_cost_model_says_cannot_be_met():
     admission.load = EngineLoad(**load, cost=CostFit(0.010, 0.001, prefill_tokens=10))
     assert admission.tokenized("r6", 40, slo_tpot_ms=20).message.endswith("takes about 25 ms; retry later or elsewhere")
     assert Admission(AdmissionLimits()).tokenized("x", 40, slo_ttft_ms=0.001) is None  # off by default
+    full = Admission(AdmissionLimits(reject_infeasible=True))  # the batch is full, 3 wait for a place
+    _enter(full, 1)
+    # Half a request ends an iteration: 4 end after 8 iterations, then its own (9 of 54 ms).
+    full.load = EngineLoad(num_running=4, num_waiting=3, token_budget=64, cost=CostFit(0.010, 0.001, 0, 0.5))
+    assert full.tokenized("r0", 40, slo_ttft_ms=400).message == (
+        "slo_ttft_ms 400 cannot be met: the first token would come after about 486 ms (40 prompt tokens to "
+        "prefill, 4 requests to end for a place in the batch); retry later or elsewhere")
+    full.enter("r1")
+    full.load = EngineLoad(num_running=4, num_waiting=3, token_budget=64, cost=CostFit(0.010, 0.001, 0, 2))
+    assert full.tokenized("r1", 40, slo_ttft_ms=400) is None  # 2 end an iteration: 3 iterations, 162 ms
     idle = Admission(AdmissionLimits(reject_infeasible=True))
     _enter(idle, 1)
     idle.load = EngineLoad(token_budget=64, cost=CostFit(0.010, 0.001))
@@ -103,6 +116,12 @@ def test_the_iteration_cost_is_fitted_and_follows_the_machine():
     assert fit.fixed_seconds == pytest.approx(0.0075, rel=1e-3) and fit.token_seconds == pytest.approx(0.0003, rel=1e-3)
     assert fit.prefill_tokens == pytest.approx(63 / 1.99, rel=1e-3)  # 0 and 63 in turn, the last weighing 1, 0.99 before
     assert fit.tpot_seconds(3) == pytest.approx(0.0075 + 0.0003 * (4 + 63 / 1.99), rel=1e-3)
+    # An engine step's iterations share the requests it ended: 2 ended over 2 iterations.
+    stepped, record = IterationCost(), SimpleNamespace(num_tokens=10, busy_seconds=0.01, num_sampled=4)
+    deltas = [SimpleNamespace(finish_reason=f, error=e) for f, e in (("stop", None), (None, "failed"), (None, None))]
+    for _ in range(MIN_ITERATIONS):
+        stepped.observe_step(StepOutput(deltas, [record, record]))
+    assert stepped.fit().ended_requests == pytest.approx(1.0) and stepped.fit().prefill_tokens == pytest.approx(6)
     same = IterationCost()
     for _ in range(MIN_ITERATIONS):
         same.observe(32, 0.02)  # one size only: its time is the fixed part

@@ -132,11 +132,14 @@ class Admission:
         if cost is None:
             return None
         if slo_ttft_ms is not None:
-            ttft_ms = 1000 * (waited_seconds + cost.ttft_seconds(num_prefill_tokens, load.num_running, load.token_budget))
+            short = load.num_waiting + len(self._pending) - load.num_free_places  # itself included
+            ttft_ms = 1000 * (waited_seconds + cost.ttft_seconds(num_prefill_tokens, load.num_running,
+                                                                 load.token_budget, short))
             if ttft_ms > slo_ttft_ms:
+                places = f", {short} requests to end for a place in the batch" if short > 0 and cost.ended_requests else ""
                 return Refusal(Reason.INFEASIBLE, f"slo_ttft_ms {slo_ttft_ms:g} cannot be met: the first token would "
                                                   f"come after about {ttft_ms:.0f} ms ({num_prefill_tokens} prompt "
-                                                  f"tokens to prefill); retry later or elsewhere")
+                                                  f"tokens to prefill{places}); retry later or elsewhere")
         if slo_tpot_ms is not None:
             tpot_ms = 1000 * cost.tpot_seconds(load.num_running)
             if tpot_ms > slo_tpot_ms:

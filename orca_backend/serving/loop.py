@@ -214,8 +214,8 @@ class EngineLoop:
         step = self.engine.step()
         if step:
             self.sender.put(Deltas(list(step)))
+        self._cost.observe_step(step)
         for record in step.iterations:
-            self._cost.observe(record.num_tokens, record.busy_seconds, record.num_tokens - record.num_sampled)
             self._trace.write(record)
             self._report(self._stats(record))
         if not step.iterations and not self.engine.has_unfinished_requests():
