@@ -120,7 +120,7 @@ bench-sampler: model
 
 # Overload: the simulator at Llama-3-8B on an H200 (FCFS without a cap against admission, deadlines,
 # long-prefill turns and the victim rule, each off in turn) on load stepped from 0.5x to 3x capacity,
-# then the default model served here the same way; writes docs/benchmarks/overload.* (about 10 minutes).
+# then the default model served here the same way; writes docs/benchmarks/overload.* (about 6 minutes).
 bench-overload: model
 	$(PY) -m benchmarks.bench_overload --markdown docs/benchmarks/overload.md
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from benchmarks import overload_served
+from benchmarks.headline import record
 from benchmarks.common import REPORTS, Report, log, options, table
 from orca_backend.core.request import Request
 from orca_backend.core.scheduler import SchedulerConfig
@@ -233,13 +234,14 @@ def goal_lines(runs: dict, requests: list[TraceRequest], slo, quiet_ttft: float,
     by_step = {name: step_rows(run[0].requests, STEPS, slo) for name, run in runs.items()}
     peak_goodput = max(r["goodput"] for rows in by_step.values() for r in rows[:4])
     for name in ("all", "fcfs, no cap"):
-        at2 = by_step[name][3]
+        at2, own = by_step[name][3], max(r["goodput"] for r in by_step[name][:5])
         lines.append(f"- {name}: goodput at 2x {at2['goodput']:.1f} requests/s, {at2['goodput'] / peak_goodput:.0%} "
-                     f"of the peak ({peak_goodput:.1f}; goal >= 90% with our mechanisms); admitted p99 TTFT at 2x "
+                     f"of the best of any mechanisms up to 2x ({peak_goodput:.1f}), {at2['goodput'] / own:.0%} of its "
+                     f"own best ({own:.1f}; goal >= 90% with our mechanisms); admitted p99 TTFT at 2x "
                      f"{at2['p99_ttft'] * 1000:.0f} ms, {at2['p99_ttft'] / quiet_ttft:.1f}x the unloaded p99 "
                      f"(goal <= 2x)")
     saturated = (STEPS[0][1], sum(s for _, s in STEPS[:4]))  # the 1x to 2x steps
-    for name in ("all", "all but the token cap"):
+    for name in ("all", "all but the token cap", "only deadline order"):
         timings = runs[name][0].requests
         high, low = (median_ttft(timings, requests, p, saturated) for p in (0, 1))
         lines.append(f"- {name}, 1x to 2x: median TTFT of priority 0 {high * 1000:.0f} ms, of priority 1 "
@@ -301,8 +303,8 @@ def served_lines(run: dict) -> list[str]:
                        sum(r["late_tpot"] for r in per_step), sum(r["refused"] for r in per_step),
                        sum(r["failed"] for r in per_step), answered])
     return lines + table(["model"] + [f"{load}x" for load, _ in overload_served.STEPS]
-                         + ["p99 TTFT at 2x (ms)", "TTFT late", "TPOT late", "refused", "failed", "refusal answered p50 / p99 / max (ms)"],
-                         rows)
+                         + ["p99 TTFT at 2x (ms)", "TTFT late", "TPOT late", "refused", "failed",
+                            "refusal answered p50 / p99 / max (ms)"], rows) + ["", *overload_served.goal_lines(run)]
 
 
 def main() -> int:
@@ -345,6 +347,11 @@ def main() -> int:
     if not args.no_served:
         report.section("Served on this machine", *served_lines(overload_served.run(args.seed)))
     report.setup().write(args.markdown)
+    at2 = {name: step_rows(runs[name][0].requests, STEPS, slo)[3]["goodput"] for name in ("all", "fcfs, no cap")}
+    record(args.markdown, "bench-overload", {"overload": (
+        "Overload: goodput (requests meeting both latency targets) at 2x capacity, simulated Llama-3-8B on an "
+        "H200, every mechanism against FCFS without a cap", f"{at2['all']:.1f} against {at2['fcfs, no cap']:.1f} "
+        "requests/s (FCFS collapses at 1x)")})
     return 0
 
 

@@ -160,3 +160,22 @@ def step_rows(outcomes: list[Outcome], slo) -> list[dict]:
                                    for o in mine)})
         start += seconds
     return rows
+
+
+def goal_lines(run: dict) -> list[str]:
+    """The issue's goals, as this run measured them."""
+    slo, lines = run["slo"], []
+    for model, outcomes in run["results"].items():
+        rows = step_rows(outcomes, slo)
+        best = max(r["goodput"] for r in rows)
+        lines.append(f"- {model}: goodput at 2x {rows[2]['goodput']:.2f} requests/s, {rows[2]['goodput'] / best:.0%} "
+                     f"of its best ({best:.2f}; goal >= 90%); admitted p99 TTFT at 2x "
+                     f"{rows[2]['p99_ttft'] / run['quiet_ttft']:.1f}x the unloaded p99 (goal <= 2x)")
+        saturated = [o for o in outcomes if STEPS[0][1] <= o.arrival < STEPS[0][1] + STEPS[1][1] + STEPS[2][1]
+                     and o.ttft is not None]
+        high, low = (np.median([o.ttft for o in saturated if o.priority == p] or [np.nan]) for p in (0, 1))
+        refused = [o.answered * 1000 for o in outcomes if o.status == 429]
+        lines.append(f"- {model}, 1x to 2x: median TTFT of priority 0 {high * 1000:.0f} ms, of priority 1 "
+                     f"{low * 1000:.0f} ms: {low / high:.1f}x lower (goal >= 3x); refusals answered within 5 ms of "
+                     f"the client's send: " + (f"{np.mean(np.array(refused) <= 5):.0%}" if refused else "none refused"))
+    return lines
