@@ -111,10 +111,11 @@ def test_the_iteration_cost_is_fitted_and_follows_the_machine():
     assert fit.fixed_seconds == pytest.approx(0.005) and fit.token_seconds == pytest.approx(0.0002)
     for _ in range(1000):  # the machine slows down by half: the old iterations no longer count
         for n in (1, 64):
-            cost.observe(n, 1.5 * (0.005 + 0.0002 * n), n - 1)  # a decode and n - 1 prompt tokens  # a decode and n - 1 prompt tokens
+            cost.observe(n, 1.5 * (0.005 + 0.0002 * n), n - 1)  # a decode, n - 1 prompt tokens
     fit = cost.fit()
     assert fit.fixed_seconds == pytest.approx(0.0075, rel=1e-3) and fit.token_seconds == pytest.approx(0.0003, rel=1e-3)
-    assert fit.prefill_tokens == pytest.approx(63 / 1.99, rel=1e-3)  # 0 and 63 in turn, the last weighing 1, 0.99 before
+    # 0 and 63 in turn, the last weighing 1 and the one before 0.99
+    assert fit.prefill_tokens == pytest.approx(63 / 1.99, rel=1e-3)
     assert fit.tpot_seconds(3) == pytest.approx(0.0075 + 0.0003 * (4 + 63 / 1.99), rel=1e-3)
     # An engine step's iterations share the requests it ended: 2 ended over 2 iterations.
     stepped, record = IterationCost(), SimpleNamespace(num_tokens=10, busy_seconds=0.01, num_sampled=4)

@@ -373,3 +373,23 @@ def test_the_host_limit_overlapped_or_in_series_on_hand_computed_costs():
     before, after = host_limit(model, BEFORE, 1024), host_limit(model, AFTER, 1024)
     assert before is not None and before < 64 and (after is None or after > 512)
     host_main(["--batches", "1,256"])
+
+
+def test_the_admit_hook_refuses_at_arrival_and_requests_carry_priority_and_targets():
+    from orca_backend.core.scheduler import SchedulerConfig
+    from orca_backend.simulate.loop import Simulation, TraceRequest
+
+    sim = Simulation(TokenCost(), SchedulerConfig(scheduling_policy="deadline"), 64, block_size=4)
+    seen = []
+
+    def admit(req, s, result):  # refuses while a request is unfinished; records what it was given
+        seen.append((req.request_id, req.params.priority, req.params.slo_ttft_ms, len(result.iterations)))
+        return not s.scheduler.num_unfinished
+
+    sim.admit = admit
+    trace = [TraceRequest(0.0, 3, 2, priority=1, slo_ttft_ms=50.0), TraceRequest(1.0, 2, 1),
+             TraceRequest(9.0, 2, 1, priority=2)]
+    result = sim.run(trace)
+    assert [r.rejected for r in result.requests] == [False, True, False]
+    assert result.requests[1].first_token is None and result.requests[2].first_token == 11.0
+    assert [s[1:] for s in seen] == [(1, 50.0, 0), (0, None, 1), (2, None, 2)]

@@ -136,7 +136,8 @@ class Admission:
             ttft_ms = 1000 * (waited_seconds + cost.ttft_seconds(num_prefill_tokens, load.num_running,
                                                                  load.token_budget, short))
             if ttft_ms > slo_ttft_ms:
-                places = f", {short} requests to end for a place in the batch" if short > 0 and cost.ended_requests else ""
+                waits = short > 0 and cost.ended_requests
+                places = f", {short} requests to end for a place in the batch" if waits else ""
                 return Refusal(Reason.INFEASIBLE, f"slo_ttft_ms {slo_ttft_ms:g} cannot be met: the first token would "
                                                   f"come after about {ttft_ms:.0f} ms ({num_prefill_tokens} prompt "
                                                   f"tokens to prefill{places}); retry later or elsewhere")
