@@ -188,7 +188,7 @@ def test_iteration_trace_records_each_iteration(engine, tmp_path):
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert set(lines[0]) == {"time", "num_requests", "num_tokens", "num_prefill_requests",
                              "num_decode_requests", "num_used_blocks", "num_waiting", "num_context_tokens",
-                             "num_sampled", "seconds", "mask_seconds"}
+                             "num_sampled", "seconds", "mask_seconds", "busy_seconds"}
     assert sum(line["num_decode_requests"] for line in lines) == 2 * 3  # 4 tokens: 1 prefill + 3 decodes
     assert max(line["num_requests"] for line in lines) == 2
     assert sum(line["num_sampled"] for line in lines) == 2 * 4 and all(line["seconds"] > 0 for line in lines)
