@@ -11,6 +11,7 @@ import pytest
 
 from orca_backend import EngineConfig, LLMEngine, SamplingParams
 from orca_backend.core.kv_manager import BlockManager
+from orca_backend.engine import llm_engine
 from orca_backend.core.messages import RunnerOutput, SampledToken
 from orca_backend.core.request import Request, RequestEnd, RequestStatus
 from orca_backend.core.scheduler import Scheduler, SchedulerConfig
@@ -299,3 +300,22 @@ def _drain(engine: LLMEngine, max_steps: int = 50) -> list:
             return deltas
         deltas += engine.step()
     raise AssertionError(f"requests left after {max_steps} steps")
+
+
+def test_an_iterations_busy_time_leaves_out_its_wait_behind_the_one_before(default_model, monkeypatch):
+    """Two in flight, both submitted at 100 s on a fake clock, returned at 105 and 108: each
+    waited until 108 to be collected, but the second was the engine's own work for 3 s only."""
+    clock = [100.0]
+    monkeypatch.setattr(llm_engine.time, "perf_counter", lambda: clock[0])
+
+    def on_submit(executor: HeldExecutor, iteration_id: int) -> None:
+        if len(executor.held) == 2:  # both out: the first returns at 105, the second at 108
+            for at, held in zip((105.0, 108.0), sorted(executor.held)):
+                clock[0] = at
+                executor.release(held)
+
+    engine = _engine(default_model, HeldExecutor(on_submit), max_batch_size=1, max_inflight=2)
+    for rid in ("a", "b"):
+        engine.add_request(rid, [5, 6, 7, 8], _params(1))
+    step = engine.step()
+    assert [(i.seconds, i.busy_seconds) for i in step.iterations] == [(8.0, 5.0), (8.0, 3.0)]
