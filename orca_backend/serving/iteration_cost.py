@@ -4,7 +4,8 @@ seconds = fixed + per_token x tokens: the simulator's cost model reduced to its 
 (a decode-heavy iteration is bound by reading the weights once, the fixed part; each token
 scheduled adds its compute), fitted by least squares over the iterations run so far, older
 ones weighing less (each iteration's weight decays by DECAY per iteration after it), so the fit
-follows the machine as it warms up or shares its GPU. Plain arithmetic, O(1) an iteration.
+follows the machine as it warms up or shares its GPU. Plain arithmetic: O(1) an iteration, and
+one pass over a step's deltas to count the requests it ended.
 
 It also follows, on the same decaying average, how many prompt tokens an iteration carries
 beside its decodes (a decoding request's time per token is the decode step plus the prefills
