@@ -60,12 +60,18 @@ def test_tritonclient_streams_transformers_greedy_text(feature_server, greedy):
 def test_concurrent_prompts_of_different_lengths_each_get_their_greedy_text(feature_server, greedy):
     lengths = [len(greedy.ids(prompt)) for prompt in CONCURRENT]
     assert lengths[0] < 4 and 16 < lengths[1] < lengths[2] and lengths[2] > 32, lengths
-    with StreamingClient(feature_server.grpc_url, MODEL) as c:
-        request_ids = [c.send(prompt, sampling=GREEDY, stream=True) for prompt in CONCURRENT]
-        results = [c.wait(request_id) for request_id in request_ids]
-    assert [r.error for r in results] == [None] * len(CONCURRENT)
-    assert [r.text for r in results] == [greedy(greedy.ids(prompt)) for prompt in CONCURRENT]
-    # All three decoded at once at some point: each had its first token before any had its last.
+    expected = [greedy(greedy.ids(prompt)) for prompt in CONCURRENT]
+    # All three decoded at once at some point: each had its first token before any had its last
+    # (the order of the responses on one stream). A machine that stalls between the sends can
+    # keep them apart, so a try that did not overlap is sent again, up to three times.
+    for _ in range(3):
+        with StreamingClient(feature_server.grpc_url, MODEL) as c:
+            request_ids = [c.send(prompt, sampling=GREEDY, stream=True) for prompt in CONCURRENT]
+            results = [c.wait(request_id) for request_id in request_ids]
+        assert [r.error for r in results] == [None] * len(CONCURRENT)
+        assert [r.text for r in results] == expected
+        if max(r.times[0] for r in results) < min(r.times[-1] for r in results):
+            break
     assert max(r.times[0] for r in results) < min(r.times[-1] for r in results)
     assert_no_leak(feature_server, MODEL)
 
