@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from orca_backend.serving.grpc_io import (EMBEDDING, OUTPUTS, OWN_OUTPUTS, build_inputs, decode_outputs,
-                                          requested_outputs)
+from orca_backend.serving.grpc_io import (EMBEDDING, OUTPUTS, OWN_OUTPUTS, PERF_OUTPUTS, build_inputs,
+                                          decode_outputs, requested_outputs)
 
 
 @dataclass
@@ -83,7 +83,9 @@ class StreamingClient:
         self._results[request_id] = Result()
         self._done[request_id] = threading.Event()
         inputs = build_inputs(prompt, batched=self.batched, **options)
-        wanted = [name for name in OWN_OUTPUTS if (options.get("flags") or {}).get(f"return_{name}")]
+        flags = options.get("flags") or {}
+        wanted = [name for name in OWN_OUTPUTS if flags.get(f"return_{name}")]
+        wanted += PERF_OUTPUTS if flags.get("return_perf_metrics") else ()
         if options.get("embedding") is not None:
             wanted.append(EMBEDDING)
         self.client.async_stream_infer(self.model, inputs, request_id=request_id,

@@ -71,6 +71,13 @@ def metric_lines(server) -> dict[str, float]:
     return server.metrics()
 
 
+def free_port() -> int:
+    """A TCP port nobody listens on now (the OS's pick)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _listening(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0

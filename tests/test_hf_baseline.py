@@ -129,6 +129,7 @@ def _request(flags=None, **sampling) -> GenerateRequest:
     (dict(flags={"stream": True}), "does not stream"),
     (dict(flags={"return_logprobs": True}), "'return_logprobs'"),
     (dict(flags={"return_cumulative_logprob": True}), "'return_cumulative_logprob'"),
+    (dict(flags={"return_perf_metrics": True}), "'return_perf_metrics'"),
     (dict(seed=1), "'seed'"),
     (dict(min_tokens=2), "'min_tokens'"),
     (dict(logprobs=1), "'logprobs'"),

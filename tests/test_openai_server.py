@@ -87,6 +87,25 @@ def test_streams_join_to_the_unstreamed_text_with_usage_in_the_last_chunk_only(a
     assert all(p.usage is None for p in pieces) and pieces[-1].choices[0].finish_reason == "length"
 
 
+def test_perf_metrics_come_in_usage_per_choice_when_asked(api):
+    """`return_perf_metrics` (an extra field): the model's timings and cache figures for each
+    choice, in `usage` (the last chunk's with include_usage); not asked, none."""
+    plain = api.completions.create(model="orca", prompt="The sea", max_tokens=3)
+    assert "perf_metrics" not in plain.usage.model_dump()
+    whole = api.completions.create(model="orca", prompt="The sea", max_tokens=4, n=2,
+                                   extra_body={"return_perf_metrics": True})
+    perf = whole.usage.model_dump()["perf_metrics"]
+    assert len(perf) == 2
+    chunks = list(api.chat.completions.create(model="orca", messages=MESSAGES, max_tokens=4, stream=True,
+                                              stream_options={"include_usage": True},
+                                              extra_body={"return_perf_metrics": True}))
+    perf += chunks[-1].usage.model_dump()["perf_metrics"]
+    times = ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")
+    for p in perf:
+        assert [p[t] for t in times] == sorted(p[t] for t in times) and p["arrival_time_ns"] > 0
+        assert p["kv_cache_alloc_total_blocks"] >= 1 and 0 <= p["kv_cache_hit_rate"] <= 1
+
+
 def test_stop_strings_and_max_tokens_end_with_their_reasons(api):
     long = api.completions.create(model="orca", prompt="1, 2, 3, 4,", max_tokens=12, temperature=0).choices[0]
     assert long.finish_reason == "length"

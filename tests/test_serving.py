@@ -87,10 +87,9 @@ def test_the_documented_parameters_are_the_ones_read():
     (the other served models a part of them)."""
     from orca_backend.serving.launch import REPO_ROOT
 
-    read = set(ENGINE_PARAMETERS) | {"max_queue_size", "max_num_queued_reqs", "max_num_queued_tokens", "reject_infeasible", "drain_timeout_seconds",
-                                         "iteration_trace", "vllm_metrics",
-                                         "stream_interval",
-                                     "runtime_lora_updating"}
+    read = set(ENGINE_PARAMETERS) | {"max_queue_size", "max_num_queued_reqs", "max_num_queued_tokens",
+                                     "reject_infeasible", "drain_timeout_seconds", "iteration_trace", "vllm_metrics",
+                                     "stream_interval", "runtime_lora_updating", "kv_events_config"}
     table = (REPO_ROOT / "docs" / "configuration.md").read_text()
     documented = set(re.findall(r"^\| `(\w+)` \|", table, re.M))
     assert documented == read

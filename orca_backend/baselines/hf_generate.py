@@ -34,7 +34,7 @@ UNSUPPORTED_PARAMETERS = {"min_tokens": 0, "seed": None, "presence_penalty": 0.0
                           "frequency_penalty": 0.0, "logprobs": None, "structured_outputs": None,
                           "prompt_logprobs": None, "logit_bias": None, "allowed_token_ids": None, "bad_words": [],
                           "priority": 0}
-UNSUPPORTED_FLAGS = ("return_cumulative_logprob", "return_logprobs", "return_prompt_logprobs")
+UNSUPPORTED_FLAGS = ("return_cumulative_logprob", "return_logprobs", "return_prompt_logprobs", "return_perf_metrics")
 
 
 @dataclass(slots=True)

@@ -31,6 +31,7 @@ from array import array
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 
+from .kv_events import BlockRemoved, external_hash, stored_events
 from .request import Request
 
 
@@ -90,6 +91,9 @@ class BlockManager:
         self._cache: dict[bytes, CachedBlock] = {}
         self._num_committed_blocks: dict[str, int] = {}  # per table: leading blocks already offered to the cache
         self._num_released: dict[str, int] = {}  # per table: leading blocks released (out of the window)
+        # K/V cache events (kv_events.py) since the publisher last took them; None: not recorded.
+        self.events: list | None = None
+        self.medium = "GPU"  # where the events say the blocks live
 
     # -- counts ---------------------------------------------------------------------------
     @property
@@ -162,13 +166,25 @@ class BlockManager:
         if num_full_blocks <= start:
             return
         hashes = self._hashes_of(req)
+        stored = None if self.events is None else []
         for i in range(start, num_full_blocks):
             block_id, h = table[i], hashes[i]
             if h not in self._cache and block_id not in self._hashes:
                 parent = hashes[i - 1] if i else self._root(req)
                 self._cache[h] = CachedBlock(block_id, parent, tuple(self._block_tokens(req, i)))
                 self._hashes[block_id] = h
+                if stored is not None:
+                    stored.append(i)
         self._num_committed_blocks[req.request_id] = num_full_blocks
+        if stored:
+            lora = None if req.lora is None else (req.lora.lora_id, req.lora.name)
+            self.events += stored_events(hashes, stored, req.token_slice, self.block_size, self.medium, lora,
+                                         req.params.cache_salt)
+
+    def take_events(self) -> list:
+        """The K/V cache events recorded since the last call (none when they are not recorded)."""
+        events, self.events = self.events, None if self.events is None else []
+        return events or []
 
     def _hashes_of(self, req: Request) -> list[bytes]:
         """The chain of hashes of `req`'s full blocks (kept on the request: tokens only grow)."""
@@ -249,8 +265,11 @@ class BlockManager:
         if self._free_block_ids:
             return self._free_block_ids.popleft()
         block_id, _ = self._evictable.popitem(last=False)
-        del self._cache[self._hashes.pop(block_id)]
+        h = self._hashes.pop(block_id)
+        del self._cache[h]
         self.stats.num_evictions += 1
+        if self.events is not None:
+            self.events.append(BlockRemoved([external_hash(h)], self.medium))
         return block_id
 
     def free(self, request_id: str) -> int:

@@ -49,6 +49,7 @@ class Request:
     num_preemptions: int = 0
     num_preempted_tokens: int = 0  # computed tokens it had when last preempted, until readmitted
     track_logprob: bool = False  # compute each sampled token's log-probability
+    track_perf: bool = False  # its deltas carry its timings and cache figures (RequestPerf)
     lora: LoRARef | None = None  # its LoRA adapter; None: the base model
     # Prefix caching: prompt tokens whose K/V came from the cache at its first admission
     # (None until admitted), and the chained hashes of its full blocks (see kv_manager).
@@ -71,6 +72,7 @@ class Request:
     rank: tuple[int, int] = (0, 0)
     arrival_iteration: int = 0  # the scheduler's iteration count when it arrived
     arrival_time: float = 0.0  # when it arrived, in seconds of the server's monotonic clock
+    first_scheduled_time: float = 0.0  # when it was first admitted to an iteration (0: not yet)
     num_prompt_tokens: int = field(init=False, default=0)
 
     @property

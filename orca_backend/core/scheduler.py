@@ -15,6 +15,7 @@ long ones that wait.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -296,6 +297,8 @@ class Scheduler(IterationMessages, IterationReturns, PriorityRanking, RowsAhead)
         self.waiting.take(position)
         self.running.append(req)
         req.status = RequestStatus.RUNNING
+        if not req.first_scheduled_time:
+            req.first_scheduled_time = time.monotonic()
         return True
 
     def _need(self, req: Request, num_hit_tokens: int = 0, budget: int | None = None) -> int:

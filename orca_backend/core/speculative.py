@@ -11,11 +11,10 @@ smaller checkpoint with the same tokenizer k steps ahead (`runner/drafter.py`).
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigError, config_object
 
 METHODS = ("ngram", "draft_model")
 
@@ -57,17 +56,11 @@ class SpeculativeConfig:
     @classmethod
     def parse(cls, value: Any) -> SpeculativeConfig | None:
         """From a mapping or its JSON text (None or "" for no speculation); raises ConfigError."""
-        if value is None or isinstance(value, SpeculativeConfig):
+        if isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            if not value.strip():
-                return None
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ConfigError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        value = config_object(value, "speculative_config")
+        if value is None:
+            return None
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(value) - known)
         if unknown:

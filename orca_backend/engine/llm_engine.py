@@ -7,6 +7,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from ..core.config import DTYPE_SIZES, EngineConfig
 from ..core.errors import InvalidRequestError
+from ..core.kv_events import AllBlocksCleared
 from ..core.kv_manager import BlockManager
 from ..core.messages import RunnerOutput, SchedulerOutput
 from ..core.request import Request, RequestStatus
@@ -18,8 +19,7 @@ from ..grammar import compiler_for, grammar_of
 from ..lora import LoRARegistry
 from ..runner.spec import RunnerSpec
 from .model_setup import ModelSetup
-from .outputs import (EngineSnapshot, EngineStats, IterationRecord, PreparedRequest, RequestDelta,
-                      StepOutput)
+from .outputs import EngineSnapshot, EngineStats, IterationRecord, PreparedRequest, RequestDelta, StepOutput
 from .request_rules import RequestRules
 from .output_processor import OutputProcessor, error_delta
 
@@ -50,6 +50,7 @@ class LLMEngine:
         self.loras = LoRARegistry(model, config.scheduler.enable_lora, config.runner.max_lora_rank,
                                   config.scheduler.max_loras)
         self.stats = EngineStats()
+        self.kv_events = None  # publishes the K/V cache events of each step (serving/kv_events.py); None: off
         self.reset()
 
     def reset(self) -> None:
@@ -78,9 +79,11 @@ class LLMEngine:
         self.kv = BlockManager(self.runner_spec.num_blocks, cache.block_size, cache.enable_prefix_caching,
                                namespace=str(self.rules.model_path), stats=self.stats.prefix_cache,
                                window=self.setup.kv_window)
+        if self.kv_events is not None:  # an empty pool: routers drop what they knew of the old one
+            self.kv.events, self.kv.medium = [AllBlocksCleared()], self.kv_events.medium
         self.scheduler = Scheduler(self.config.scheduler, self.kv, self.stats.scheduler)
         self.outputs = OutputProcessor(self.rules, self.config.runner.pooling_normalize, self.stats.speculation,
-                                       self._end)
+                                       self._end, cache.block_size)
         # Requests whose structured_outputs grammar is compiling: tracked, not yet scheduled.
         self._compiling: dict[str, Future] = {}
         self._in_flight: dict[int, tuple[SchedulerOutput, Future[RunnerOutput]]] = {}
@@ -104,7 +107,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int] | PreparedRequest,
                     params: SamplingParams | None = None, track_logprob: bool = False,
                     grammar: Future | None = None, lora_name: str | None = None,
-                    arrival_time: float | None = None) -> Request:
+                    arrival_time: float | None = None, track_perf: bool = False) -> Request:
         """Validate and queue a request; raises InvalidRequestError naming what is wrong.
 
         `prompt`: text or token ids, checked here with `params`; or what `prepare` returned
@@ -112,7 +115,8 @@ class LLMEngine:
         `lora_name`: the adapter it runs with (one `add_lora` registered); None: the base model.
         `track_logprob` keeps a cumulative log-probability even when `params.logprobs` is unset;
         `grammar`: the future `compile_grammar` gave for these params (else the compile starts here);
-        `arrival_time`: when it arrived by time.monotonic() (None: now), whence its deadline.
+        `arrival_time`: when it arrived by time.monotonic() (None: now), whence its deadline;
+        `track_perf`: its deltas carry its timings and cache figures (`RequestDelta.perf`).
         """
         if request_id in self.outputs.tracked:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -124,7 +128,7 @@ class LLMEngine:
         ready = grammar is None or grammar.done()  # read once: it may end at any moment
         if grammar is not None and ready:
             grammar_of(grammar)  # a refused grammar raises its InvalidRequestError here
-        req = Request(request_id, token_ids, params, track_logprob=track_logprob, lora=lora,
+        req = Request(request_id, token_ids, params, track_logprob=track_logprob, lora=lora, track_perf=track_perf,
                       arrival_time=time.monotonic() if arrival_time is None else arrival_time)
         self.outputs.track(req)
         if grammar is not None:
@@ -239,6 +243,8 @@ class LLMEngine:
                 deltas += self._complete(message, future, deltas.iterations)
         except RunnerDiedError as e:
             deltas += self._recover(e)  # keeping what iterations returned before it died
+        if self.kv.events:
+            self.kv_events.publish(self.kv.take_events())
         self.stats.step_seconds += time.perf_counter() - start
         return deltas
 
@@ -328,8 +334,7 @@ class LLMEngine:
         unavailable = isinstance(error, RunnerUnavailableError)
         old = self.outputs.tracked
         unseen = [] if unavailable else [t for t in old.values() if not t.request.num_sent_tokens]
-        message = (f"internal error: {error}" if unavailable
-                   else f"internal error: {error}; the runner was restarted")
+        message = f"internal error: {error}" + ("" if unavailable else "; the runner was restarted")
         deltas = [error_delta(t.request, message) for t in old.values()
                   if unavailable or t.request.num_sent_tokens]
         compiling = {} if unavailable else self._compiling

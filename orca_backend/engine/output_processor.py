@@ -12,7 +12,7 @@ import torch
 from ..core.messages import RunnerOutput
 from ..core.request import Request, RequestEnd, RequestStatus, RequestUpdate
 from .detokenizer import IncrementalDetokenizer
-from .outputs import RequestDelta, SpeculationStats
+from .outputs import RequestDelta, RequestPerf, SpeculationStats
 from .request_rules import RequestRules
 
 log = logging.getLogger(__name__)
@@ -26,6 +26,7 @@ class Tracked:
     # With prompt_logprobs: the prompt's scores so far (None first), until sent with the first delta
     prompt_logprobs: list | None = None
     prompt_logprobs_sent: bool = False
+    num_draft_tokens: int = 0  # speculative decoding: proposed for it so far
 
     def take_prompt_logprobs(self, position: int, entries: list) -> None:
         """Scores of prompt tokens from `position` on; those already had (the prompt run again
@@ -39,7 +40,14 @@ class Tracked:
                 entry.setdefault(other, (value, other_rank))
             scores.append(entry)
 
-    def token_delta(self, update: RequestUpdate, out: RunnerOutput) -> RequestDelta:
+    def perf(self, block_size: int) -> RequestPerf:
+        req = self.request
+        cached = req.num_cached_tokens or 0
+        return RequestPerf(req.arrival_time, req.first_scheduled_time, -(-req.num_tokens // block_size),
+                           cached // block_size, req.num_prompt_tokens, cached, self.num_draft_tokens,
+                           req.num_accepted_drafts)
+
+    def token_delta(self, update: RequestUpdate, out: RunnerOutput, block_size: int) -> RequestDelta:
         """The delta of the request's new tokens, ended or not."""
         req, end = update.request, update.end
         token = out.sampled[req.request_id]
@@ -52,7 +60,8 @@ class Tracked:
             self.cumulative_logprob,
             [token.top_logprobs] if token.top_logprobs is not None else None,
             torch.frombuffer(bytearray(logits), dtype=torch.float32) if logits is not None else None,
-            num_cached_tokens=req.num_cached_tokens or 0, prompt_logprobs=self._prompt_logprobs_once())
+            num_cached_tokens=req.num_cached_tokens or 0, prompt_logprobs=self._prompt_logprobs_once(),
+            perf=self.perf(block_size) if req.track_perf else None)
 
     def _prompt_logprobs_once(self) -> list | None:
         """The prompt's scores, in the request's first delta only."""
@@ -67,8 +76,9 @@ class OutputProcessor:
     request in the scheduler (the engine's), for one that fails here."""
 
     def __init__(self, rules: RequestRules, normalize_embeddings: bool, speculation: SpeculationStats,
-                 end_request: Callable[[Request, RequestStatus], None]) -> None:
+                 end_request: Callable[[Request, RequestStatus], None], block_size: int = 1) -> None:
         self.rules, self.normalize_embeddings, self.speculation = rules, normalize_embeddings, speculation
+        self.block_size = block_size
         self.end_request = end_request
         self.tracked: dict[str, Tracked] = {}
 
@@ -118,7 +128,7 @@ class OutputProcessor:
             tracked = self.tracked.pop(rid) if end is not None else self.tracked[rid]
             if rid in out.embeddings:
                 return embedding_delta(req, out.embeddings[rid], self.normalize_embeddings)
-            return tracked.token_delta(update, out)
+            return tracked.token_delta(update, out, self.block_size)
         except Exception as e:
             return self.fail(req, output_failure(req, e))
 
@@ -128,6 +138,7 @@ class OutputProcessor:
             self.tracked[rid].take_prompt_logprobs(*out.prompt_logprobs[rid])
         if out.num_proposed.get(rid) and rid in out.sampled:
             self.speculation.add(out.num_proposed[rid], len(out.accepted_token_ids.get(rid, [])))
+            self.tracked[rid].num_draft_tokens += out.num_proposed[rid]
 
 
 def embedding_delta(req: Request, pooled: bytes, normalize: bool) -> RequestDelta:

@@ -30,10 +30,26 @@ class RequestDelta:
     # per prompt token {token_id: (logprob, rank)}, the prompt's token first, then the top N.
     prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = None
     embedding: list[float] | None = None  # an embedding request's vector, in its only delta
+    perf: RequestPerf | None = None  # for a request that tracks them (`add_request(track_perf=True)`)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None or self.error is not None
+
+
+@dataclass(slots=True, frozen=True)
+class RequestPerf:
+    """A request's timings and cache figures as of one delta (the server's `return_perf_metrics`
+    outputs, with the times of its first and last tokens, which the sender knows)."""
+
+    arrival_time: float  # time.monotonic() seconds
+    first_scheduled_time: float  # when it first joined an iteration
+    num_blocks: int  # K/V blocks covering its tokens so far
+    num_reused_blocks: int  # of those, prefix-cache hits at its first admission
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_draft_tokens: int = 0  # speculative decoding: tokens proposed for it
+    num_accepted_draft_tokens: int = 0  # of those, accepted
 
 
 @dataclass(slots=True)

@@ -8,10 +8,15 @@ import struct
 import numpy as np
 import tritonclient.grpc as grpcclient
 
+from .inputs import PERF_OUTPUTS as _PERF_DTYPES
+
 OUTPUTS = ("text_output", "finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens",
            "num_output_tokens", "num_cached_tokens")
 # Outputs only our models have (requested only when asked for: a model without them refuses them).
 OWN_OUTPUTS = ("prompt_logprobs",)
+# What return_perf_metrics adds (TensorRT-LLM's Triton model's names, and kv_cache_hit_rate).
+PERF_OUTPUTS = tuple(_PERF_DTYPES)
+_DECODED = frozenset((*OUTPUTS, *OWN_OUTPUTS, *PERF_OUTPUTS))
 # Ours too, requested for embedding requests only: the vector as FP32, read whole (Triton's vLLM
 # backend has no such output; its text_output holds the vector as JSON text, and so does ours).
 EMBEDDING = "embedding"
@@ -72,7 +77,7 @@ def decode_outputs(result) -> dict:
         if tensor.name == EMBEDDING:
             out[EMBEDDING] = np.frombuffer(raw, dtype="<f4").tolist()
             continue
-        if tensor.name not in OUTPUTS and tensor.name not in OWN_OUTPUTS:
+        if tensor.name not in _DECODED:
             continue
         if tensor.datatype == "BYTES":  # each element: a 4-byte little-endian length, then the bytes
             out[tensor.name] = raw[4:4 + int.from_bytes(raw[:4], "little")].decode("utf-8") if raw else None
@@ -84,7 +89,7 @@ def decode_outputs(result) -> dict:
 def _decode_with_numpy(result) -> dict:
     vector = result.as_numpy(EMBEDDING)
     out = {} if vector is None else {EMBEDDING: vector.reshape(-1).tolist()}
-    for name in (*OUTPUTS, *OWN_OUTPUTS):
+    for name in _DECODED:
         value = result.as_numpy(name)
         if value is None:
             continue

@@ -17,8 +17,14 @@ from ..core.sampling_params import SamplingParams, parse_json
 LORA_COMMANDS = ("list", "load", "unload")
 RETURN_FLAGS = ("return_finish_reason", "return_cumulative_logprob", "return_logprobs",
                 "return_num_input_tokens", "return_num_output_tokens", "return_num_cached_tokens",
-                "return_prompt_logprobs")
+                "return_prompt_logprobs", "return_perf_metrics")
 FLAG_INPUTS = ("stream", "exclude_input_in_output", *RETURN_FLAGS)
+# The outputs return_perf_metrics adds (TensorRT-LLM's Triton model's, and kv_cache_hit_rate),
+# by numpy dtype; the model's config.pbtxt declares each (its TYPE_ names), [1] each.
+PERF_OUTPUTS = {"arrival_time_ns": "int64", "first_scheduled_time_ns": "int64", "first_token_time_ns": "int64",
+                "last_token_time_ns": "int64", "kv_cache_alloc_new_blocks": "int32", "kv_cache_reused_blocks": "int32",
+                "kv_cache_alloc_total_blocks": "int32", "kv_cache_hit_rate": "float32", "acceptance_rate": "float32",
+                "total_accepted_draft_tokens": "int32", "total_draft_tokens": "int32"}
 # What an embedding_request's JSON may hold (Triton's vLLM backend's input: the OpenAI request's
 # fields, `dimensions` also inside `pooling_params` as a list of one).
 _EMBEDDING_FIELDS = {"input", "dimensions", "pooling_params", "model", "encoding_format", "user"}
@@ -39,6 +45,7 @@ class GenerateRequest:
     return_num_output_tokens: bool = False
     return_num_cached_tokens: bool = False
     return_prompt_logprobs: bool = False
+    return_perf_metrics: bool = False  # TensorRT-LLM's Triton model's timing and cache outputs
     lora_name: str | None = None  # its adapter (vLLM backend's `lora_name` sampling parameter)
 
     @classmethod

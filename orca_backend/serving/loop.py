@@ -5,8 +5,7 @@ The engine thread owns the engine (scheduler, K/V manager, runner) and never wai
 client or on a tokenizer. Each request gets exactly one final response, whether it finished,
 failed, was cancelled, was refused at arrival, or the server drained or shut down. A
 failure of a loop thread itself ends every open request with an error, and the engine is
-restarted with an empty pool: the server keeps serving.
-"""
+restarted with an empty pool: the server keeps serving."""
 from __future__ import annotations
 
 import itertools
@@ -257,7 +256,8 @@ class EngineLoop:
             return
         try:
             self.engine.add_request(add.request_id, add.prepared, track_logprob=add.request.return_cumulative_logprob,
-                                    grammar=add.grammar, lora_name=add.request.lora_name, arrival_time=add.arrival)
+                                    grammar=add.grammar, lora_name=add.request.lora_name, arrival_time=add.arrival,
+                                    track_perf=add.request.return_perf_metrics)
         except Exception as e:
             self.engine.abort_request(add.request_id)  # in case it got halfway in
             self.sender.put(_refusal(add.request_id, e, "adding the request"))

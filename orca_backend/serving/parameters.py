@@ -13,6 +13,7 @@ from pathlib import Path
 from ..core.config import PARTS, EngineConfig, auto_device, auto_dtype, is_model_parameter
 from ..core.errors import ConfigError
 from .admission import AdmissionLimits
+from .kv_events import KVEventsConfig
 
 
 def _option_types() -> dict[str, type]:
@@ -59,6 +60,7 @@ class ServingOptions:
     runtime_lora_updating: bool = False  # LoRA adapters may be loaded and unloaded by request
     # On unload or Ctrl+C / SIGTERM: how long open requests may run on before they are ended.
     drain_timeout_seconds: float = DRAIN_TIMEOUT_SECONDS
+    kv_events: KVEventsConfig | None = None  # K/V cache events published (vLLM's kv_events_config)
 
 
 def serving_options(parameters: dict[str, str]) -> ServingOptions:
@@ -68,7 +70,8 @@ def serving_options(parameters: dict[str, str]) -> ServingOptions:
             for name in ("max_queue_size", "max_num_queued_reqs", "max_num_queued_tokens")}
     return ServingOptions(trace, AdmissionLimits(**caps, reject_infeasible=_flag(parameters, "reject_infeasible", False)),
                           _flag(parameters, "vllm_metrics", True), _positive(parameters, "stream_interval", 1, "(1)"),
-                          _flag(parameters, "runtime_lora_updating", False), _drain_timeout(parameters))
+                          _flag(parameters, "runtime_lora_updating", False), _drain_timeout(parameters),
+                          KVEventsConfig.parse(parameters.pop("kv_events_config", "")))
 
 
 def _drain_timeout(parameters: dict[str, str]) -> float:
@@ -102,7 +105,7 @@ def model_json_parameters(version_folder: Path) -> dict[str, str]:
     taken, ignored = {}, []
     for key, value in values.items():
         name = _VLLM_NAMES.get(key, key)
-        if name in ENGINE_PARAMETERS and value is not None:
+        if (name in ENGINE_PARAMETERS or name == "kv_events_config") and value is not None:
             taken[name] = (str(value).lower() if isinstance(value, bool)
                            else json.dumps(value) if isinstance(value, (dict, list)) else str(value))
         else:

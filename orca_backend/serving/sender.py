@@ -22,7 +22,7 @@ from typing import Callable
 from ..core.threads import NamedThread
 from ..engine.outputs import RequestDelta
 from .sender_messages import (Deltas, ErrorKind, Fail, FailAll, Metrics, Observed, Open, Rejected, Reply,
-                              Response, Stats, Stop, Stream)
+                              Response, Stats, Stop, Stream, perf_outputs)
 
 log = logging.getLogger(__name__)
 CANCEL_POLL_SECONDS = 0.05  # a tick: cancellation checks run this often
@@ -143,6 +143,7 @@ class Sender:
         if delta.token_ids:
             if stream.num_output_tokens == 0:
                 observed.ttft.append(made - stream.arrival)
+                stream.first_token_time = made
             else:
                 observed.itl.append(made - stream.last_token_time)
             observed.num_generated_tokens += len(delta.token_ids)
@@ -207,7 +208,9 @@ class Sender:
         logprobs = stream.unsent_logprobs if stream.request.params.logprobs is not None else None
         response = Response(text, delta.finish_reason, delta.num_prompt_tokens, stream.num_unsent_tokens,
                             delta.cumulative_logprob, logprobs, delta.finished, delta.num_cached_tokens,
-                            stream.unsent_prompt_logprobs, delta.embedding)
+                            stream.unsent_prompt_logprobs, delta.embedding,
+                            None if delta.perf is None else perf_outputs(delta.perf, stream.first_token_time,
+                                                                         stream.last_token_time))
         stream.num_unsent_tokens, stream.unsent_logprobs, stream.unsent_prompt_logprobs = 0, [], None
         stream.num_responses += 1
         self._observed.num_sends += 1

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ..engine.outputs import EngineSnapshot, RequestDelta
+from ..engine.outputs import EngineSnapshot, RequestDelta, RequestPerf
 from ..executors.stages import StageStats
 from .inputs import GenerateRequest
 
@@ -38,6 +38,28 @@ class Response:
     # prompt token, then one {token_id: {...}} per prompt token (its own first, then the top N)
     prompt_logprobs: list[dict | None] | None = None
     embedding: list[float] | None = None  # an embedding request's vector, in its only response
+    perf: dict[str, int | float] | None = None  # with return_perf_metrics: `perf_outputs`
+
+
+# time.time() - time.monotonic(), once: the request's times go out as nanoseconds since the
+# epoch (TensorRT-LLM's outputs), all by one offset, so that their order is the clock's.
+_EPOCH_OFFSET = time.time() - time.monotonic()
+
+
+def perf_outputs(perf: RequestPerf, first_token_time: float, last_token_time: float) -> dict[str, int | float]:
+    """The outputs `return_perf_metrics` adds, by the names of TensorRT-LLM's Triton model (and
+    kv_cache_hit_rate): times in nanoseconds since the epoch (0: not yet), block counts, rates."""
+    def ns(t: float) -> int:
+        return int((t + _EPOCH_OFFSET) * 1e9) if t else 0
+    return {"arrival_time_ns": ns(perf.arrival_time), "first_scheduled_time_ns": ns(perf.first_scheduled_time),
+            "first_token_time_ns": ns(first_token_time), "last_token_time_ns": ns(last_token_time),
+            "kv_cache_alloc_new_blocks": perf.num_blocks - perf.num_reused_blocks,
+            "kv_cache_reused_blocks": perf.num_reused_blocks, "kv_cache_alloc_total_blocks": perf.num_blocks,
+            "kv_cache_hit_rate": perf.num_cached_tokens / perf.num_prompt_tokens if perf.num_prompt_tokens else 0.0,
+            "acceptance_rate": (perf.num_accepted_draft_tokens / perf.num_draft_tokens
+                                if perf.num_draft_tokens else 0.0),
+            "total_accepted_draft_tokens": perf.num_accepted_draft_tokens,
+            "total_draft_tokens": perf.num_draft_tokens}
 
 
 class ResponseSink(Protocol):
@@ -63,6 +85,7 @@ class Stream:
     sink: ResponseSink
     arrival: float
     last_token_time: float = 0.0  # the engine's clock when its last token was made
+    first_token_time: float = 0.0  # ... and its first
     num_output_tokens: int = 0
     text: list[str] = field(default_factory=list)  # not yet sent (all of it, until the end, if not streaming)
     # Tokens (and their logprob entries) not yet reported: a token whose text is empty (a

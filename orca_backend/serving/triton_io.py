@@ -8,7 +8,7 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from .inputs import FLAG_INPUTS, GenerateRequest, LoRACommand
+from .inputs import FLAG_INPUTS, PERF_OUTPUTS, GenerateRequest, LoRACommand
 from .sender_messages import ErrorKind, Response
 
 _ERROR_CODES = {ErrorKind.INVALID: "INVALID_ARG", ErrorKind.CANCELLED: "CANCELLED",
@@ -55,6 +55,8 @@ _OPTIONAL = (
     ("num_output_tokens", "return_num_output_tokens", lambda r: np.array([r.num_output_tokens], dtype=np.uint32)),
     ("num_cached_tokens", "return_num_cached_tokens", lambda r: np.array([r.num_cached_tokens], dtype=np.uint32)),
     ("prompt_logprobs", "return_prompt_logprobs", lambda r: _bytes(json.dumps(r.prompt_logprobs))),
+    *((name, "return_perf_metrics", lambda r, name=name, dtype=dtype: np.array([r.perf[name]], dtype=dtype))
+      for name, dtype in PERF_OUTPUTS.items()),
 )
 
 

@@ -22,6 +22,7 @@ from ..engine.llm_engine import LLMEngine
 from ..executors.factory import executor_factory_for
 from ..executors.stages import StagedFactory
 from .inputs import GenerateRequest, LoRACommand
+from .kv_events import publish_kv_events
 from .loop import EngineLoop
 from .metric_series import MetricsRecorder
 from .metrics import TritonMetrics
@@ -53,6 +54,7 @@ class TritonPythonModel:
         factory = (TritonStagesFactory(parallel, name) if parallel.executor == "stages"
                    else executor_factory_for(parallel))
         self.engine = LLMEngine(engine_config, factory)
+        self._kv_events = None if options.kv_events is None else publish_kv_events(self.engine, options.kv_events)
         for lora_name, lora_path in lora_modules(version_folder).items():
             self.engine.add_lora(lora_name, lora_path)
         stage_stats = factory.stage_stats if isinstance(factory, StagedFactory) else None
@@ -92,6 +94,8 @@ class TritonPythonModel:
     def finalize(self) -> None:
         self.loop.shutdown()
         self.engine.shutdown()
+        if self._kv_events is not None:
+            self._kv_events.close()
 
 
 def _drain_on_interrupt(loop: EngineLoop, timeout_seconds: float) -> None:

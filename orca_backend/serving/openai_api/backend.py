@@ -15,7 +15,7 @@ import tritonclient.grpc.aio as grpcclient_aio
 from tritonclient.utils import InferenceServerException
 
 from ...checkpoint.store import default_model_path
-from ..grpc_io import EMBEDDING, build_inputs, decode_outputs, is_llm_config, requested_outputs
+from ..grpc_io import EMBEDDING, PERF_OUTPUTS, build_inputs, decode_outputs, is_llm_config, requested_outputs
 from .errors import APIError, from_grpc, from_model_message, unknown_model
 
 log = logging.getLogger(__name__)
@@ -32,6 +32,7 @@ _OUTPUTS = requested_outputs(("text_output", "finish_reason", "num_input_tokens"
                               "num_cached_tokens"))
 _WITH_LOGPROBS = _OUTPUTS + requested_outputs(("logprobs",))
 _WITH_PROMPT_LOGPROBS = _WITH_LOGPROBS + requested_outputs(("prompt_logprobs",))
+_PERF_OUTPUTS = requested_outputs(PERF_OUTPUTS)
 _INDEX_SECONDS = 2.0  # how long the list of ready models is trusted
 _EMBEDDING_OUTPUTS = requested_outputs((EMBEDDING, "num_input_tokens"))
 _VLLM_EMBEDDING_OUTPUTS = requested_outputs(("text_output", "num_input_tokens"))  # the vector as JSON text
@@ -60,6 +61,7 @@ class Piece:
     num_cached_tokens: int
     logprobs: list[dict] | None  # per token {token_id: {logprob, rank, decoded_token}}, sampled first
     prompt_logprobs: list[dict | None] | None = None  # the prompt's, null first (first response only)
+    perf: dict | None = None  # with return_perf_metrics: the model's timings and cache figures, as of this piece
 
     def followed_by(self, later: Piece) -> Piece:
         """This piece and a later one of the same request, as one."""
@@ -68,7 +70,7 @@ class Piece:
         return Piece(self.text + later.text, later.finish_reason, later.num_input_tokens or self.num_input_tokens,
                      self.num_output_tokens + later.num_output_tokens,
                      later.num_cached_tokens or self.num_cached_tokens, logprobs,
-                     self.prompt_logprobs or later.prompt_logprobs)
+                     self.prompt_logprobs or later.prompt_logprobs, later.perf or self.perf)
 
 
 class Backend:
@@ -221,6 +223,9 @@ class Backend:
             flags, outputs = {**flags, "return_logprobs": True}, _WITH_LOGPROBS
         if sampling.get("prompt_logprobs") is not None:
             flags, outputs = {**flags, "return_prompt_logprobs": True}, _WITH_PROMPT_LOGPROBS
+        if sampling.get("return_perf_metrics"):  # a flag the request's body carried beside its sampling
+            sampling = {k: v for k, v in sampling.items() if k != "return_perf_metrics"}
+            flags, outputs = {**flags, "return_perf_metrics": True}, outputs + _PERF_OUTPUTS
         inputs = build_inputs(prompt, sampling, stream=stream, exclude_input=True, flags=flags,
                               batched=model.batched)
         request = {"model_name": model.name, "inputs": inputs, "outputs": outputs,
@@ -286,7 +291,8 @@ def _piece(out: dict) -> Piece:
                  int(out.get("num_input_tokens", 0)), int(out.get("num_output_tokens", 0)),
                  int(out.get("num_cached_tokens", 0)),
                  None if logprobs in (None, "null") else json.loads(logprobs),
-                 None if prompt in (None, "null") else json.loads(prompt))
+                 None if prompt in (None, "null") else json.loads(prompt),
+                 {name: out[name] for name in PERF_OUTPUTS} if "arrival_time_ns" in out else None)
 
 
 def _tokenizer_folder(config: dict) -> Path | None:

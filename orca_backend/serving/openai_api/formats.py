@@ -21,6 +21,7 @@ class Choice:
     num_input_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    perf: dict | None = None  # with return_perf_metrics: the newest figures
 
     def add(self, piece: Piece) -> None:
         self.texts.append(piece.text)
@@ -30,6 +31,7 @@ class Choice:
         self.num_input_tokens = piece.num_input_tokens or self.num_input_tokens
         self.num_cached_tokens = piece.num_cached_tokens or self.num_cached_tokens
         self.num_output_tokens += piece.num_output_tokens
+        self.perf = piece.perf or self.perf
 
     @property
     def text(self) -> str:
@@ -45,13 +47,17 @@ def envelope(kind: str, request_id: str, model: str, created: int | None = None)
 
 
 def usage(choices: list[Choice], n: int) -> dict:
-    """Token counts: each prompt counted once (its n samples share it), every sample's output."""
+    """Token counts: each prompt counted once (its n samples share it), every sample's output;
+    with return_perf_metrics, each choice's timings and cache figures (`perf_metrics`)."""
     prompts = choices[::n]
     prompt_tokens = sum(c.num_input_tokens for c in prompts)
     completion_tokens = sum(c.num_output_tokens for c in choices)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": sum(c.num_cached_tokens for c in prompts)}}
+    counts = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+              "total_tokens": prompt_tokens + completion_tokens,
+              "prompt_tokens_details": {"cached_tokens": sum(c.num_cached_tokens for c in prompts)}}
+    if any(c.perf for c in choices):  # return_perf_metrics: each choice's, by its index
+        counts["perf_metrics"] = [c.perf for c in choices]
+    return counts
 
 
 def _sampled(entry: dict) -> tuple[str, dict]:

@@ -18,6 +18,7 @@ from .messages import ChatMessage
 from .tools import ToolChoice, check_tool_choice, check_tools
 
 # Sampling fields passed to the model as they are (OpenAI's, then vLLM's extensions).
+PERF_FLAG = "return_perf_metrics"
 _PASSED = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
            "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
            "include_stop_str_in_output", "skip_special_tokens", "cache_salt", "logit_bias", "allowed_token_ids",
@@ -92,6 +93,7 @@ class _Request(Body):
     slo_tpot_ms: float | None = None
     response_format: dict | None = None  # OpenAI's: text, json_object or json_schema
     structured_outputs: dict | str | None = None  # vLLM's extra field
+    return_perf_metrics: bool = False  # ours: the model's timings and cache figures, in `usage`
 
     @property
     def include_usage(self) -> bool:
@@ -119,6 +121,8 @@ class _Request(Body):
             sampling["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
         if logprobs is not None:
             sampling["logprobs"] = logprobs
+        if self.return_perf_metrics:
+            sampling[PERF_FLAG] = True  # a flag, not a sampling parameter: the backend takes it out
         structured = self._structured_outputs()
         if structured is not None:
             sampling["structured_outputs"] = structured
@@ -249,7 +253,7 @@ def check_sampling(sampling: dict, names: dict[str, str]) -> dict:
     """The model's own checks, run here so that the error names the request's field
     (`names`: our sampling parameter -> the field a client set it with, where they differ)."""
     try:
-        SamplingParams.from_dict(dict(sampling))
+        SamplingParams.from_dict({k: v for k, v in sampling.items() if k != PERF_FLAG})
     except (InvalidRequestError, ValueError) as e:
         message = str(e)
         param = next((k for k in sampling if f"'{k}'" in message or message.startswith(k)), None)
