@@ -25,13 +25,15 @@ from benchmarks.bench_perf import perf_analyzer
 from benchmarks.common import Report, copy_model, cpu_seconds, log, metric_total, options, serving, work_dir
 from benchmarks.headline import record
 from benchmarks.host_load import PROMPT, Ask, OpenAILoad, TritonLoad, percentile_ms
+from benchmarks.otlp_collector import Collector
 from benchmarks.plots import load_iterations
-from benchmarks.servers import Frontend
+from benchmarks.servers import Frontend, free_ports
 from orca_backend.checkpoint.store import prepare_default_model
 from orca_backend.runner.null_runner import TEXT
 from orca_backend.serving.launch import REPO_ROOT
 
 FLOOR = "floor"
+OBSERVED = "orca_null_observed"  # traced at 100% and publishing K/V cache events
 OFFLINE = """
 import statistics, sys, time
 from orca_backend import EngineConfig, LLMEngine, SamplingParams
@@ -50,20 +52,44 @@ def model_name(step_ms: float, executor: str = "inline") -> str:
     return f"orca_null_{step_ms:g}ms" + ("" if executor == "inline" else f"_{executor}")
 
 
-def repository(folder: Path, steps_ms: list[float], max_batch_size: int, real_model: bool) -> Path:
-    """The floor, `orca` with engine null for each step, and (`real_model`) `orca` as shipped."""
+def repository(folder: Path, steps_ms: list[float], max_batch_size: int, real_model: bool,
+               collector: str | None = None) -> Path:
+    """The floor, `orca` with engine null for each step, (`real_model`) `orca` as shipped, and
+    (`collector`, an OTLP/gRPC endpoint) the first step's model again, observed: every request
+    traced to `collector` and its K/V cache events published."""
     shutil.copytree(REPO_ROOT / "benchmarks" / "host_floor", folder / FLOOR,
                     ignore=shutil.ignore_patterns("__pycache__"))
     if real_model:
         copy_model(folder, "orca")
         copy_model(folder, "orca", "orca_process", executor="process")  # the runner out of the stub's GIL
+    observed = {}
+    if collector is not None:
+        events = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{free_ports(1)[0]}"})
+        observed = {OBSERVED: dict(otlp_traces_endpoint=collector, trace_sample_ratio="1",
+                                   kv_events_config=events.replace('"', '\\"'))}
     for step in steps_ms:
-        for executor in ("inline", "process"):
-            copy_model(folder, "orca", model_name(step, executor), engine="null", null_step_seconds=str(step / 1000),
-                       executor=executor, max_batch_size=str(max_batch_size),
+        names = {model_name(step, executor): {"executor": executor} for executor in ("inline", "process")}
+        for name, extra in (names | (observed if step == steps_ms[0] else {})).items():
+            copy_model(folder, "orca", name, engine="null", null_step_seconds=str(step / 1000),
+                       max_batch_size=str(max_batch_size),
                        max_num_batched_tokens=str(max(8192, 16 * max_batch_size)), kv_cache_tokens=str(1 << 20),
-                       iteration_trace=str(folder.parent / "trace_{model}.jsonl"))
+                       iteration_trace=str(folder.parent / "trace_{model}.jsonl"), **extra)
     return folder
+
+
+def observed_rows(server, collector: Collector, args, rounds: int) -> list[list]:
+    """The first step's model at the most streams, plain and observed (every request traced,
+    K/V cache events on), alternating: tokens/s each round, then the median ratio."""
+    plain, streams, rates = model_name(args.steps[0]), max(args.streams), {}
+    for i in range(rounds):
+        for model in (plain, OBSERVED):
+            log(f"observed against plain, round {i + 1}: {model}, {streams} streams")
+            load = TritonLoad(server.grpc_url, model, streams, [Ask.exact(args.tokens, args.expected)])
+            rates.setdefault(model, []).append(load.run(args.warmup, args.seconds).tokens_per_second)
+    ratio = statistics.median(o / p for o, p in zip(rates[OBSERVED], rates[plain]))
+    return [[model, streams, " / ".join(f"{x:,.0f}" for x in values), f"{statistics.median(values):,.0f}"]
+            for model, values in rates.items()] + [["observed / plain", streams, "", f"{ratio:.3f}"],
+                                                   ["spans received", "", "", f"{collector.count('llm_request'):,}"]]
 
 
 def expected_text(tokens: int) -> tuple[str, list[int]]:
@@ -195,13 +221,18 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--tools", type=Path, default=REPO_ROOT / "build" / "perf-tools")
     p.add_argument("--real-rounds", type=int, default=3, help="rounds of the default model's check; 0: none")
+    p.add_argument("--observed-rounds", type=int, default=3,
+                   help="rounds of tracing and K/V cache events against neither; 0: none")
     args = p.parse_args()
     args.streams, args.steps = [int(s) for s in args.streams.split(",")], [float(s) for s in args.steps.split(",")]
     args.openai = [int(s) for s in args.openai_streams.split(",") if s]
     r = Report("The host path", "bench-host")
     expected, prefix_lengths = expected_text(args.tokens)
+    args.expected = expected
+    collector = Collector(workers=4) if args.observed_rounds else None
     with work_dir("orca-host-") as args.work:
-        repo = repository(args.work / "repo", args.steps, max(args.streams + args.openai), args.real_rounds > 0)
+        repo = repository(args.work / "repo", args.steps, max(args.streams + args.openai), args.real_rounds > 0,
+                          collector and collector.endpoint)
         with serving(args.work, repository=repo) as (server, _):
             rows, threads = [], []
             for model, via, load, pids in loads(args, server, expected, prefix_lengths):
@@ -211,6 +242,7 @@ def main() -> None:
             real = real_model_rows(server, args.tokens, args.real_rounds) if args.real_rounds else []
             perf = ([perf_analyzer_row(args, server, m) for m in (FLOOR, model_name(args.steps[0]))]
                     if (args.tools / "bin" / "perf_analyzer").exists() else [])
+            observed = observed_rows(server, collector, args, args.observed_rounds) if collector else []
     r.add(f"Closed loop, {args.tokens} tokens a request (ignore_eos), {args.warmup:g} s of warm-up then "
           f"{args.seconds:g} s measured; models in one tritonserver, the client in this process; every figure "
           "from one run. The columns: [benchmarks.md](../benchmarks.md#the-host-path); the serving path before "
@@ -225,6 +257,12 @@ def main() -> None:
         r.add(f"The default model (SmolLM2-135M, fp32, the CPU), one stream of {args.tokens} tokens: the median time "
               "between tokens, offline and served, alternating (ms; each round, then the median):", "")
         r.table(["where", "rounds", "median", "ratio"], real)
+    if observed:
+        r.add(f"Observability's cost: `{OBSERVED}` is `{model_name(args.steps[0])}` with every request traced "
+              "(`otlp_traces_endpoint` to an OTLP/gRPC receiver in the client's process, `trace_sample_ratio` 1) "
+              "and K/V cache events published (`kv_events_config`, nobody subscribed); alternating rounds, "
+              "tokens/s each (goal: observed / plain >= 0.98):", "")
+        r.table(["model", "streams", "tokens/s by round", "median"], observed)
     r.add("CPU per delivered token by thread (us; threads of one name summed, 1 us or more):", "")
     r.table(["run", "process", "thread", "us/token"], threads).setup().write(args.markdown)
     rate = {(row[0], row[1], row[2]): row[3] for row in rows}

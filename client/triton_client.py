@@ -77,7 +77,9 @@ class StreamingClient:
         fresh = [k for k in open_ids if not self._results[k].responses]
         return (fresh or open_ids)[:1]
 
-    def send(self, prompt, **options) -> str:
+    def send(self, prompt, parameters: dict | None = None, **options) -> str:
+        """Send one request; `parameters`: the request's own (Triton's), e.g. a `traceparent`;
+        `options`: build_inputs' (sampling, stream, flags...)."""
         request_id = f"r{self._next}"
         self._next += 1
         self._results[request_id] = Result()
@@ -90,7 +92,7 @@ class StreamingClient:
             wanted.append(EMBEDDING)
         self.client.async_stream_infer(self.model, inputs, request_id=request_id,
                                        outputs=requested_outputs((*OUTPUTS, *wanted)),
-                                       enable_empty_final_response=True)
+                                       enable_empty_final_response=True, parameters=parameters)
         return request_id
 
     def wait(self, request_id: str, timeout: float = 300) -> Result:

@@ -89,7 +89,8 @@ def test_the_documented_parameters_are_the_ones_read():
 
     read = set(ENGINE_PARAMETERS) | {"max_queue_size", "max_num_queued_reqs", "max_num_queued_tokens",
                                      "reject_infeasible", "drain_timeout_seconds", "iteration_trace", "vllm_metrics",
-                                     "stream_interval", "runtime_lora_updating", "kv_events_config"}
+                                     "stream_interval", "runtime_lora_updating", "kv_events_config",
+                                     "otlp_traces_endpoint", "trace_sample_ratio"}
     table = (REPO_ROOT / "docs" / "configuration.md").read_text()
     documented = set(re.findall(r"^\| `(\w+)` \|", table, re.M))
     assert documented == read

@@ -47,6 +47,8 @@ class IterationReturns:
         # Of a speculating request, only the K/V of its token and of the proposals accepted
         # counts: the rest is overwritten by the tokens that really follow.
         accepted = output.accepted_token_ids.get(req.request_id, []) if token is not None and num_drafts else []
+        if req.timeline is not None and req.num_computed_tokens < req.num_prompt_tokens:
+            req.mark("chunk", n)  # prompt tokens (and, after a preemption, outputs computed again)
         req.num_computed_tokens += n - num_drafts + len(accepted)
         new_token_ids = [] if token is None else [*accepted, token.token_id]
         req.num_accepted_drafts += len(accepted)

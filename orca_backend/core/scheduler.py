@@ -234,6 +234,7 @@ class Scheduler(IterationMessages, IterationReturns, PriorityRanking, RowsAhead)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
+        req.mark("preempted")
         self.waiting.appendleft(req)
         self.counters.num_preemptions += 1
         if req.num_sent_blocks:
@@ -299,6 +300,7 @@ class Scheduler(IterationMessages, IterationReturns, PriorityRanking, RowsAhead)
         req.status = RequestStatus.RUNNING
         if not req.first_scheduled_time:
             req.first_scheduled_time = time.monotonic()
+        req.mark("scheduled")
         return True
 
     def _need(self, req: Request, num_hit_tokens: int = 0, budget: int | None = None) -> int:

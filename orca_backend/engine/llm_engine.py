@@ -128,8 +128,9 @@ class LLMEngine:
         ready = grammar is None or grammar.done()  # read once: it may end at any moment
         if grammar is not None and ready:
             grammar_of(grammar)  # a refused grammar raises its InvalidRequestError here
-        req = Request(request_id, token_ids, params, track_logprob=track_logprob, lora=lora, track_perf=track_perf,
-                      arrival_time=time.monotonic() if arrival_time is None else arrival_time)
+        req = Request(request_id, token_ids, params, track_logprob=track_logprob, lora=lora,
+                      arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+                      timeline=[("added", time.monotonic(), 0)] if track_perf else None)
         self.outputs.track(req)
         if grammar is not None:
             self.stats.num_structured_requests += 1
@@ -206,19 +207,7 @@ class LLMEngine:
 
     def snapshot(self) -> EngineSnapshot:
         """The gauges and counters a server reports, as of now (engine thread only)."""
-        return EngineSnapshot(
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            num_used_blocks=self.kv.num_used_blocks, num_blocks=self.kv.num_blocks,
-            num_preemptions=self.scheduler.num_preemptions, num_iterations=self.stats.num_iterations,
-            num_runner_restarts=self.stats.num_runner_restarts, num_cached_blocks=self.kv.num_cached_blocks,
-            num_prefix_queried_tokens=self.kv.stats.num_queried_tokens,
-            num_prefix_hit_tokens=self.kv.stats.num_hit_tokens, num_evictions=self.kv.stats.num_evictions,
-            num_structured_requests=self.stats.num_structured_requests,
-            num_free_places=self.scheduler.num_free_places, num_unprefilled_tokens=self.scheduler.num_unprefilled_tokens,
-            num_recomputed_tokens=self.stats.scheduler.num_recomputed_tokens,
-            lora=self.loras.snapshot(self.scheduler.running, (t.request for t in self.outputs.tracked.values())),
-            speculation=(self.stats.speculation.copy() if self.config.scheduler.speculative_config is not None
-                         else None))
+        return EngineSnapshot.of(self)
 
     # -- iterations -------------------------------------------------------------------------
     def step(self) -> StepOutput:
@@ -259,6 +248,7 @@ class LLMEngine:
                 deltas.append(self.outputs.fail(req, str(future.exception())))
             else:
                 del self._compiling[request_id]
+                req.mark("grammar")
                 self.scheduler.add(req)
         return deltas
 

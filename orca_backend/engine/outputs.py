@@ -50,6 +50,8 @@ class RequestPerf:
     num_cached_tokens: int
     num_draft_tokens: int = 0  # speculative decoding: tokens proposed for it
     num_accepted_draft_tokens: int = 0  # of those, accepted
+    num_preemptions: int = 0
+    timeline: list | None = None  # Request.timeline (read once the request has ended)
 
 
 @dataclass(slots=True)
@@ -151,3 +153,21 @@ class EngineSnapshot:
     num_free_places: int = 0  # requests the next iteration could still admit
     num_unprefilled_tokens: int = 0  # prompt tokens of waiting and running requests not yet computed
     num_recomputed_tokens: int = 0  # computed again after preemptions
+
+    @classmethod
+    def of(cls, engine) -> EngineSnapshot:
+        """`engine`'s (an LLMEngine) as of now; engine thread only."""
+        scheduler, kv, stats = engine.scheduler, engine.kv, engine.stats
+        return cls(
+            num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+            num_used_blocks=kv.num_used_blocks, num_blocks=kv.num_blocks,
+            num_preemptions=scheduler.num_preemptions, num_iterations=stats.num_iterations,
+            num_runner_restarts=stats.num_runner_restarts, num_cached_blocks=kv.num_cached_blocks,
+            num_prefix_queried_tokens=kv.stats.num_queried_tokens,
+            num_prefix_hit_tokens=kv.stats.num_hit_tokens, num_evictions=kv.stats.num_evictions,
+            num_structured_requests=stats.num_structured_requests,
+            num_free_places=scheduler.num_free_places, num_unprefilled_tokens=scheduler.num_unprefilled_tokens,
+            num_recomputed_tokens=stats.scheduler.num_recomputed_tokens,
+            lora=engine.loras.snapshot(scheduler.running, (t.request for t in engine.outputs.tracked.values())),
+            speculation=(stats.speculation.copy() if engine.config.scheduler.speculative_config is not None
+                         else None))

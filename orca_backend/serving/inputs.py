@@ -47,6 +47,15 @@ class GenerateRequest:
     return_prompt_logprobs: bool = False
     return_perf_metrics: bool = False  # TensorRT-LLM's Triton model's timing and cache outputs
     lora_name: str | None = None  # its adapter (vLLM backend's `lora_name` sampling parameter)
+    # W3C trace context, from the request's parameters `traceparent` / `tracestate`
+    traceparent: str | None = None
+    tracestate: str | None = None
+    trace: object = None  # its trace (tracing.RequestTrace) when the model traces and it was sampled
+
+    @property
+    def tracks_perf(self) -> bool:
+        """The engine records its timings: asked for, or for its trace."""
+        return self.return_perf_metrics or self.trace is not None
 
     @classmethod
     def parse(cls, text_input: bytes | None, flags: dict[str, bool | None],
@@ -74,6 +83,9 @@ class GenerateRequest:
                 if flags.get(name) is None and name in values:
                     flags[name] = _bool(values[name], name)
             values = {k: v for k, v in values.items() if k not in FLAG_INPUTS}
+        traced = sampling_json is None or "traceparent" in (request_parameters or "")
+        context = _trace_context(values if sampling_json is None else
+                                 _json_object(request_parameters) if traced else {})
         lora_name = values.pop("lora_name", None)
         if lora_name is not None and not isinstance(lora_name, str):
             raise InvalidRequestError(f"sampling parameter 'lora_name' must be a string, got {lora_name!r}")
@@ -85,7 +97,8 @@ class GenerateRequest:
                 "exclude_input_in_output=false is not supported when streaming: "
                 "streamed responses carry only the new text")
         return cls(prompt, params, stream, exclude if exclude is not None else stream,
-                   **{name: bool(flags.get(name)) for name in RETURN_FLAGS}, lora_name=lora_name)
+                   **{name: bool(flags.get(name)) for name in RETURN_FLAGS}, lora_name=lora_name,
+                   traceparent=context[0], tracestate=context[1])
 
 
     @classmethod
@@ -115,6 +128,17 @@ class GenerateRequest:
             raise InvalidRequestError(f"embedding_request 'dimensions' must be an integer, got {dimensions!r}")
         params = SamplingParams(max_tokens=1, embed=True, dimensions=dimensions)
         return cls(prompt, params, False, True, **{name: bool(flags.get(name)) for name in RETURN_FLAGS})
+
+
+def _trace_context(values: dict) -> tuple[str | None, str | None]:
+    """The request parameters `traceparent` and `tracestate` (W3C trace context), taken out of
+    `values`; a traceparent that is not a string is refused by name (a malformed one only starts
+    a new trace, as W3C asks)."""
+    found = (values.pop("traceparent", None), values.pop("tracestate", None))
+    for name, value in zip(("traceparent", "tracestate"), found):
+        if value is not None and not isinstance(value, str):
+            raise InvalidRequestError(f"request parameter {name!r} must be a string, got {value!r}")
+    return found
 
 
 @dataclass(slots=True)

@@ -14,6 +14,7 @@ from ..core.config import PARTS, EngineConfig, auto_device, auto_dtype, is_model
 from ..core.errors import ConfigError
 from .admission import AdmissionLimits
 from .kv_events import KVEventsConfig
+from .tracing import TracingOptions
 
 
 def _option_types() -> dict[str, type]:
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 MODEL_JSON = "model.json"  # vLLM's engine arguments, as Triton's vLLM backend reads them
 MULTI_LORA_JSON = "multi_lora.json"  # {adapter name: its folder}, as Triton's vLLM backend reads it
 _VLLM_NAMES = {"max_num_seqs": "max_batch_size"}  # vLLM's name -> ours, where they differ
+_SERVING_FROM_MODEL_JSON = ("kv_events_config", "otlp_traces_endpoint")  # vLLM's, the serving loop's here
 
 
 def model_parameters(args: dict) -> dict[str, str]:
@@ -61,6 +63,7 @@ class ServingOptions:
     # On unload or Ctrl+C / SIGTERM: how long open requests may run on before they are ended.
     drain_timeout_seconds: float = DRAIN_TIMEOUT_SECONDS
     kv_events: KVEventsConfig | None = None  # K/V cache events published (vLLM's kv_events_config)
+    tracing: TracingOptions | None = None  # OpenTelemetry traces of requests (otlp_traces_endpoint)
 
 
 def serving_options(parameters: dict[str, str]) -> ServingOptions:
@@ -71,7 +74,9 @@ def serving_options(parameters: dict[str, str]) -> ServingOptions:
     return ServingOptions(trace, AdmissionLimits(**caps, reject_infeasible=_flag(parameters, "reject_infeasible", False)),
                           _flag(parameters, "vllm_metrics", True), _positive(parameters, "stream_interval", 1, "(1)"),
                           _flag(parameters, "runtime_lora_updating", False), _drain_timeout(parameters),
-                          KVEventsConfig.parse(parameters.pop("kv_events_config", "")))
+                          KVEventsConfig.parse(parameters.pop("kv_events_config", "")),
+                          TracingOptions.parse(parameters.pop("otlp_traces_endpoint", ""),
+                                               parameters.pop("trace_sample_ratio", ""), "orca"))
 
 
 def _drain_timeout(parameters: dict[str, str]) -> float:
@@ -105,7 +110,7 @@ def model_json_parameters(version_folder: Path) -> dict[str, str]:
     taken, ignored = {}, []
     for key, value in values.items():
         name = _VLLM_NAMES.get(key, key)
-        if (name in ENGINE_PARAMETERS or name == "kv_events_config") and value is not None:
+        if (name in ENGINE_PARAMETERS or name in _SERVING_FROM_MODEL_JSON) and value is not None:
             taken[name] = (str(value).lower() if isinstance(value, bool)
                            else json.dumps(value) if isinstance(value, (dict, list)) else str(value))
         else:

@@ -158,6 +158,8 @@ class Sender:
             stream.oldest_made = made
         stream.newest = delta
         if delta.finished:
+            if stream.request.trace is not None:
+                _end_trace(delta.request_id, stream, delta.perf, delta.finish_reason)
             observed.e2e.append(made - stream.arrival)
             observed.num_prompt_tokens.append(delta.num_prompt_tokens)
             observed.num_output_tokens.append(delta.num_output_tokens)
@@ -252,6 +254,8 @@ class Sender:
         self._waiting.pop(request_id, None)
         if stream.newest is not None and any(stream.text) and stream.request.stream:
             self._send(stream, stream.newest, "".join(stream.text))
+        if stream.request.trace is not None:
+            _end_trace(request_id, stream, None, None, message)
         if kind in (ErrorKind.CANCELLED, ErrorKind.INTERNAL):
             self._observed.ended_early.append(kind)
         self._observed.num_sends += 1
@@ -272,6 +276,15 @@ class Sender:
         return [{str(token_id): {"logprob": logprob, "rank": rank, "decoded_token": self._decode([token_id])}
                  for token_id, (logprob, rank) in entry.items()}
                 for entry in entries or []]
+
+
+def _end_trace(request_id: str, stream: Stream, perf, finish_reason: str | None, error: str | None = None) -> None:
+    """Hand a traced request's spans to its tracer; a failure there costs only its trace."""
+    try:
+        stream.request.trace.end(request_id, perf, stream.arrival, stream.first_token_time, stream.last_token_time,
+                                 stream.request.params, finish_reason, stream.num_output_tokens, error)
+    except Exception:
+        log.exception("building a request's trace failed")
 
 
 def _safe(call, default=None):

@@ -46,11 +46,15 @@ class Response:
 _EPOCH_OFFSET = time.time() - time.monotonic()
 
 
+def epoch_ns(t: float) -> int:
+    """A time.monotonic() time as nanoseconds since the epoch; 0 stays 0 (not yet)."""
+    return int((t + _EPOCH_OFFSET) * 1e9) if t else 0
+
+
 def perf_outputs(perf: RequestPerf, first_token_time: float, last_token_time: float) -> dict[str, int | float]:
     """The outputs `return_perf_metrics` adds, by the names of TensorRT-LLM's Triton model (and
     kv_cache_hit_rate): times in nanoseconds since the epoch (0: not yet), block counts, rates."""
-    def ns(t: float) -> int:
-        return int((t + _EPOCH_OFFSET) * 1e9) if t else 0
+    ns = epoch_ns
     return {"arrival_time_ns": ns(perf.arrival_time), "first_scheduled_time_ns": ns(perf.first_scheduled_time),
             "first_token_time_ns": ns(first_token_time), "last_token_time_ns": ns(last_token_time),
             "kv_cache_alloc_new_blocks": perf.num_blocks - perf.num_reused_blocks,

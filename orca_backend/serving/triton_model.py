@@ -23,6 +23,7 @@ from ..executors.factory import executor_factory_for
 from ..executors.stages import StagedFactory
 from .inputs import GenerateRequest, LoRACommand
 from .kv_events import publish_kv_events
+from .tracing import RequestTracer
 from .loop import EngineLoop
 from .metric_series import MetricsRecorder
 from .metrics import TritonMetrics
@@ -55,6 +56,7 @@ class TritonPythonModel:
                    else executor_factory_for(parallel))
         self.engine = LLMEngine(engine_config, factory)
         self._kv_events = None if options.kv_events is None else publish_kv_events(self.engine, options.kv_events)
+        self._tracer = None if options.tracing is None else RequestTracer(options.tracing, name)
         for lora_name, lora_path in lora_modules(version_folder).items():
             self.engine.add_lora(lora_name, lora_path)
         stage_stats = factory.stage_stats if isinstance(factory, StagedFactory) else None
@@ -88,6 +90,8 @@ class TritonPythonModel:
                 command, sink.parsed = sink.parsed, _COMMAND_OUTPUTS
                 self.loop.submit_command(command, sink)
             else:
+                if self._tracer is not None:
+                    sink.parsed.trace = self._tracer.start(sink.parsed.traceparent, sink.parsed.tracestate)
                 self.loop.submit(sink.parsed, sink)
         return None
 
@@ -96,6 +100,8 @@ class TritonPythonModel:
         self.engine.shutdown()
         if self._kv_events is not None:
             self._kv_events.close()
+        if self._tracer is not None:
+            self._tracer.shutdown()  # what is still batched goes out
 
 
 def _drain_on_interrupt(loop: EngineLoop, timeout_seconds: float) -> None:

@@ -19,6 +19,7 @@ import uvicorn
 from ...checkpoint.chat_template import load_chat_template
 from ...core.errors import ConfigError
 from .app import create_app
+from .tracing import api_tracer
 from .backend import Backend
 from .parsing import REASONING_PARSERS, TOOL_PARSERS
 
@@ -58,6 +59,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-separator", metavar="SEP",
                    help="name LoRA adapters <model><SEP><adapter> (Triton's frontend), in /v1/models and in a "
                         "request's model; default: by the adapter's own name (vLLM)")
+    p.add_argument("--otlp-traces-endpoint", metavar="HOST:PORT",
+                   help="OTLP/gRPC collector to send each request's span to (its model's span is the child)")
+    p.add_argument("--trace-sample-ratio", type=float, default=1.0, metavar="R",
+                   help="share of requests traced when the caller's traceparent does not say (default 1.0)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -67,6 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.workers < 1:
         p.error("--workers must be 1 or more")
+    if not 0 <= args.trace_sample_ratio <= 1:
+        p.error("--trace-sample-ratio must be in [0, 1]")
     headers = dict(h.partition("=")[::2] for h in args.grpc_header)
     if any(not k for k in headers):
         p.error("--grpc-header takes KEY=VALUE")
@@ -78,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = Settings(args.url, args.model, str(args.tokenizer) if args.tokenizer else None, headers,
                         args.grpc_status_codes, args.chat_template, args.tool_call_parser, args.reasoning_parser,
-                        args.lora_separator)
+                        args.lora_separator, args.otlp_traces_endpoint, args.trace_sample_ratio)
     logging.getLogger(__name__).info("OpenAI API on %s:%d for tritonserver at %s (API key %s, %d worker(s))",
                                      args.host, args.port, args.url,
                                      "required" if args.api_key else "not required", args.workers)
@@ -111,11 +118,14 @@ class Settings:
     tool_parser: str | None = None
     reasoning_parser: str | None = None
     lora_separator: str | None = None
+    otlp_traces_endpoint: str | None = None
+    trace_sample_ratio: float = 1.0
 
     def app(self, api_key: str | None):
         backend = Backend(self.url, self.models, Path(self.tokenizer) if self.tokenizer else None, self.headers,
                           self.status_codes, self.lora_separator)
-        return create_app(backend, api_key, self.chat_template, self.tool_parser, self.reasoning_parser)
+        return create_app(backend, api_key, self.chat_template, self.tool_parser, self.reasoning_parser,
+                          api_tracer(self.otlp_traces_endpoint, self.trace_sample_ratio))
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

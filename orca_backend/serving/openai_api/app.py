@@ -18,11 +18,12 @@ from .errors import APIError, invalid, shown, unauthorized
 from .chat_output import ChatOutput
 from .embeddings import EmbeddingRequest
 from .formats import Choice, completion_choice, completion_delta, envelope, new_id, usage
-from .generation import Generation
+from .generation import Generation, unless_disconnected
 from .parsing import SPECIAL_TOKEN_PARSERS
 from .protocol import ChatRequest, CompletionRequest, check_sampling, parse
 from .templates import ChatTemplates
 from .tools import OutputPlan, after_reasoning, forced_outputs, think_first
+from .tracing import TraceContext
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 16 << 20  # a request body beyond it is refused before it is parsed
@@ -33,12 +34,14 @@ def _too_large() -> APIError:
 
 
 def create_app(backend: Backend, api_key: str | None = None, chat_template: str | Path | None = None,
-               tool_parser: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
+               tool_parser: str | None = None, reasoning_parser: str | None = None, tracer=None) -> FastAPI:
     """The API over `backend`; with `api_key`, every /v1 route needs 'Authorization: Bearer KEY';
     `chat_template` (a file or the text) replaces every model's own; `tool_parser` reads the
-    calls of tool_choice auto (a TOOL_PARSERS name), `reasoning_parser` splits off reasoning."""
+    calls of tool_choice auto (a TOOL_PARSERS name), `reasoning_parser` splits off reasoning;
+    `tracer` (tracing.api_tracer) traces each request, else only the caller's trace goes on."""
     app = FastAPI(title="orca OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=_lifespan)
+    app.add_middleware(TraceContext, tracer=tracer)
     app.state.backend, app.state.templates = backend, ChatTemplates(chat_template)
     app.state.api_key = api_key.encode("utf-8") if api_key else None
     app.state.tool_parser, app.state.reasoning_parser = tool_parser, reasoning_parser
@@ -181,7 +184,7 @@ async def _completions(request: Request):
         return await _stream(request, generation,
                              lambda c, p, first: [completion_delta(c, p, first, req.echo, req.logprobs)],
                              head, req.include_usage)
-    choices = await _unless_disconnected(request, generation.collect())
+    choices = await unless_disconnected(request, generation.collect())
     if req.prompt_only:
         for c in choices:
             c.num_output_tokens = 0
@@ -215,7 +218,7 @@ async def _chat(request: Request):
     if req.stream:
         head = envelope("chat.completion.chunk", new_id("chatcmpl"), req.model)
         return await _stream(request, generation, output.chunks, head, req.include_usage)
-    choices = await _unless_disconnected(request, _collect(generation, output))
+    choices = await unless_disconnected(request, _collect(generation, output))
     return {**envelope("chat.completion", new_id("chatcmpl"), req.model),
             "choices": [output.choice(c) for c in choices], "usage": usage(choices, req.n)}
 
@@ -226,7 +229,7 @@ async def _embeddings(request: Request) -> dict:
     served, lora = await backend.resolve(req.model)
     if lora is not None:
         raise invalid(f"the LoRA adapter '{lora}' does not serve embeddings; name the model", "model")
-    return req.response(await _unless_disconnected(request, backend.embed(served, req.inputs(), req.dimensions)))
+    return req.response(await unless_disconnected(request, backend.embed(served, req.inputs(), req.dimensions)))
 
 
 async def _collect(generation: Generation, output: ChatOutput) -> list[Choice]:
@@ -295,7 +298,7 @@ async def _body(request: Request):
 async def _stream(request: Request, generation: Generation, choice_body, head: dict,
                   include_usage: bool) -> StreamingResponse:
     """Server-Sent Events, once every choice has answered (an earlier error is the HTTP error)."""
-    await _unless_disconnected(request, generation.start())
+    await unless_disconnected(request, generation.start())
 
     async def events() -> AsyncIterator[str]:
         started: set[int] = set()
@@ -335,23 +338,3 @@ class _EventStream(StreamingResponse):
 
 def _event(body: dict) -> str:
     return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
-
-
-async def _unless_disconnected(request: Request, work):
-    """Await `work`, but cancel it (and so its gRPC streams) if the client goes away first."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not task.done():
-            task.cancel()
-    if not task.done() or task.cancelled():
-        raise APIError(499, "the client closed the connection")
-    return task.result()
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass

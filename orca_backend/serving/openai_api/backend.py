@@ -17,6 +17,7 @@ from tritonclient.utils import InferenceServerException
 from ...checkpoint.store import default_model_path
 from ..grpc_io import EMBEDDING, PERF_OUTPUTS, build_inputs, decode_outputs, is_llm_config, requested_outputs
 from .errors import APIError, from_grpc, from_model_message, unknown_model
+from .tracing import TRACE_PARAMETERS
 
 log = logging.getLogger(__name__)
 # The outputs the frontend reads (logprobs only when a request asks for them).
@@ -229,7 +230,7 @@ class Backend:
         inputs = build_inputs(prompt, sampling, stream=stream, exclude_input=True, flags=flags,
                               batched=model.batched)
         request = {"model_name": model.name, "inputs": inputs, "outputs": outputs,
-                   "request_id": uuid.uuid4().hex}
+                   "request_id": uuid.uuid4().hex, "parameters": TRACE_PARAMETERS.get()}
 
         async def requests():
             yield request

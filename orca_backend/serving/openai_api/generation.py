@@ -7,6 +7,8 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 
+from fastapi import Request
+
 from .backend import Backend, Piece, ServedModel
 from .errors import APIError
 from .formats import Choice
@@ -139,3 +141,23 @@ def _nth(sampling: dict, i: int) -> dict:
     if i == 0 or sampling.get("seed") is None:
         return sampling
     return {**sampling, "seed": sampling["seed"] + i}
+
+
+async def unless_disconnected(request: Request, work):
+    """Await `work`, but cancel it (and so its gRPC streams) if the client goes away first."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        raise APIError(499, "the client closed the connection")
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
