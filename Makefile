@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install model serve test test-fast bench bench-full bench-prefix bench-engine bench-cpu bench-executors bench-pipeline bench-tp bench-startup bench-host bench-structured bench-tools bench-models bench-lora bench-moe bench-quantized bench-spec bench-overload bench-sampler eval-harness perf simulate clean
+.PHONY: install model serve test test-fast bench bench-full bench-prefix bench-engine bench-cpu bench-executors bench-pipeline bench-tp bench-startup bench-host bench-structured bench-tools bench-models bench-lora bench-moe bench-quantized bench-spec bench-overload bench-router bench-sampler eval-harness perf simulate clean
 
 install: $(STAMP)
 
@@ -123,6 +123,11 @@ bench-sampler: model
 # then the default model served here the same way; writes docs/benchmarks/overload.* (about 6 minutes).
 bench-overload: model
 	$(PY) -m benchmarks.bench_overload --markdown docs/benchmarks/overload.md
+
+# Prefix-aware routing over K/V cache events against round robin: two replicas of the default model,
+# a multi-tenant chat trace, hit rate and TTFT; writes docs/benchmarks/router.md.
+bench-router: model
+	$(PY) -m benchmarks.bench_router --markdown docs/benchmarks/router.md
 
 # Speculative decoding (n-gram) against none and llama-server, batch 1 to 32; writes docs/benchmarks/speculative.md
 bench-spec: model

@@ -4,42 +4,16 @@ half of the tenants' system prompts, it gets more prefix-cache hits than round r
 by the servers themselves (num_cached_tokens against num_input_tokens)."""
 from __future__ import annotations
 
-import json
-import random
-
 import pytest
 
+from benchmarks.bench_router import chat_trace, replica_repository
 from benchmarks.servers import Server
 from client.kv_router import PrefixRouter
 from client.triton_client import StreamingClient
 
-from conftest import write_model
 from helpers import free_port
 
 pytestmark = pytest.mark.server
-WORDS = ("harbour ledger comet orchard violin glacier lantern copper meadow falcon quartz tundra "
-         "saffron beacon canyon ember").split()
-
-
-def chat_trace(seed: int, tenants: int = 4, users: int = 2, turns: int = 3) -> list[list[dict]]:
-    """Each tenant's long system prompt, each user's growing conversation; the users' turns
-    interleaved at random (each user's in order)."""
-    rng = random.Random(seed)
-    conversations = []
-    for t in range(tenants):
-        system = f"You are assistant {seed}-{t} of a firm that sells " + " ".join(rng.choices(WORDS, k=70)) + "."
-        for u in range(users):
-            history, requests = [{"role": "system", "content": system}], []
-            for turn in range(turns):
-                question = f"Question {turn} of user {u}: " + " ".join(rng.choices(WORDS, k=6)) + "?"
-                history = history + [{"role": "user", "content": question}]
-                requests.append(history)
-                history = history + [{"role": "assistant", "content": " ".join(rng.choices(WORDS, k=8)) + "."}]
-            conversations.append(requests)
-    trace = []
-    while any(conversations):
-        trace.append(rng.choice([c for c in conversations if c]).pop(0))
-    return trace
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +23,7 @@ def replicas(tmp_path_factory):
     try:
         for i in range(2):
             port = free_port()
-            repo = tmp_path_factory.mktemp(f"replica{i}")
-            events = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"})
-            write_model(repo, "orca", {"kv_cache_tokens": "384", "kv_events_config": events.replace('"', '\\"')})
+            repo = replica_repository(tmp_path_factory.mktemp(f"replica{i}"), port, 384)
             server = Server(tmp_path_factory.mktemp(f"replica{i}_triton"), repo)
             running.append((server, f"tcp://127.0.0.1:{port}"))
         for server, _ in running:

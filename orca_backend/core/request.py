@@ -53,6 +53,7 @@ class Request:
     # With timings tracked: (what, time.monotonic(), tokens) as it happens ("added", "grammar",
     # "scheduled", "preempted", "chunk" with the tokens an iteration computed); None: not tracked.
     timeline: list[tuple[str, float, int]] | None = None
+    perf_deltas: bool = False  # every delta carries its RequestPerf (else only its last, with a timeline)
     lora: LoRARef | None = None  # its LoRA adapter; None: the base model
     # Prefix caching: prompt tokens whose K/V came from the cache at its first admission
     # (None until admitted), and the chained hashes of its full blocks (see kv_manager).
@@ -77,11 +78,6 @@ class Request:
     arrival_time: float = 0.0  # when it arrived, in seconds of the server's monotonic clock
     first_scheduled_time: float = 0.0  # when it was first admitted to an iteration (0: not yet)
     num_prompt_tokens: int = field(init=False, default=0)
-
-    @property
-    def track_perf(self) -> bool:
-        """Its deltas carry its timings and cache figures (RequestPerf)."""
-        return self.timeline is not None
 
     def mark(self, what: str, num_tokens: int = 0) -> None:
         """Note a moment of its timeline (a request that tracks none ignores it)."""

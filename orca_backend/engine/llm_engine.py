@@ -107,7 +107,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int] | PreparedRequest,
                     params: SamplingParams | None = None, track_logprob: bool = False,
                     grammar: Future | None = None, lora_name: str | None = None,
-                    arrival_time: float | None = None, track_perf: bool = False) -> Request:
+                    arrival_time: float | None = None, track_perf: bool = False, traced: bool = False) -> Request:
         """Validate and queue a request; raises InvalidRequestError naming what is wrong.
 
         `prompt`: text or token ids, checked here with `params`; or what `prepare` returned
@@ -116,7 +116,8 @@ class LLMEngine:
         `track_logprob` keeps a cumulative log-probability even when `params.logprobs` is unset;
         `grammar`: the future `compile_grammar` gave for these params (else the compile starts here);
         `arrival_time`: when it arrived by time.monotonic() (None: now), whence its deadline;
-        `track_perf`: its deltas carry its timings and cache figures (`RequestDelta.perf`).
+        `track_perf`: its deltas carry its timings and cache figures (`RequestDelta.perf`); `traced`:
+        its last delta does, with its timeline (a request's trace is built from it).
         """
         if request_id in self.outputs.tracked:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -130,7 +131,8 @@ class LLMEngine:
             grammar_of(grammar)  # a refused grammar raises its InvalidRequestError here
         req = Request(request_id, token_ids, params, track_logprob=track_logprob, lora=lora,
                       arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-                      timeline=[("added", time.monotonic(), 0)] if track_perf else None)
+                      timeline=[("added", time.monotonic(), 0)] if track_perf or traced else None,
+                      perf_deltas=track_perf)
         self.outputs.track(req)
         if grammar is not None:
             self.stats.num_structured_requests += 1

@@ -61,7 +61,7 @@ class Tracked:
             [token.top_logprobs] if token.top_logprobs is not None else None,
             torch.frombuffer(bytearray(logits), dtype=torch.float32) if logits is not None else None,
             num_cached_tokens=req.num_cached_tokens or 0, prompt_logprobs=self._prompt_logprobs_once(),
-            perf=self.perf(block_size) if req.track_perf else None)
+            perf=self.perf(block_size) if req.timeline is not None and (req.perf_deltas or end is not None) else None)
 
     def _prompt_logprobs_once(self) -> list | None:
         """The prompt's scores, in the request's first delta only."""

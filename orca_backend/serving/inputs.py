@@ -52,11 +52,6 @@ class GenerateRequest:
     tracestate: str | None = None
     trace: object = None  # its trace (tracing.RequestTrace) when the model traces and it was sampled
 
-    @property
-    def tracks_perf(self) -> bool:
-        """The engine records its timings: asked for, or for its trace."""
-        return self.return_perf_metrics or self.trace is not None
-
     @classmethod
     def parse(cls, text_input: bytes | None, flags: dict[str, bool | None],
               sampling_json: bytes | None, request_parameters: str | None) -> GenerateRequest:

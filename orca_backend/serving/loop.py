@@ -257,7 +257,7 @@ class EngineLoop:
         try:
             self.engine.add_request(add.request_id, add.prepared, track_logprob=add.request.return_cumulative_logprob,
                                     grammar=add.grammar, lora_name=add.request.lora_name, arrival_time=add.arrival,
-                                    track_perf=add.request.tracks_perf)
+                                    track_perf=add.request.return_perf_metrics, traced=add.request.trace is not None)
         except Exception as e:
             self.engine.abort_request(add.request_id)  # in case it got halfway in
             self.sender.put(_refusal(add.request_id, e, "adding the request"))

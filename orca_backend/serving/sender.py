@@ -211,8 +211,8 @@ class Sender:
         response = Response(text, delta.finish_reason, delta.num_prompt_tokens, stream.num_unsent_tokens,
                             delta.cumulative_logprob, logprobs, delta.finished, delta.num_cached_tokens,
                             stream.unsent_prompt_logprobs, delta.embedding,
-                            None if delta.perf is None else perf_outputs(delta.perf, stream.first_token_time,
-                                                                         stream.last_token_time))
+                            perf_outputs(delta.perf, stream.first_token_time, stream.last_token_time)
+                            if stream.request.return_perf_metrics and delta.perf is not None else None)
         stream.num_unsent_tokens, stream.unsent_logprobs, stream.unsent_prompt_logprobs = 0, [], None
         stream.num_responses += 1
         self._observed.num_sends += 1
