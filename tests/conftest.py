@@ -272,7 +272,7 @@ def feature_server(tmp_path_factory, default_model, lora_adapters, served_family
     time, for priorities; `embed`: mean pooling for embeddings, prompts in chunks of 8 tokens;
     `family`: `served_family`, in blocks of 4 (the window releases them), chunks of 16; `moe`:
     `served_moe`, in blocks of 4 with prefix caching, chunks of 16, its K/V cache events on
-    `kv_events_port`; `gguf`: the default
+    `kv_events_port` (replay: `kv_replay_port`); `gguf`: the default
     model's own Q4_1 GGUF file, as stored; `compressed`: `served_compressed`."""
     import json
 
@@ -298,16 +298,17 @@ def feature_server(tmp_path_factory, default_model, lora_adapters, served_family
     write_model(repo, "embed", {"pooling_type": "mean", "kv_cache_tokens": "2048", "max_num_batched_tokens": "8"})
     write_model(repo, "family", {"model": str(served_family), "kv_cache_tokens": "1024", "block_size": "4",
                                  "max_num_batched_tokens": "16"})
-    kv_events_port = free_port()
+    kv_events_port, kv_replay_port = free_port(), free_port()
     write_model(repo, "moe", {"model": str(served_moe), "kv_cache_tokens": "1024", "block_size": "4",
                               "max_num_batched_tokens": "16", "enable_prefix_caching": "true",
                               "kv_events_config": json.dumps({"enable_kv_cache_events": True,
-                                                              "endpoint": f"tcp://*:{kv_events_port}"})
+                                                              "endpoint": f"tcp://*:{kv_events_port}",
+                                                              "replay_endpoint": f"tcp://*:{kv_replay_port}"})
                               .replace('"', '\\"')})
     from orca_backend.checkpoint.store import default_gguf
 
     write_model(repo, "gguf", {"model": str(default_gguf()), "kv_cache_tokens": "2048"})
     write_model(repo, "compressed", {"model": str(served_compressed), "kv_cache_tokens": "1024"})
     with serving(Server(tmp_path_factory.mktemp("feature_triton"), repo, ["--exit-timeout-secs=20"])) as server:
-        server.kv_events_port = kv_events_port
+        server.kv_events_port, server.kv_replay_port = kv_events_port, kv_replay_port
         yield server

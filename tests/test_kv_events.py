@@ -18,7 +18,7 @@ from orca_backend import EngineConfig, LLMEngine
 from orca_backend.core.errors import ConfigError
 from orca_backend.core.kv_events import external_hash, stored_events
 from orca_backend.core.sampling_params import SamplingParams
-from orca_backend.serving.kv_events import KVEventsConfig, publish_kv_events
+from orca_backend.serving.kv_events import KVEventsConfig, ZmqEventPublisher, publish_kv_events
 
 from helpers import free_port
 
@@ -158,6 +158,23 @@ def test_events_off_unless_enabled_and_refused_without_prefix_caching(default_mo
     engine.shutdown()
 
 
+def test_a_dropped_batch_leaves_a_gap_and_a_refused_endpoint_is_named():
+    port = free_port()
+    config = KVEventsConfig.parse(json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}",
+                                              "max_queue_size": 1}))
+    publisher = ZmqEventPublisher(config, "CPU")
+    try:
+        with pytest.raises(ConfigError, match=f"kv_events_config endpoint 'tcp://\\*:{port}' cannot be used"):
+            ZmqEventPublisher(config, "CPU")  # the port is taken
+    finally:
+        publisher.close()  # its thread has stopped: what is published now stays queued
+    for _ in range(3):
+        publisher.publish([])
+    assert publisher.num_dropped == 2 and publisher._queue.get_nowait()[0] == 0
+    publisher.publish([])
+    assert publisher._queue.get_nowait()[0] == 3  # 1 and 2 were dropped: the gap says so
+
+
 # -- a consumer rebuilds the engine's cache ----------------------------------------------------
 def test_a_consumer_rebuilds_the_cached_block_set_over_evictions_salts_lora_and_a_reset(
         default_model, lora_adapters):
@@ -173,7 +190,7 @@ def test_a_consumer_rebuilds_the_cached_block_set_over_evictions_salts_lora_and_
     sub = context.socket(zmq.SUB)
     sub.connect(f"tcp://127.0.0.1:{port}")
     sub.setsockopt(zmq.SUBSCRIBE, b"kv")
-    time.sleep(0.5)  # a SUB socket misses what is sent before its subscription is in place
+    time.sleep(0.5)  # a SUB socket misses what is sent before its subscription holds (replayed below)
     greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     base = "The committee met on a grey morning to decide the fate of the old harbour and its boats. "
     trace = [(f"Story {i % 6}. {base * (1 + i % 3)} Question {i}?", {"cache_salt": "tenant-b"} if i % 4 == 1 else {},
@@ -192,6 +209,8 @@ def test_a_consumer_rebuilds_the_cached_block_set_over_evictions_salts_lora_and_
             engine.step()
         live = receive(sub, lambda got: got and any(b"AllBlocksCleared" in p for _, _, p in got)
                        and engine_cached(engine) <= _union(got))
+        if live[0][1]:  # the subscription took hold after the first batches: the replay socket has them
+            live = [f for f in replay(context, f"tcp://127.0.0.1:{replay_port}", 0) if f[1] < live[0][1]] + live
         before_reset = Consumer()
         for topic, sequence, payload in live:
             assert topic == b"kv"
@@ -232,36 +251,33 @@ def _union(frames) -> set[int]:
 
 @pytest.mark.server
 def test_a_served_model_publishes_the_blocks_of_its_prompt(feature_server, served_moe):
-    """The `moe` model of `feature_server` publishes on `feature_server.kv_events_port`: a
-    prompt's full blocks of 4 tokens arrive as BlockStored with its tokens, chained."""
+    """The `moe` model of `feature_server` publishes its events (replay socket on
+    `feature_server.kv_replay_port`): a prompt's full blocks of 4 tokens are stored, as chained
+    `BlockStored` events with its tokens."""
     from transformers import AutoTokenizer
     from client.triton_client import StreamingClient
+    from helpers import wait_until
 
     prompt = "Routers send each chat to the replica that already holds its prefix, block by block."
     ids = AutoTokenizer.from_pretrained(served_moe)(prompt).input_ids
-    context = zmq.Context()
-    sub = context.socket(zmq.SUB)
-    sub.connect(f"tcp://127.0.0.1:{feature_server.kv_events_port}")
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    time.sleep(0.5)
-    try:
-        with StreamingClient(feature_server.grpc_url, "moe") as c:
-            assert c.generate(prompt, sampling={"max_tokens": 2, "temperature": 0}).error is None
+    full = len(ids) // 4 * 4
+    with StreamingClient(feature_server.grpc_url, "moe") as c:
+        assert c.generate(prompt, sampling={"max_tokens": 2, "temperature": 0}).error is None
 
-        def ours(frames) -> list[BlockStored]:
-            """The chain of runs that starts with the prompt's first block."""
-            stored = [e for _, _, p in frames for e in DECODER.decode(p).events if isinstance(e, BlockStored)]
-            chain = [e for e in stored if e.parent_block_hash is None and e.token_ids[:4] == ids[:4]][:1]
-            for e in stored:
-                if chain and e.parent_block_hash == chain[-1].block_hashes[-1]:
-                    chain.append(e)
-            return chain
-        frames = receive(sub, lambda got: sum(len(e.token_ids) for e in ours(got)) >= len(ids) // 4 * 4)
-        events = ours(frames)
-        assert events[0].parent_block_hash is None and events[0].block_size == 4
-        tokens = [t for e in events for t in e.token_ids]
-        assert tokens[:len(ids) // 4 * 4] == ids[:len(ids) // 4 * 4]
-        for before, after in zip(events, events[1:]):  # each run continues the one before
-            assert after.parent_block_hash == before.block_hashes[-1]
+    def ours() -> list[BlockStored]:
+        """The chain of runs that starts with the prompt's first block, from every kept batch."""
+        frames = replay(context, f"tcp://127.0.0.1:{feature_server.kv_replay_port}", 0)
+        stored = [e for _, _, p in frames for e in DECODER.decode(p).events if isinstance(e, BlockStored)]
+        chain = [e for e in stored if e.parent_block_hash is None and e.token_ids[:4] == ids[:4]][-1:]
+        for e in stored:
+            if chain and e.parent_block_hash == chain[-1].block_hashes[-1]:
+                chain.append(e)
+        return chain
+    context = zmq.Context()
+    try:
+        wait_until(lambda: sum(len(e.token_ids) for e in ours()) >= full, 30, "the prompt's blocks as events")
+        events = ours()
+        assert events[0].block_size == 4
+        assert [t for e in events for t in e.token_ids][:full] == ids[:full]
     finally:
         context.destroy(linger=0)

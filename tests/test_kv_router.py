@@ -4,6 +4,8 @@ half of the tenants' system prompts, it gets more prefix-cache hits than round r
 by the servers themselves (num_cached_tokens against num_input_tokens)."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from benchmarks.bench_router import chat_trace, replica_repository
@@ -38,6 +40,7 @@ def run(replicas, trace, prefix_aware: bool) -> tuple[float, list[int]]:
     """The trace one request at a time; returns the prompt tokens' cache hit rate and the
     replica each request went to."""
     router = PrefixRouter(replicas, prefix_aware=prefix_aware)
+    time.sleep(0.5)  # its subscriptions take hold before the first events
     cached = prompt_tokens = 0
     chosen = []
     try:

@@ -38,6 +38,14 @@ def test_the_outputs_are_built_from_the_engines_figures_and_the_senders_times():
     assert [early[name] for name in TIMES[1:]] == [0, 0, 0] and early["acceptance_rate"] == 0.0
 
 
+def test_an_embedding_request_refuses_them_by_name():
+    from orca_backend.core.errors import InvalidRequestError
+    from orca_backend.serving.inputs import GenerateRequest
+
+    with pytest.raises(InvalidRequestError, match="return_perf_metrics is not supported with embedding_request"):
+        GenerateRequest.embedding(b'{"input": "Hello"}', {"return_perf_metrics": True})
+
+
 def test_the_engine_records_when_a_request_was_scheduled_and_what_it_reused(engine):
     greedy = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     deltas: dict[str, list] = {}

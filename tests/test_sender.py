@@ -113,6 +113,17 @@ def test_a_non_streaming_request_gets_one_response_at_the_end():
     assert [(r.text, r.num_output_tokens, r.final) for r in sink.responses] == [("".join(TEXTS), 6, True)]
 
 
+def test_a_last_response_that_cannot_be_sent_ends_the_stream_with_an_error():
+    class Refusing(FakeSink):
+        def send(self, response):
+            if response.final:
+                raise TypeError("a tensor could not be built")
+            super().send(response)
+    sink = Refusing()
+    _run([_open(sink), *_deltas("r", [1.0 + i for i in range(len(TEXTS))])])
+    assert sink.error == (ErrorKind.INTERNAL, "internal error while sending the response") and sink.num_finals == 1
+
+
 def test_tokens_owed_go_out_before_an_error_ends_the_stream():
     sink = FakeSink()
     _run([_open(sink), *_deltas("r", [1.0, 2.0, 3.0])[:2], Fail("r", "cancelled", ErrorKind.CANCELLED)])

@@ -48,7 +48,7 @@ class IterationReturns:
         # counts: the rest is overwritten by the tokens that really follow.
         accepted = output.accepted_token_ids.get(req.request_id, []) if token is not None and num_drafts else []
         if req.timeline is not None and req.num_computed_tokens < req.num_prompt_tokens:
-            req.mark("chunk", n)  # prompt tokens (and, after a preemption, outputs computed again)
+            req.mark("chunk", n)  # a row that starts in the prompt (after a preemption: the prompt computed again)
         req.num_computed_tokens += n - num_drafts + len(accepted)
         new_token_ids = [] if token is None else [*accepted, token.token_id]
         req.num_accepted_drafts += len(accepted)

@@ -59,6 +59,8 @@ class LLMEngine:
         old = getattr(self, "scheduler", None)
         given_up = getattr(self, "_runner_died", False)  # e.g. as hung, though still alive
         self._fresh_scheduler()
+        if self.kv.events:  # AllBlocksCleared now: an idle engine may not step again for a while
+            self.kv_events.publish(self.kv.take_events())
         if old is None:
             return
         if given_up or not self._runner_healthy():

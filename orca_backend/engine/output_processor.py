@@ -45,7 +45,7 @@ class Tracked:
         cached = req.num_cached_tokens or 0
         return RequestPerf(req.arrival_time, req.first_scheduled_time, -(-req.num_tokens // block_size),
                            cached // block_size, req.num_prompt_tokens, cached, self.num_draft_tokens,
-                           req.num_accepted_drafts, req.num_preemptions, req.timeline)
+                           req.num_accepted_drafts, req.num_preemptions, tuple(req.timeline or ()))
 
     def token_delta(self, update: RequestUpdate, out: RunnerOutput, block_size: int) -> RequestDelta:
         """The delta of the request's new tokens, ended or not."""

@@ -51,7 +51,7 @@ class RequestPerf:
     num_draft_tokens: int = 0  # speculative decoding: tokens proposed for it
     num_accepted_draft_tokens: int = 0  # of those, accepted
     num_preemptions: int = 0
-    timeline: list | None = None  # Request.timeline (read once the request has ended)
+    timeline: tuple = ()  # Request.timeline, as of this delta
 
 
 @dataclass(slots=True)

@@ -101,6 +101,8 @@ class GenerateRequest:
         """An embedding request (the `embedding_request` input; its `text_input`, sampling
         parameters and stream flag are not used): one response whose text_output is the vector
         as a JSON list. Raises InvalidRequestError naming what is wrong."""
+        if flags.get("return_perf_metrics"):
+            raise InvalidRequestError("return_perf_metrics is not supported with embedding_request")
         values = parse_json(_utf8(embedding_json, "embedding_request"), "embedding_request")
         if not isinstance(values, dict):
             raise InvalidRequestError("embedding_request must be a JSON object")

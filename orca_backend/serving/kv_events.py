@@ -6,10 +6,11 @@ kept batch from it on, as [topic, sequence number, payload] each, then [b"", -1,
 
 The events themselves are core/kv_events.py's. Sockets are used from the publisher's own
 thread only (ZMQ sockets are not thread-safe); the engine thread hands batches over a
-bounded queue and never waits: when the queue is full, a batch is dropped and counted, and
-the sequence number gap tells subscribers to replay."""
+bounded queue and never waits: each batch's sequence number is given as it is handed over,
+so that a batch the full queue drops leaves a gap that tells subscribers to replay."""
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -70,25 +71,34 @@ class ZmqEventPublisher:
 
     def __init__(self, config: KVEventsConfig, medium: str) -> None:
         self.config, self.medium = config, medium
-        self.num_dropped = 0  # batches the full queue turned away
+        self.num_dropped = 0  # batches the full queue turned away (their sequence numbers are skipped)
+        self._sequence = itertools.count()  # given on the engine thread, so that a dropped batch leaves a gap
         self._queue: queue.Queue = queue.Queue(config.max_queue_size)
         self._context = zmq.Context()
-        self._pub = self._context.socket(zmq.PUB)
-        self._pub.set_hwm(config.hwm)
-        _bind_or_connect(self._pub, config.endpoint)
-        self._replay = None
-        if config.replay_endpoint is not None:
-            self._replay = self._context.socket(zmq.ROUTER)
-            self._replay.bind(config.replay_endpoint)
+        try:
+            self._pub = self._context.socket(zmq.PUB)
+            self._pub.set_hwm(config.hwm)
+            _bind_or_connect(self._pub, config.endpoint, "endpoint")
+            self._replay = None
+            if config.replay_endpoint is not None:
+                self._replay = self._context.socket(zmq.ROUTER)
+                _bind_or_connect(self._replay, config.replay_endpoint, "replay_endpoint", bind=True)
+        except BaseException:
+            self._context.destroy(linger=0)
+            raise
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._main, name="orca-kv-events", daemon=True)
         self._thread.start()
 
     def publish(self, events: list) -> None:
+        sequence = next(self._sequence)
         try:
-            self._queue.put_nowait(KVEventBatch(ts=time.time(), events=events))
+            self._queue.put_nowait((sequence, KVEventBatch(ts=time.time(), events=events)))
         except queue.Full:
             self.num_dropped += 1
+            if self.num_dropped == 1 or self.num_dropped % 1000 == 0:
+                log.warning("K/V cache events: %d batches dropped (the publisher's queue of %d was full)",
+                            self.num_dropped, self.config.max_queue_size)
 
     def close(self, timeout: float = 5.0) -> None:
         self._stopped.set()
@@ -98,23 +108,21 @@ class ZmqEventPublisher:
     def _main(self) -> None:
         encoder, topic = msgspec.msgpack.Encoder(), self.config.topic.encode("utf-8")
         kept: deque[tuple[int, bytes]] = deque(maxlen=self.config.buffer_steps)
-        sequence = 0
-        try:
-            while not self._stopped.is_set() or not self._queue.empty():
+        while not self._stopped.is_set() or not self._queue.empty():
+            try:
                 if self._replay is not None and self._replay.poll(0):
                     self._answer_replay(kept, topic)
                 try:
-                    batch = self._queue.get(timeout=0.02)
+                    sequence, batch = self._queue.get(timeout=0.02)
                 except queue.Empty:
                     continue
                 payload = encoder.encode(batch)
                 self._pub.send_multipart((topic, sequence.to_bytes(8, "big"), payload), copy=False)
                 kept.append((sequence, payload))
-                sequence += 1
-        except zmq.ContextTerminated:
-            return
-        except Exception:
-            log.exception("the K/V cache event publisher failed; no more events go out")
+            except zmq.ContextTerminated:
+                return
+            except Exception:  # one batch or one replay request: the stream goes on (its gap shows)
+                log.exception("publishing K/V cache events failed")
 
     def _answer_replay(self, kept: deque, topic: bytes) -> None:
         frames = self._replay.recv_multipart()
@@ -128,11 +136,16 @@ class ZmqEventPublisher:
         self._replay.send_multipart((identity, b"", b"", _END, b""))
 
 
-def _bind_or_connect(socket, endpoint: str) -> None:
-    if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
-        socket.bind(endpoint)
-    else:
-        socket.connect(endpoint)
+def _bind_or_connect(socket, endpoint: str, key: str, bind: bool = False) -> None:
+    """As vLLM: bound when it has * or :: or is ipc:// or inproc://, else connected; raises
+    ConfigError naming the kv_events_config key when ZMQ refuses it."""
+    try:
+        if bind or "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
+            socket.bind(endpoint)
+        else:
+            socket.connect(endpoint)
+    except zmq.ZMQError as e:
+        raise ConfigError(f"kv_events_config {key} {endpoint!r} cannot be used: {e}") from None
 
 
 def publish_kv_events(engine, config: KVEventsConfig) -> ZmqEventPublisher:

@@ -216,7 +216,9 @@ class Sender:
         stream.num_unsent_tokens, stream.unsent_logprobs, stream.unsent_prompt_logprobs = 0, [], None
         stream.num_responses += 1
         self._observed.num_sends += 1
-        _safe(lambda: stream.sink.send(response))
+        if not _safe(lambda: stream.sink.send(response) or True, False) and response.final:
+            # Its last response could not be sent: the client must not wait for it forever.
+            _safe(lambda: stream.sink.fail("internal error while sending the response", ErrorKind.INTERNAL))
         self._observed.sender_lag.append(time.monotonic() - stream.oldest_made)
 
     def _check_cancellations(self) -> None:

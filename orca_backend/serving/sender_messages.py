@@ -43,12 +43,12 @@ class Response:
 
 # time.time() - time.monotonic(), once: the request's times go out as nanoseconds since the
 # epoch (TensorRT-LLM's outputs), all by one offset, so that their order is the clock's.
-_EPOCH_OFFSET = time.time() - time.monotonic()
+_EPOCH_OFFSET_NS = time.time_ns() - time.monotonic_ns()
 
 
 def epoch_ns(t: float) -> int:
     """A time.monotonic() time as nanoseconds since the epoch; 0 stays 0 (not yet)."""
-    return int((t + _EPOCH_OFFSET) * 1e9) if t else 0
+    return int(t * 1e9) + _EPOCH_OFFSET_NS if t else 0
 
 
 def perf_outputs(perf: RequestPerf, first_token_time: float, last_token_time: float) -> dict[str, int | float]:

@@ -34,14 +34,14 @@ class TracingOptions:
     def parse(cls, endpoint: str, ratio: str, service_name: str) -> TracingOptions | None:
         """From the model parameters (`trace_sample_ratio` empty: 1.0); None when the endpoint is
         empty; raises ConfigError naming a wrong ratio or an OTLP protocol other than gRPC."""
-        if not endpoint:
-            return None
         try:
             value = float(ratio) if ratio not in ("", "auto") else 1.0
         except ValueError:
             value = -1.0
         if not 0.0 <= value <= 1.0:
             raise ConfigError(f"trace_sample_ratio must be a number in [0, 1], got {ratio!r}")
+        if not endpoint:
+            return None
         protocol = os.environ.get(_PROTOCOL_VARIABLE, "grpc")
         if protocol != "grpc":
             raise ConfigError(f"{_PROTOCOL_VARIABLE}={protocol!r} is not supported: traces go over OTLP/gRPC")
@@ -110,14 +110,15 @@ class RequestTrace:
         end = max([arrival, first_token, last_token] + [t for _, t, _ in timeline])
         scheduled = perf.first_scheduled_time if perf is not None and perf.first_scheduled_time else end
         root = SpanContext(trace_id, random.getrandbits(64) or 1, False, flags)
-        added = next((t for what, t, _ in timeline if what == "added"), arrival)
-        child("tokenize", arrival, added)
-        child("queued", added, scheduled)
-        prefill_end = first_token or end
-        prefill = child("prefill", scheduled, prefill_end)
-        decode = child("decode", prefill_end, end, **{"gen_ai.usage.completion_tokens": num_output_tokens}) \
-            if first_token else None
-        _phase_spans(child, timeline, scheduled, prefill_end, prefill, decode, end)
+        if perf is not None:  # without its figures (it failed or was cancelled), the request's span alone
+            added = next((t for what, t, _ in timeline if what == "added"), arrival)
+            child("tokenize", arrival, added)
+            child("queued", added, scheduled)
+            prefill_end = first_token or end
+            prefill = child("prefill", scheduled, prefill_end)
+            decode = child("decode", prefill_end, end, **{"gen_ai.usage.completion_tokens": num_output_tokens}) \
+                if first_token else None
+            _phase_spans(child, timeline, scheduled, prefill_end, prefill, decode, end)
         attributes = _attributes(tracer.model, request_id, perf, arrival, scheduled, first_token, last_token, end,
                                  params, finish_reason, num_output_tokens)
         status = Status(StatusCode.ERROR, error) if error is not None else Status(StatusCode.UNSET)
@@ -158,22 +159,22 @@ def _attributes(model: str, request_id: str, perf: RequestPerf | None, arrival: 
                 num_output_tokens: int) -> dict:
     """vLLM's span attributes (seconds), SGLang's cached tokens and finish reasons, and ours."""
     values = {"gen_ai.request.id": request_id, "gen_ai.response.model": model,
-              "gen_ai.usage.completion_tokens": num_output_tokens,
-              "gen_ai.latency.e2e": end - arrival, "gen_ai.latency.time_in_queue": scheduled - arrival,
+              "gen_ai.usage.completion_tokens": num_output_tokens, "gen_ai.latency.e2e": end - arrival,
               "gen_ai.request.max_tokens": params.max_tokens or 0, "gen_ai.request.temperature": params.temperature,
               "gen_ai.request.top_p": params.top_p, "gen_ai.request.n": 1}
     if finish_reason is not None:
         values["gen_ai.response.finish_reasons"] = [finish_reason]
+    if perf is None:
+        return values
+    values["gen_ai.latency.time_in_queue"] = scheduled - arrival
     if first_token:
         values.update({"gen_ai.latency.time_to_first_token": first_token - arrival,
                        "gen_ai.latency.time_in_model_prefill": first_token - scheduled,
                        "gen_ai.latency.time_in_model_decode": last_token - first_token,
                        "gen_ai.latency.time_in_model_inference": last_token - scheduled})
-    if perf is not None:
-        values.update({"gen_ai.usage.prompt_tokens": perf.num_prompt_tokens,
-                       "gen_ai.usage.cached_tokens": perf.num_cached_tokens,
-                       "orca.num_preemptions": perf.num_preemptions})
-        if perf.num_draft_tokens:
-            values.update({"orca.speculative.draft_tokens": perf.num_draft_tokens,
-                           "orca.speculative.accepted_tokens": perf.num_accepted_draft_tokens})
+    values.update({"gen_ai.usage.prompt_tokens": perf.num_prompt_tokens,
+                   "gen_ai.usage.cached_tokens": perf.num_cached_tokens, "orca.num_preemptions": perf.num_preemptions})
+    if perf.num_draft_tokens:
+        values.update({"orca.speculative.draft_tokens": perf.num_draft_tokens,
+                       "orca.speculative.accepted_tokens": perf.num_accepted_draft_tokens})
     return values

@@ -42,6 +42,8 @@ def response_tensors(parsed: GenerateRequest, r: Response, batched: bool = False
         values = [("text_output", _bytes(json.dumps(r.embedding))),
                   ("embedding", np.asarray(r.embedding, dtype=np.float32))]  # [dimensions]
     values += [(name, build(r)) for name, flag, build in _OPTIONAL if getattr(parsed, flag)]  # only those asked for
+    if parsed.return_perf_metrics and r.perf is not None:  # one flag for eleven outputs
+        values += [(name, np.array([r.perf[name]], dtype=dtype)) for name, dtype in PERF_OUTPUTS.items()]
     return [pb_utils.Tensor(name, value[None] if batched else value) for name, value in values]
 
 
@@ -55,8 +57,6 @@ _OPTIONAL = (
     ("num_output_tokens", "return_num_output_tokens", lambda r: np.array([r.num_output_tokens], dtype=np.uint32)),
     ("num_cached_tokens", "return_num_cached_tokens", lambda r: np.array([r.num_cached_tokens], dtype=np.uint32)),
     ("prompt_logprobs", "return_prompt_logprobs", lambda r: _bytes(json.dumps(r.prompt_logprobs))),
-    *((name, "return_perf_metrics", lambda r, name=name, dtype=dtype: np.array([r.perf[name]], dtype=dtype))
-      for name, dtype in PERF_OUTPUTS.items()),
 )
 
 
