@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install model serve test test-fast bench bench-full bench-prefix bench-engine bench-cpu bench-executors bench-pipeline bench-tp bench-startup bench-host bench-structured bench-tools bench-models bench-lora bench-moe bench-quantized bench-spec bench-overload bench-router bench-sampler eval-harness perf simulate clean
+.PHONY: install model serve test test-fast bench bench-full bench-prefix bench-engine bench-cpu bench-executors bench-pipeline bench-tp bench-startup bench-host bench-structured bench-tools bench-models bench-lora bench-moe bench-quantized bench-spec bench-overload bench-router bench-deterministic bench-sampler eval-harness perf simulate clean
 
 install: $(STAMP)
 
@@ -128,6 +128,10 @@ bench-overload: model
 # a multi-tenant chat trace, hit rate and TTFT; writes docs/benchmarks/router.md.
 bench-router: model
 	$(PY) -m benchmarks.bench_router --markdown docs/benchmarks/router.md
+
+# Deterministic mode on against off, offline: batch 1, 32 and a long prefill; writes docs/benchmarks/deterministic.md.
+bench-deterministic: model
+	$(PY) -m benchmarks.bench_deterministic --markdown docs/benchmarks/deterministic.md
 
 # Speculative decoding (n-gram) against none and llama-server, batch 1 to 32; writes docs/benchmarks/speculative.md
 bench-spec: model

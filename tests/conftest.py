@@ -273,7 +273,8 @@ def feature_server(tmp_path_factory, default_model, lora_adapters, served_family
     `family`: `served_family`, in blocks of 4 (the window releases them), chunks of 16; `moe`:
     `served_moe`, in blocks of 4 with prefix caching, chunks of 16, its K/V cache events on
     `kv_events_port` (replay: `kv_replay_port`); `gguf`: the default
-    model's own Q4_1 GGUF file, as stored; `compressed`: `served_compressed`."""
+    model's own Q4_1 GGUF file, as stored; `compressed`: `served_compressed`; `det`: the default
+    model in deterministic mode."""
     import json
 
     from helpers import free_port, serving
@@ -309,6 +310,7 @@ def feature_server(tmp_path_factory, default_model, lora_adapters, served_family
 
     write_model(repo, "gguf", {"model": str(default_gguf()), "kv_cache_tokens": "2048"})
     write_model(repo, "compressed", {"model": str(served_compressed), "kv_cache_tokens": "1024"})
+    write_model(repo, "det", {"deterministic": "true", "kv_cache_tokens": "8192"})
     with serving(Server(tmp_path_factory.mktemp("feature_triton"), repo, ["--exit-timeout-secs=20"])) as server:
         server.kv_events_port, server.kv_replay_port = kv_events_port, kv_replay_port
         yield server

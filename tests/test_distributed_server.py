@@ -150,9 +150,11 @@ def test_a_killed_rank_ends_its_requests_with_internal_and_the_model_serves_on(f
     assert result.error.startswith("internal error: tensor-parallel rank 1 "
                                    f"(pid {pid}) was killed by SIGKILL"), result.error
     assert result.error.endswith("the runner was restarted")
-    assert_no_leak(first, "tp2")
+    # The new ranks load before the model serves again (seconds on a busy machine): the pool's
+    # gauge is read once the model has answered, not against a clock.
     results = run_prompts(first, "tp2")
     assert [r.text for r in results] == reference
+    assert_no_leak(first, "tp2")
     wait_until(lambda: first.metric("orca_runner_restarts_total", "tp2") == 1, 10, "the restart counted")
 
 

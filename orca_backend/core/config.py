@@ -8,9 +8,13 @@ strings: it imports none of them.
 """
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass, field, fields
 
 from .errors import ConfigError
+from .option_checks import need as _need, need_counts as _need_counts
+from .option_checks import need_flags as _need_flags, need_one_of as _need_one_of
 from .speculative import SpeculativeConfig
 
 POLICIES = ("paged", "reserve")  # K/V: blocks as tokens arrive, or ORCA's reservation of max_tokens
@@ -208,6 +212,9 @@ class RunnerConfig:
     # model refuses them), and whether the vector is scaled to length 1.
     pooling_type: str = "none"
     pooling_normalize: bool = True
+    # Batch-invariant numerics (docs/deterministic.md): a request's logprobs the same bits whatever
+    # else is in its iterations, however its prompt was chunked or cached. None: VLLM_BATCH_INVARIANT=1.
+    deterministic: bool | None = None
 
     def __post_init__(self) -> None:
         _need_one_of(self, "dtype", DTYPE_SIZES)
@@ -229,7 +236,14 @@ class RunnerConfig:
         _need_one_of(self, "pooling_type", POOLING_TYPES)
         _need(self.pooling_type == "none" or self.engine == "torch", "pooling_type", self.pooling_type,
               "'none' with engine 'tensorrt' or 'null' (embeddings need the model's hidden states)")
-        _need_flags(self, "cuda_graphs", "pooling_normalize")
+        if self.deterministic is None:
+            self.deterministic = os.environ.get("VLLM_BATCH_INVARIANT", "0") == "1"
+        _need_flags(self, "cuda_graphs", "pooling_normalize", "deterministic")
+        if self.deterministic:
+            _need(self.device == "cpu" and self.engine == "torch" and self.attention in ("auto", "torch")
+                  and self.linear != "torch" and self.quantization == "none", "deterministic", True,
+                  "false except on the CPU with engine 'torch', attention 'torch' or 'auto', linear "
+                  "'onednn' or 'auto' and quantization 'none' (the kernels shown batch-invariant so far)")
         _need_one_of(self, "engine", ENGINES)
         _need(isinstance(self.null_step_seconds, (int, float)) and 0 <= self.null_step_seconds <= 60,
               "null_step_seconds", self.null_step_seconds, "between 0 and 60")
@@ -271,6 +285,8 @@ class EngineConfig:
 
     def __init__(self, **options) -> None:
         by_part = {part: {} for part in PARTS}
+        if "enable_deterministic_inference" in options:  # SGLang's name
+            options["deterministic"] = options.pop("enable_deterministic_inference")
         for name, value in options.items():
             if name not in _PART_OF:
                 raise TypeError(f"EngineConfig() got an unexpected keyword argument {name!r}")
@@ -308,6 +324,8 @@ class EngineConfig:
             _need(parallel.one_stage and runner.engine == "torch", "speculative_config", spec,
                   "method 'ngram' with engine 'null' or executor 'pipeline'/'stages' (the draft model runs "
                   "beside a whole model with engine 'torch', in the runner that samples)")
+        _need(not runner.deterministic or parallel.tensor_parallel_size == 1, "tensor_parallel_size",
+              parallel.tensor_parallel_size, "1 with deterministic true (its all-reduce is not shown invariant yet)")
         if runner.engine == "null":
             _need(parallel.one_stage, "executor", parallel.executor, "'inline' or 'process' with engine 'null'")
             _need(parallel.tensor_parallel_size == 1, "tensor_parallel_size", parallel.tensor_parallel_size,
@@ -342,26 +360,3 @@ def auto_device(instance_kind: str, device_id: int = 0) -> str:
 def auto_dtype(device: str) -> str:
     """The dtype "auto" means on a device: bfloat16 on a GPU, float32 on the CPU."""
     return "float32" if device == "cpu" else "bfloat16"
-
-
-def _need(ok: bool, name: str, value, allowed: str) -> None:
-    if not ok:
-        raise ConfigError(f"engine option {name!r} must be {allowed}, got {value!r}")
-
-
-def _need_one_of(part, name: str, choices) -> None:
-    value = getattr(part, name)
-    _need(value in choices, name, value, f"one of {', '.join(choices)}")
-
-
-def _need_counts(part, *names: str, unset: bool = False) -> None:
-    """Each an integer >= 1 (or, with `unset`, None)."""
-    for name in names:
-        value = getattr(part, name)
-        _need((unset and value is None) or (isinstance(value, int) and value >= 1), name, value,
-              "unset or an integer >= 1" if unset else "an integer >= 1")
-
-
-def _need_flags(part, *names: str) -> None:
-    for name in names:
-        _need(isinstance(getattr(part, name), bool), name, getattr(part, name), "true or false")

@@ -21,7 +21,7 @@ from .proposers import NgramProposer, Proposer
 from .models import is_quantized_checkpoint, load_model
 from .models.attention import TorchPagedAttention
 from .models.kernel_attention import KernelPagedAttention
-from .models.linear import linear_backend, pack_linears
+from .models.linear import batch_invariant, linear_backend, pack_linears
 from .models.moe import prepare_experts
 from .models.parallel import Shard
 from .spec import RunnerSpec
@@ -72,6 +72,8 @@ def _prepare(model, spec: RunnerSpec, backend: str) -> None:
     """The kernels a loaded model runs on: its projections' GEMM, its experts'."""
     prepare_experts(model, spec.runner.moe_kernel_backend, backend)
     pack_linears(model, backend)
+    if spec.runner.deterministic:
+        batch_invariant(model)
 
 
 def grammar_compiler(spec: RunnerSpec) -> GrammarCompiler:
@@ -111,6 +113,10 @@ def _attention(spec: RunnerSpec, device: torch.device, model):
     """The attention backend: SDPA's for models whose attention our kernel does not compute
     (`ModelConfig.kernel_gap`, refused when asked for by name)."""
     kernel = spec.runner.attention_backend == "triton" and not model.config.kernel_gap
+    if spec.runner.deterministic:
+        if model.config.mla is not None:
+            raise ConfigError("deterministic true is not supported with latent attention (MLA) yet")
+        return TorchPagedAttention(spec.cache.block_size, device, invariant=True)
     return (KernelPagedAttention if kernel else TorchPagedAttention)(spec.cache.block_size, device)
 
 

@@ -19,6 +19,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .invariant_attention import invariant_paged_attention
+
 
 @dataclass(slots=True)
 class BatchLayout:
@@ -63,10 +65,11 @@ class TorchPagedAttention:
     """K/V caches [num_blocks, block_size, Hkv, D] per layer, attention by SDPA. `rope_lens`:
     whether plans carry each row's sequence length (a model whose RoPE needs it sets it)."""
 
-    def __init__(self, block_size: int, device: torch.device) -> None:
+    def __init__(self, block_size: int, device: torch.device, invariant: bool = False) -> None:
         self.block_size = block_size
         self.device = device
         self.rope_lens = False
+        self.invariant = invariant  # every row by invariant_attention (deterministic mode)
 
     def allocate_kv_cache(self, num_layers: int, num_blocks: int, num_kv_heads: int, head_dim: int,
                           dtype: torch.dtype, values: bool = True) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
@@ -77,7 +80,9 @@ class TorchPagedAttention:
                  torch.zeros(shape, dtype=dtype, device=self.device) if values else None) for _ in range(num_layers)]
 
     def plan(self, layout: BatchLayout) -> AttentionMetadata:
-        return AttentionMetadata.build(layout, self.block_size, self.device, self.rope_lens)
+        meta = AttentionMetadata.build(layout, self.block_size, self.device, self.rope_lens)
+        meta.invariant = self.invariant
+        return meta
 
 
 def row_rope_lens(layout: BatchLayout, positions: np.ndarray, row_req: np.ndarray) -> np.ndarray:
@@ -124,6 +129,7 @@ class AttentionMetadata:
     device: torch.device
     views: dict[int | None, AttentionViews] = field(default_factory=dict)
     rope_lens: torch.Tensor | None = None
+    invariant: bool = False  # deterministic mode: invariant_attention.py
 
     @classmethod
     def build(cls, layout: BatchLayout, block_size: int, device: torch.device,
@@ -214,6 +220,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if v_cache is not None:
         v_cache.view(-1, *v.shape[1:])[meta.slot_mapping] = v
     value_dim = v.shape[-1]
+    if meta.invariant:
+        if latent is not None:
+            raise NotImplementedError("deterministic mode has no latent attention (refused at load)")
+        return invariant_paged_attention(q, k_cache, v_cache, meta.host, meta.block_size, meta.positions, scale,
+                                         value_dim, window, softcap, sinks).flatten(1)
 
     def gather_kv(blocks):
         keys = _gather(k_cache, blocks)

@@ -29,13 +29,14 @@ from .quantized import Quantized, cpu_supports_bfloat16, int8_per_channel, is_qu
 class Linear:
     """y = x W^T (+ b) over rows x [T, in]; W [out, in] as the checkpoint stores it."""
 
-    __slots__ = ("weight", "bias", "out_features", "backend", "_run")
+    __slots__ = ("weight", "bias", "out_features", "backend", "_run", "min_rows")
 
     def __init__(self, weight: torch.Tensor | Quantized, bias: torch.Tensor | None = None) -> None:
         self.weight, self.bias = weight, bias
         self.out_features = weight.shape[0]
         self.backend = "torch"
         self._run = self._dense
+        self.min_rows = 1  # deterministic mode: 2 (see `batch_invariant`)
         if is_quantized(weight):  # packed now: its kernel is the only form it takes
             self.weight = self._run = kernel_for(weight, bias, weight.dtype)
             self.backend = self._run.kind  # int4, int8 or fp8: the kernel's
@@ -45,8 +46,10 @@ class Linear:
         return self.weight.shape
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 0:  # no rows: the packed kernels want at least one
-            return x.new_empty(0, self.out_features)
+        if x.shape[0] < self.min_rows:
+            if x.shape[0] == 0:  # no rows: the packed kernels want at least one
+                return x.new_empty(0, self.out_features)
+            return self._run(x.expand(self.min_rows, *x.shape[1:]))[:1]  # a single row, with its twin
         return self._run(x)
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
@@ -90,6 +93,15 @@ def linear_backend(device: torch.device, dtype: torch.dtype, quantization: str, 
     if requested == "onednn" and (device.type != "cpu" or not torch.backends.mkldnn.is_available()):
         raise ConfigError(f"linear 'onednn' is a CPU path; this model is on {device.type!r}")
     return requested
+
+
+def batch_invariant(model) -> None:
+    """Make every projection's result for a row the same bits however many rows it runs with
+    (deterministic mode). oneDNN's GEMM over a packed weight is (tests/test_deterministic.py
+    checks every shape of the default model), except that a single row over a long reduction
+    (in > 1024) takes another kernel: a single row runs beside a copy of itself."""
+    for linear in model.linears():
+        linear.min_rows = 2
 
 
 def pack_linears(model, backend: str) -> None:
