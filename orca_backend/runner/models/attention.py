@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .invariant_attention import invariant_paged_attention
+from .invariant_attention import InvariantLayout, invariant_layout, invariant_paged_attention
 
 
 @dataclass(slots=True)
@@ -81,7 +81,8 @@ class TorchPagedAttention:
 
     def plan(self, layout: BatchLayout) -> AttentionMetadata:
         meta = AttentionMetadata.build(layout, self.block_size, self.device, self.rope_lens)
-        meta.invariant = self.invariant
+        if self.invariant:
+            meta.invariant = invariant_layout(meta.host, self.block_size, self.device)
         return meta
 
 
@@ -129,7 +130,7 @@ class AttentionMetadata:
     device: torch.device
     views: dict[int | None, AttentionViews] = field(default_factory=dict)
     rope_lens: torch.Tensor | None = None
-    invariant: bool = False  # deterministic mode: invariant_attention.py
+    invariant: InvariantLayout | None = None  # deterministic mode: invariant_attention.py
 
     @classmethod
     def build(cls, layout: BatchLayout, block_size: int, device: torch.device,
@@ -220,11 +221,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if v_cache is not None:
         v_cache.view(-1, *v.shape[1:])[meta.slot_mapping] = v
     value_dim = v.shape[-1]
-    if meta.invariant:
+    if meta.invariant is not None:
         if latent is not None:
             raise NotImplementedError("deterministic mode has no latent attention (refused at load)")
-        return invariant_paged_attention(q, k_cache, v_cache, meta.host, meta.block_size, meta.positions, scale,
-                                         value_dim, window, softcap, sinks).flatten(1)
+        return invariant_paged_attention(q, k_cache, v_cache, meta.invariant, scale, value_dim, window, softcap,
+                                         sinks).flatten(1)
 
     def gather_kv(blocks):
         keys = _gather(k_cache, blocks)
