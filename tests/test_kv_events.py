@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from typing import Any
 
 import msgspec
@@ -82,15 +81,15 @@ class Consumer:
                 self.num_cleared += 1
 
 
-def receive(sub, until, timeout: float = 30.0) -> list[tuple[bytes, int, bytes]]:
-    """Frames [topic, sequence, payload] from `sub` until `until(received)` holds."""
+def receive(sub, last: int) -> list[tuple[bytes, int, bytes]]:
+    """Frames [topic, sequence, payload] from `sub` until the one numbered `last` (the publisher
+    has handed that many over: they are on their way). A socket that stays silent for a minute
+    raises zmq.Again rather than hang."""
+    sub.setsockopt(zmq.RCVTIMEO, 60_000)
     received: list[tuple[bytes, int, bytes]] = []
-    deadline = time.monotonic() + timeout
-    while not until(received):
-        assert time.monotonic() < deadline, f"{len(received)} batches received, then none"
-        if sub.poll(100):
-            topic, sequence, payload = sub.recv_multipart()
-            received.append((topic, int.from_bytes(sequence, "big"), payload))
+    while not received or received[-1][1] < last:
+        topic, sequence, payload = sub.recv_multipart()
+        received.append((topic, int.from_bytes(sequence, "big"), payload))
     return received
 
 
@@ -190,7 +189,6 @@ def test_a_consumer_rebuilds_the_cached_block_set_over_evictions_salts_lora_and_
     sub = context.socket(zmq.SUB)
     sub.connect(f"tcp://127.0.0.1:{port}")
     sub.setsockopt(zmq.SUBSCRIBE, b"kv")
-    time.sleep(0.5)  # a SUB socket misses what is sent before its subscription holds (replayed below)
     greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     base = "The committee met on a grey morning to decide the fate of the old harbour and its boats. "
     trace = [(f"Story {i % 6}. {base * (1 + i % 3)} Question {i}?", {"cache_salt": "tenant-b"} if i % 4 == 1 else {},
@@ -207,8 +205,7 @@ def test_a_consumer_rebuilds_the_cached_block_set_over_evictions_salts_lora_and_
         engine.add_request("after", base + "After the reset?", greedy)
         while engine.has_unfinished_requests():
             engine.step()
-        live = receive(sub, lambda got: got and any(b"AllBlocksCleared" in p for _, _, p in got)
-                       and engine_cached(engine) <= _union(got))
+        live = receive(sub, publisher.num_published - 1)
         if live[0][1]:  # the subscription took hold after the first batches: the replay socket has them
             live = [f for f in replay(context, f"tcp://127.0.0.1:{replay_port}", 0) if f[1] < live[0][1]] + live
         before_reset = Consumer()
@@ -240,13 +237,6 @@ def test_a_consumer_rebuilds_the_cached_block_set_over_evictions_salts_lora_and_
         context.destroy(linger=0)
         publisher.close()
         engine.shutdown()
-
-
-def _union(frames) -> set[int]:
-    consumer = Consumer()
-    for _, _, payload in frames:
-        consumer.apply(DECODER.decode(payload))
-    return consumer.cached
 
 
 @pytest.mark.server

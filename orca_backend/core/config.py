@@ -9,7 +9,6 @@ strings: it imports none of them.
 from __future__ import annotations
 
 import os
-
 from dataclasses import dataclass, field, fields
 
 from .errors import ConfigError

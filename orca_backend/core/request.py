@@ -76,7 +76,6 @@ class Request:
     rank: tuple[int, int] = (0, 0)
     arrival_iteration: int = 0  # the scheduler's iteration count when it arrived
     arrival_time: float = 0.0  # when it arrived, in seconds of the server's monotonic clock
-    first_scheduled_time: float = 0.0  # when it was first admitted to an iteration (0: not yet)
     num_prompt_tokens: int = field(init=False, default=0)
 
     def mark(self, what: str, num_tokens: int = 0) -> None:

@@ -15,7 +15,6 @@ long ones that wait.
 from __future__ import annotations
 
 import itertools
-import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -298,8 +297,6 @@ class Scheduler(IterationMessages, IterationReturns, PriorityRanking, RowsAhead)
         self.waiting.take(position)
         self.running.append(req)
         req.status = RequestStatus.RUNNING
-        if not req.first_scheduled_time:
-            req.first_scheduled_time = time.monotonic()
         req.mark("scheduled")
         return True
 

@@ -43,9 +43,11 @@ class Tracked:
     def perf(self, block_size: int) -> RequestPerf:
         req = self.request
         cached = req.num_cached_tokens or 0
-        return RequestPerf(req.arrival_time, req.first_scheduled_time, -(-req.num_tokens // block_size),
-                           cached // block_size, req.num_prompt_tokens, cached, self.num_draft_tokens,
-                           req.num_accepted_drafts, req.num_preemptions, tuple(req.timeline or ()))
+        timeline = tuple(req.timeline or ())
+        scheduled = next((t for what, t, _ in timeline if what == "scheduled"), 0.0)  # its first admission
+        return RequestPerf(req.arrival_time, scheduled, -(-req.num_tokens // block_size), cached // block_size,
+                           req.num_prompt_tokens, cached, self.num_draft_tokens, req.num_accepted_drafts,
+                           req.num_preemptions, timeline)
 
     def token_delta(self, update: RequestUpdate, out: RunnerOutput, block_size: int) -> RequestDelta:
         """The delta of the request's new tokens, ended or not."""

@@ -78,9 +78,12 @@ class GenerateRequest:
                 if flags.get(name) is None and name in values:
                     flags[name] = _bool(values[name], name)
             values = {k: v for k, v in values.items() if k not in FLAG_INPUTS}
-        traced = sampling_json is None or "traceparent" in (request_parameters or "")
-        context = _trace_context(values if sampling_json is None else
-                                 _json_object(request_parameters) if traced else {})
+        if sampling_json is None:  # the request's parameters are `values`
+            context = _trace_context(values)
+        elif "traceparent" in (request_parameters or ""):  # parsed only where there is one
+            context = _trace_context(_json_object(request_parameters))
+        else:
+            context = (None, None)
         lora_name = values.pop("lora_name", None)
         if lora_name is not None and not isinstance(lora_name, str):
             raise InvalidRequestError(f"sampling parameter 'lora_name' must be a string, got {lora_name!r}")

@@ -10,7 +10,6 @@ bounded queue and never waits: each batch's sequence number is given as it is ha
 so that a batch the full queue drops leaves a gap that tells subscribers to replay."""
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import threading
@@ -72,7 +71,7 @@ class ZmqEventPublisher:
     def __init__(self, config: KVEventsConfig, medium: str) -> None:
         self.config, self.medium = config, medium
         self.num_dropped = 0  # batches the full queue turned away (their sequence numbers are skipped)
-        self._sequence = itertools.count()  # given on the engine thread, so that a dropped batch leaves a gap
+        self.num_published = 0  # batches handed over, the dropped included: the next one's sequence number
         self._queue: queue.Queue = queue.Queue(config.max_queue_size)
         self._context = zmq.Context()
         try:
@@ -91,7 +90,7 @@ class ZmqEventPublisher:
         self._thread.start()
 
     def publish(self, events: list) -> None:
-        sequence = next(self._sequence)
+        sequence, self.num_published = self.num_published, self.num_published + 1  # a dropped batch leaves a gap
         try:
             self._queue.put_nowait((sequence, KVEventBatch(ts=time.time(), events=events)))
         except queue.Full:
