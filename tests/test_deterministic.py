@@ -13,10 +13,12 @@ from orca_backend.core.errors import ConfigError
 
 PREFIX = ("The library keeps its books on shelves by subject, and each shelf has a card that lists the "
           "titles it holds, the year each was bought and the reader who last borrowed it. ")
-PROMPTS = [PREFIX + "Who keeps the cards?", "def fibonacci(n):", "The capital of France is",
-           PREFIX + "When does it open?", "Once upon a time there was a", "Water boils at",
-           "In 1492, Columbus", PREFIX + "Which shelf holds poetry?"]
-OTHERS = [f"Unrelated request number {i} asks about the weather in city {i}" for i in range(24)]
+PROMPTS = ([PREFIX + "Who keeps the cards?", "def fibonacci(n):", "The capital of France is",
+            PREFIX + "When does it open?", "Once upon a time there was a", "Water boils at",
+            "In 1492, Columbus", PREFIX + "Which shelf holds poetry?"]
+           + [f"Fact {i}: the number {i * 37} is" for i in range(30)]
+           + [PREFIX * (1 + i % 4) + f"Question {i}: which book is oldest?" for i in range(12)])  # up to 170 tokens
+OTHERS = [f"Unrelated request number {i} asks about the weather in city {i}" for i in range(78)]
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=5)
 
 
@@ -24,36 +26,48 @@ def _outputs(llm: LLM, prompts, params=GREEDY) -> list[tuple]:
     return [(o.token_ids, o.logprobs) for o in llm.generate(prompts, [params] * len(prompts))]
 
 
-def _scenarios(model, deterministic: bool) -> dict[str, list[tuple]]:
-    """PROMPTS' outputs in each way of running them."""
+def _batches(llm: LLM, prompts: list[str], size: int) -> list[tuple]:
+    """`prompts` in batches of `size`, each filled up with OTHERS."""
+    out = []
+    for i in range(0, len(prompts), size):
+        part = prompts[i:i + size]
+        out += _outputs(llm, part + OTHERS[:size - len(part)])[:len(part)]
+    return out
+
+
+def _scenarios(model, deterministic: bool, prompts: list[str], sizes=(8, 32, 128)) -> dict[str, list[tuple]]:
+    """`prompts`' outputs in each way of running them."""
     out = {}
-    common = dict(kv_cache_tokens=4096, deterministic=deterministic)
+    common = dict(kv_cache_tokens=16384, max_batch_size=128, deterministic=deterministic)
     with LLM(str(model), enable_prefix_caching=False, **common) as llm:
-        out["alone"] = [_outputs(llm, [p])[0] for p in PROMPTS]
-        out["batch of 8"] = _outputs(llm, PROMPTS)
-        out["batch of 32"] = _outputs(llm, PROMPTS + OTHERS)[:len(PROMPTS)]
+        out["alone"] = [_outputs(llm, [p])[0] for p in prompts]
+        for size in sizes:
+            out[f"batches of {size}"] = _batches(llm, prompts, size)
     with LLM(str(model), enable_prefix_caching=True, **common) as llm:
-        out["prefix caching, hits"] = [_outputs(llm, [p])[0] for p in PROMPTS]  # later ones hit PREFIX
-    with LLM(str(model), enable_prefix_caching=False, max_num_batched_tokens=16, **common) as llm:
-        out["chunks of 16"] = _outputs(llm, PROMPTS)
-    with LLM(str(model), enable_prefix_caching=False, max_num_batched_tokens=512, **common) as llm:
-        out["chunks of 512"] = _outputs(llm, PROMPTS + OTHERS)[:len(PROMPTS)]
-    with LLM(str(model), enable_prefix_caching=False, kv_cache_tokens=64, block_size=4,
+        runs = [llm.generate([p], GREEDY)[0] for p in prompts]  # later ones hit PREFIX
+        out["prefix caching, hits"] = [(o.token_ids, o.logprobs) for o in runs]
+        assert sum(o.num_cached_tokens > 0 for o in runs) >= len(prompts) // 8
+    for chunk in (16, 64, 512):
+        with LLM(str(model), enable_prefix_caching=False, max_num_batched_tokens=chunk, **common) as llm:
+            out[f"chunks of {chunk}"] = _outputs(llm, prompts + OTHERS[:8])[:len(prompts)]
+    with LLM(str(model), enable_prefix_caching=False, kv_cache_tokens=256, block_size=4,
              deterministic=deterministic) as llm:
-        out["preempting"] = _outputs(llm, PROMPTS)
+        out["preempting"] = _outputs(llm, prompts)
         out["preempting"].append(llm.engine.scheduler.num_preemptions)
     return out
 
 
 @pytest.fixture(scope="module")
 def runs(default_model):
-    return {mode: _scenarios(default_model, mode) for mode in (True, False)}
+    return {True: _scenarios(default_model, True, PROMPTS),
+            False: _scenarios(default_model, False, PROMPTS[:8], sizes=(8,))}
 
 
 def test_each_way_of_running_a_request_gives_the_same_bits(runs):
     out = runs[True]
     assert out["preempting"].pop() > 0  # the small pool did preempt
     for name, outputs in out.items():
+        assert len(outputs) == len(PROMPTS), name
         for i, (alone, other) in enumerate(zip(out["alone"], outputs)):
             assert other[0] == alone[0], f"{name}: prompt {i}'s tokens differ"
             assert other[1] == alone[1], f"{name}: prompt {i}'s logprobs differ"
@@ -65,7 +79,7 @@ def test_without_the_mode_the_same_comparisons_differ(runs):
     out["preempting"].pop()
     differing = [name for name, outputs in out.items() if name != "alone"
                  and any(other[1] != alone[1] for alone, other in zip(out["alone"], outputs))]
-    assert {"batch of 8", "chunks of 16"} <= set(differing), differing
+    assert {"batches of 8", "chunks of 16"} <= set(differing), differing
 
 
 def test_seeded_sampling_gives_the_same_text_in_every_mix(default_model):
@@ -97,11 +111,24 @@ def test_every_projection_of_the_default_model_is_row_invariant(default_model):
             assert torch.equal(linear(torch.cat([rows[1:n], rows[:1]]))[n - 1], alone), (in_features, n)
 
 
+def test_two_tensor_parallel_ranks_keep_the_bits(tiny_vocab_llama):
+    """Two ranks (each its half of the heads and of the MLP, the partial sums added in rank
+    order): the first 8 prompts alone (the later ones hitting the prefix cache), in a batch
+    of 32 and in chunks of 16, the same bits."""
+    common = dict(tensor_parallel_size=2, deterministic=True, kv_cache_tokens=4096)
+    with LLM(str(tiny_vocab_llama), **common) as llm:
+        alone = [_outputs(llm, [p])[0] for p in PROMPTS[:8]]
+        batch = _batches(llm, PROMPTS[:8], 32)
+    with LLM(str(tiny_vocab_llama), enable_prefix_caching=False, max_num_batched_tokens=16, **common) as llm:
+        chunks = _outputs(llm, PROMPTS[:8])
+    assert batch == alone
+    assert chunks == alone
+
+
 @pytest.mark.parametrize("options, named", [
     (dict(device="cuda"), "deterministic"),
     (dict(linear="torch"), "deterministic"),
     (dict(quantization="int8"), "deterministic"),
-    (dict(tensor_parallel_size=2), "tensor_parallel_size"),
 ])
 def test_what_the_mode_cannot_promise_yet_is_refused_by_name(options, named):
     with pytest.raises(ConfigError, match=f"engine option '{named}'"):
@@ -132,3 +159,71 @@ def test_identical_concurrent_requests_through_tritonserver_get_one_answer(featu
     answers = {(r.text, str([x.get("logprobs") for x in r.responses])) for r in results}
     assert len(answers) == 1
     assert_no_leak(feature_server, "det")
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (12, 12, 64), (32, 8, 128), (8, 1, 256),
+                                                       (14, 2, 64), (32, 32, 80), (16, 4, 96)])
+@pytest.mark.parametrize("window, softcap, sinks", [(None, None, False), (100, 30.0, True)])
+def test_attention_gives_a_row_the_same_bits_in_any_batch_or_chunking(heads, kv_heads, head_dim, window, softcap,
+                                                                      sinks):
+    """The attention alone, for every head layout the loaders know: request 0's 300 rows as
+    one prompt, in chunks of 64 and 5 (later chunks read the earlier ones' K/V from the
+    cache, as after a prefix-cache hit), decoded one by one, and beside other prompts and
+    decodes; every row the same bits."""
+    from orca_backend.runner.models.attention import BatchLayout, TorchPagedAttention
+
+    torch.manual_seed(0)
+    block_size, length = 16, 300
+    attention = TorchPagedAttention(block_size, torch.device("cpu"), invariant=True)
+    k_cache, v_cache = attention.allocate_kv_cache(1, 80, kv_heads, head_dim, torch.float32)[0]
+    k_cache.normal_(), v_cache.normal_()
+    q = torch.randn(length, heads, head_dim)
+    sink = torch.randn(heads) if sinks else None
+    others = [(0, 40, list(range(40, 43))), (500, 1, list(range(43, 43 + 32))), (90, 3, list(range(43, 50)))]
+    keys = lambda t: k_cache.view(-1, kv_heads, head_dim)[t]  # noqa: E731 (the cache's own K/V: rewriting it changes nothing)
+
+    def run(chunk: tuple[int, int], beside=()) -> torch.Tensor:
+        start, count = chunk
+        layout = BatchLayout([start] + [o[0] for o in beside], [count] + [o[1] for o in beside],
+                             [list(range(20))] + [o[2] for o in beside])
+        meta = attention.plan(layout)
+        slots = meta.slot_mapping
+        rows = torch.cat([q[start:start + count]] + [torch.randn(o[1], heads, head_dim) for o in beside])
+        out = meta.attend(rows, keys(slots), v_cache.view(-1, kv_heads, head_dim)[slots], (k_cache, v_cache),
+                          head_dim ** -0.5, window, softcap, sink)
+        return out[:count]
+
+    whole = run((0, length))
+    for size in (64, 5):
+        chunks = torch.cat([run((s, min(size, length - s))) for s in range(0, length, size)])
+        assert torch.equal(chunks, whole), size
+    for at in (0, 1, 7, 150, 299):
+        assert torch.equal(run((at, 1)), whole[at:at + 1]), at
+        assert torch.equal(run((at, 1), others), whole[at:at + 1]), at
+    assert torch.equal(run((0, length), others), whole)
+
+
+@pytest.mark.server
+def test_streamed_and_unstreamed_logprobs_are_the_same_bits_through_the_openai_api(feature_server, tmp_path):
+    """Triton's own OpenAI client test: one request unstreamed, then streamed (a prefix-cache
+    hit: its last prompt token runs alone), the top logprobs compared exactly; in chat and
+    completions."""
+    import openai
+    from benchmarks.servers import Frontend
+    from helpers import serving
+
+    chat = dict(model="det", messages=[{"role": "user", "content": PREFIX + "Who keeps the cards?"}], max_tokens=8,
+                temperature=0, seed=0, logprobs=True, top_logprobs=5)
+    legacy = dict(model="det", prompt=PREFIX + "When does it open?", max_tokens=8, temperature=0, seed=0, logprobs=5)
+    with serving(Frontend(tmp_path, feature_server.grpc_url, args=["--model", "det"])) as frontend:
+        api = openai.OpenAI(base_url=frontend.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        whole = api.chat.completions.create(**chat)
+        chunks = list(api.chat.completions.create(**chat, stream=True, stream_options={"include_usage": True}))
+        streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0  # the second one hit the cache
+        assert [t.model_dump() for t in streamed] == [t.model_dump() for t in whole.choices[0].logprobs.content]
+        text = api.completions.create(**legacy).choices[0].logprobs
+        parts = [c.choices[0].logprobs for c in api.completions.create(**legacy, stream=True)
+                 if c.choices and c.choices[0].logprobs]
+        assert [t for p in parts for t in p.top_logprobs] == text.top_logprobs
+        assert [t for p in parts for t in p.token_logprobs] == text.token_logprobs

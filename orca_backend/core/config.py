@@ -323,8 +323,6 @@ class EngineConfig:
             _need(parallel.one_stage and runner.engine == "torch", "speculative_config", spec,
                   "method 'ngram' with engine 'null' or executor 'pipeline'/'stages' (the draft model runs "
                   "beside a whole model with engine 'torch', in the runner that samples)")
-        _need(not runner.deterministic or parallel.tensor_parallel_size == 1, "tensor_parallel_size",
-              parallel.tensor_parallel_size, "1 with deterministic true (its all-reduce is not shown invariant yet)")
         if runner.engine == "null":
             _need(parallel.one_stage, "executor", parallel.executor, "'inline' or 'process' with engine 'null'")
             _need(parallel.tensor_parallel_size == 1, "tensor_parallel_size", parallel.tensor_parallel_size,

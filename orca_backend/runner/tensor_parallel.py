@@ -80,13 +80,13 @@ class GroupCollectives:
             return t
         # gloo's allreduce takes longer than its allgather on small tensors (for 2 KiB on
         # loopback, 601 against 379 us: benchmarks/bench_tp.py): gather every share and add
-        # them here, in rank order, so every rank gets the same bits.
+        # them here, one after another in rank order: every rank gets the same bits, and a row
+        # the same bits whatever the other rows (deterministic mode).
         shares = [torch.empty_like(t) for _ in range(self.size)]
         self._timed(lambda: self.group.allgather([shares], [t.contiguous()]))
-        if self.size == 2:
-            torch.add(shares[0], shares[1], out=t)
-        else:
-            torch.sum(torch.stack(shares), 0, out=t)
+        torch.add(shares[0], shares[1], out=t)
+        for share in shares[2:]:
+            t.add_(share)
         return t
 
     def gather_vocab(self, t: torch.Tensor) -> torch.Tensor | None:

@@ -2,64 +2,102 @@
 request's keys: not on the other rows of the iteration, how its prompt was chunked, or what
 came from the prefix cache (`deterministic: true`, docs/deterministic.md).
 
-SDPA's result for a row depends on the shapes around it: the GEMMs of a block of query rows
-give a row other bits than the same row alone (on the CPU, MKL's kernels change with the
-number of rows), and the key length sets how its flash kernel splits the keys. Here the query
-rows go in tiles of a fixed `TILE` rows (a request's rows, padded), and every product has the
-same shape: a tile against one split of a fixed `SPLIT` keys of its request. A GEMM of fixed
-shape gives a row the same bits whatever its neighbours in the tile, its place there or the
-number of tiles (tests/test_deterministic.py checks the outcome). The splits are folded in
-order with the online softmax; a split partly past a row's position is masked, and one wholly
-past it changes nothing (its weights are exact zeros). All requests' tiles run together, one
-batched product per split.
+SDPA's result for a row depends on the shapes around it: its flash kernel splits the keys by
+their number, and the CPU's GEMMs pick other kernels for one to three rows. Here:
+- Rows go in groups: each request's rows (in pieces of at most `PIECE` tokens) with its
+  query heads folded in, `heads per K/V head x tokens` rows against that K/V head's keys,
+  padded to at least `MIN_ROWS` rows. Requests of the same padded size share one batched
+  product. A GEMM of at least `MIN_ROWS` rows gives a row the same bits whatever the other
+  rows, their number, the batch or the number of key columns (tests/test_deterministic.py
+  checks it for every head size the loaders know).
+- The softmax's maximum is exact in any order; its sum and the weighted sum of the values are
+  taken per split of a fixed `SPLIT` keys (fixed-size reductions and products), then over the
+  splits in order (`cumsum`, sequential). A key past a row's position weighs an exact zero,
+  so the keys a batch pads with change nothing.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-SPLIT = 64  # keys per split (or a block, if blocks are longer): fixed, so that no reduction changes shape
-TILE = 8  # query rows per product (16 measured slower at batch 1 and 32)
+SPLIT = 64  # keys per reduction (or a block, if blocks are longer): fixed, so that no reduction changes shape
+MIN_ROWS = 4  # a GEMM of fewer rows takes another kernel on the CPU (1, and 2 to 3, each their own bits)
+PIECE = 128  # tokens of a long chunk per product: later pieces read more keys (causal work skipped)
+
+
+@dataclass(slots=True)
+class _Group:
+    """Same-size pieces of requests, in one batched product: `rows` [B, n] of q (padding: the
+    row past the last), their `positions` [B, n], the `blocks` [B, L / block_size] of their
+    keys from position `first_key` (a split's first), `kept`: which of the rows are real."""
+
+    rows: torch.Tensor
+    positions: torch.Tensor
+    kept: torch.Tensor
+    blocks: torch.Tensor
+    hidden: torch.Tensor  # [B, 1, n, 1, L]: the keys each row may not see (True)
 
 
 @dataclass(slots=True)
 class InvariantLayout:
-    """An iteration's tiles, built once and read by every layer."""
+    """An iteration's groups, built once per window size and read by every layer."""
 
-    rows: torch.Tensor  # [tiles, TILE]: each tile's rows of q (padding: the row past the last)
-    positions: torch.Tensor  # [tiles, TILE]: their positions (padding: 0)
-    split_blocks: list[torch.Tensor]  # per split: [tiles, SPLIT // block_size] blocks of the tile's request
-    kept: torch.Tensor  # [tiles * TILE]: which of the tiles' rows are real
+    host: object  # the layout's starts, counts, tables and first rows
+    block_size: int
+    device: torch.device
     split: int
-    lowest_position: int  # of any row, for a window's first split
+    groups: dict[tuple, list[_Group]] = field(default_factory=dict)
+
+    def pieces(self, window: int | None, group: int) -> list[_Group]:
+        """The groups for a window size (None: full attention), `group` query heads per K/V head."""
+        if (window, group) not in self.groups:
+            self.groups[window, group] = _groups(self, window, group)
+        return self.groups[window, group]
 
 
 def invariant_layout(host, block_size: int, device: torch.device) -> InvariantLayout:
-    """The tiles of an iteration's layout (`host`: starts, counts, tables, first rows)."""
-    split = max(SPLIT, block_size) // block_size * block_size
-    rows, positions, owner = [], [], []
+    return InvariantLayout(host, block_size, device, max(SPLIT, block_size) // block_size * block_size)
+
+
+def _groups(layout: InvariantLayout, window: int | None, group: int) -> list[_Group]:
+    host, bs, split = layout.host, layout.block_size, layout.split
     total_rows = int(host.counts.sum())
+    least = -(-MIN_ROWS // group)  # tokens, so that a piece has MIN_ROWS rows
+    by_size: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
     for r, (start, count, first) in enumerate(zip(host.starts.tolist(), host.counts.tolist(),
                                                   host.first_row.tolist())):
-        for begin in range(0, count, TILE):
-            n = min(TILE, count - begin)
-            rows.append(list(range(first + begin, first + begin + n)) + [total_rows] * (TILE - n))
-            positions.append(list(range(start + begin, start + begin + n)) + [0] * (TILE - n))
-            owner.append(r)
-    rows_np, positions_np = np.array(rows, dtype=np.int64), np.array(positions, dtype=np.int64)
-    per_split = split // block_size
-    num_splits = -(-int(positions_np.max() + 1) // split)
-    tables = host.tables[np.array(owner, dtype=np.int64)]
-    width = tables.shape[1]
-    split_blocks = []
-    for s in range(num_splits):
-        cols = np.minimum(np.arange(s * per_split, (s + 1) * per_split), width - 1)  # past a table: masked
-        split_blocks.append(torch.from_numpy(np.ascontiguousarray(tables[:, cols])).to(device))
-    return InvariantLayout(torch.from_numpy(rows_np).to(device), torch.from_numpy(positions_np).to(device),
-                           split_blocks, torch.from_numpy((rows_np < total_rows).reshape(-1)).to(device), split,
-                           int(host.starts.min()))
+        for begin in range(0, count, PIECE):
+            n = min(PIECE, count - begin)
+            size = max(least, 1 << (n - 1).bit_length())
+            end = start + begin + n  # keys the piece's last row sees
+            lo = 0 if window is None else max(0, start + begin - window + 1) // split
+            key = (size, -(-end // split) if size >= PIECE // 2 else 0)  # long pieces: by their keys too
+            by_size.setdefault(key, []).append((r, first + begin, start + begin, n, lo))
+    groups = []
+    for (size, _), pieces in by_size.items():
+        first_split = min(p[4] for p in pieces)
+        num_splits = max(-(-(p[2] + p[3]) // split) for p in pieces) - first_split
+        rows = np.full((len(pieces), size), total_rows, dtype=np.int64)
+        positions = np.zeros((len(pieces), size), dtype=np.int64)
+        per_split = split // bs
+        cols = np.arange(first_split * per_split, (first_split + num_splits) * per_split)
+        blocks = np.zeros((len(pieces), len(cols)), dtype=np.int64)
+        for i, (r, row, at, n, _) in enumerate(pieces):
+            rows[i, :n] = np.arange(row, row + n)
+            positions[i, :n] = np.arange(at, at + n)
+            positions[i, n:] = at  # padding sees its request's first key of the piece: finite
+            table = host.tables[r]
+            blocks[i] = table[np.minimum(cols, len(table) - 1)]  # past the table: masked
+        key_at = np.arange(first_split * split, (first_split + num_splits) * split)
+        hidden = key_at[None, None, :] > positions[:, :, None]
+        if window is not None:
+            hidden |= key_at[None, None, :] <= positions[:, :, None] - window
+        t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(layout.device)  # noqa: E731
+        groups.append(_Group(t(rows), t(positions), t((rows < total_rows).reshape(-1)), t(blocks),
+                             t(hidden[:, None, :, None, :])))
+    return groups
 
 
 def invariant_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
@@ -67,53 +105,48 @@ def invariant_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                               softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, Hq, D] (the iteration's new K/V in the caches already) -> [T, Hq, Dv]."""
     num_rows, num_heads, head_dim = q.shape
-    group = num_heads // k_cache.shape[2]
-    num_tiles = layout.rows.shape[0]
-    padded = torch.cat([q, q.new_zeros(1, num_heads, head_dim)])[layout.rows]  # [tiles, TILE, Hq, D]
-    rows = padded.permute(2, 0, 1, 3).reshape(num_heads * num_tiles, TILE, head_dim)
-    at = layout.positions.repeat(num_heads, 1).unsqueeze(-1)  # [Hq * tiles, TILE, 1]
-    lowest = None if window is None else at - window
-    best = torch.full_like(rows[..., :1], float("-inf"))
-    total = torch.zeros_like(best)
-    out = rows.new_zeros(num_heads * num_tiles, TILE, value_dim)
-    split = layout.split
-    first = 0 if window is None else max(0, layout.lowest_position - window + 1) // split
-    for s in range(first, len(layout.split_blocks)):
-        blocks = layout.split_blocks[s].reshape(-1)
-        keys = _heads(k_cache, blocks, num_tiles, group)
-        values = keys[..., :value_dim] if v_cache is None else _heads(v_cache, blocks, num_tiles, group)
-        scores = torch.bmm(rows, keys.transpose(1, 2)) * scale  # [Hq * tiles, TILE, SPLIT]
-        if softcap is not None:
-            scores = torch.tanh(scores / softcap) * softcap
-        key_at = torch.arange(s * split, (s + 1) * split, device=q.device).view(1, 1, split)
-        hidden = key_at > at if lowest is None else (key_at > at) | (key_at <= lowest)
-        best, total, out = _fold(scores.masked_fill(hidden, float("-inf")), values, best, total, out)
-    if sinks is not None:  # one more logit per head, whose share is dropped
-        sink = sinks.to(rows.dtype).repeat_interleave(num_tiles).view(-1, 1, 1)
-        new_best = torch.maximum(best, sink)
-        shrink = torch.exp(best - new_best)
-        total = total * shrink + torch.exp(sink - new_best)
-        out = out * shrink
-    result = (out / total).view(num_heads, num_tiles * TILE, value_dim).transpose(0, 1)
+    kv_heads = k_cache.shape[2]
+    group = num_heads // kv_heads
+    padded = torch.cat([q * scale, q.new_zeros(1, num_heads, head_dim)])
     answer = q.new_empty(num_rows, num_heads, value_dim)
-    answer[layout.rows.reshape(-1)[layout.kept]] = result[layout.kept]
+    for g in layout.pieces(window, group):
+        pieces, size = g.rows.shape
+        queries = padded[g.rows].view(pieces, size, kv_heads, group, head_dim).transpose(1, 2)
+        queries = queries.reshape(pieces * kv_heads, size * group, head_dim)
+        keys = _gather(k_cache, g.blocks)  # [pieces * Hkv, L, D]
+        values = keys[..., :value_dim] if v_cache is None else _gather(v_cache, g.blocks)
+        out = _attend(queries, keys, values, g.hidden, layout.split, softcap, sinks, kv_heads, group)
+        out = out.view(pieces, kv_heads, size, group, value_dim).transpose(1, 2).reshape(-1, num_heads, value_dim)
+        answer[g.rows.reshape(-1)[g.kept]] = out[g.kept]
     return answer
 
 
-def _heads(cache: torch.Tensor, blocks: torch.Tensor, num_tiles: int, group: int) -> torch.Tensor:
-    """The split's keys (or values) of each tile, per query head: [Hq * tiles, SPLIT, D]."""
-    part = cache.index_select(0, blocks).view(num_tiles, -1, *cache.shape[2:])  # [tiles, SPLIT, Hkv, D]
-    per_head = part.permute(2, 0, 1, 3)
-    if group > 1:
-        per_head = per_head.repeat_interleave(group, dim=0)
-    return per_head.reshape(-1, *per_head.shape[2:])
+def _attend(q, keys, values, hidden, split, softcap, sinks, kv_heads, group):
+    """q [P * Hkv, M, D] against keys [P * Hkv, L, D]: [P * Hkv, M, Dv] (see the module's doc)."""
+    batch, num_q, _ = q.shape
+    num_keys = keys.shape[1]
+    scores = torch.bmm(q, keys.transpose(1, 2))  # [P * Hkv, M, L]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    per_head = scores.view(-1, kv_heads, num_q // group, group, num_keys)
+    per_head.masked_fill_(hidden, float("-inf"))
+    best = scores.amax(-1, keepdim=True)
+    if sinks is not None:  # one more logit per head, whose share is dropped
+        sink = sinks.to(scores.dtype).view(1, kv_heads, 1, group, 1)
+        best = torch.maximum(best.view(-1, kv_heads, num_q // group, group, 1), sink).view(batch, num_q, 1)
+    weights = scores.sub_(best).exp_().view(batch, num_q, num_keys // split, split)
+    total = weights.sum(-1).cumsum(-1)[..., -1:]  # [P * Hkv, M, 1], split after split
+    parts = torch.matmul(weights.transpose(1, 2), values.view(batch, num_keys // split, split, -1))
+    out = parts.cumsum(1)[:, -1]  # [P * Hkv, M, Dv]
+    if sinks is not None:
+        extra = torch.exp(sink - best.view(-1, kv_heads, num_q // group, group, 1))
+        total = total + extra.view(batch, num_q, 1)
+    return out / total
 
 
-def _fold(scores, v, best, total, out):
-    """The online softmax's step over one split: running max, sum of weights, output."""
-    new_best = torch.maximum(best, scores.amax(-1, keepdim=True))
-    alive = new_best > float("-inf")  # a row that has seen no key yet keeps zeros
-    base = torch.where(alive, new_best, torch.zeros_like(new_best))
-    weights = torch.exp(scores - base)
-    shrink = torch.where(alive, torch.exp(best - base), torch.zeros_like(best))
-    return new_best, total * shrink + weights.sum(-1, keepdim=True), out * shrink + torch.bmm(weights, v)
+def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """The blocks' keys (or values) per K/V head: [pieces * Hkv, L, D], one copy."""
+    pieces, width = blocks.shape
+    rows = cache.view(cache.shape[0], -1).index_select(0, blocks.reshape(-1))
+    per_head = rows.view(pieces, width * cache.shape[1], *cache.shape[2:]).transpose(1, 2)
+    return per_head.reshape(pieces * cache.shape[2], width * cache.shape[1], cache.shape[3])
