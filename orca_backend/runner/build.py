@@ -73,7 +73,21 @@ def _prepare(model, spec: RunnerSpec, backend: str) -> None:
     prepare_experts(model, spec.runner.moe_kernel_backend, backend)
     pack_linears(model, backend)
     if spec.runner.deterministic:
-        batch_invariant(model)
+        _refuse_variant_kernels(model)
+        batch_invariant(model, getattr(torch, spec.runner.dtype))
+
+
+def _refuse_variant_kernels(model) -> None:
+    """Deterministic mode's refusals of kernels that give a row other bits in another batch:
+    torch's grouped GEMM (the experts of a mixture), a quantized checkpoint's kernels."""
+    name = model.config.architecture
+    if model.config.moe is not None:
+        raise ConfigError(f"deterministic true is not supported with a mixture of experts ({name}) yet: "
+                          "the experts' grouped GEMM gives a row other bits in another batch")
+    packed = {linear.backend for linear in model.linears()} - {"onednn"}
+    if packed:
+        raise ConfigError(f"deterministic true is not supported with a quantized checkpoint ({name}, "
+                          f"{'/'.join(sorted(packed))} projections) yet")
 
 
 def grammar_compiler(spec: RunnerSpec) -> GrammarCompiler:

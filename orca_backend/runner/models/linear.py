@@ -29,11 +29,11 @@ from .quantized import Quantized, cpu_supports_bfloat16, int8_per_channel, is_qu
 class Linear:
     """y = x W^T (+ b) over rows x [T, in]; W [out, in] as the checkpoint stores it."""
 
-    __slots__ = ("weight", "bias", "out_features", "backend", "_run", "min_rows")
+    __slots__ = ("weight", "bias", "out_features", "backend", "_run", "min_rows", "in_features")
 
     def __init__(self, weight: torch.Tensor | Quantized, bias: torch.Tensor | None = None) -> None:
         self.weight, self.bias = weight, bias
-        self.out_features = weight.shape[0]
+        self.out_features, self.in_features = weight.shape[0], weight.shape[1]
         self.backend = "torch"
         self._run = self._dense
         self.min_rows = 1  # deterministic mode: 2 (see `batch_invariant`)
@@ -95,13 +95,33 @@ def linear_backend(device: torch.device, dtype: torch.dtype, quantization: str, 
     return requested
 
 
-def batch_invariant(model) -> None:
+PROBE_ROWS = (2, 3, 5, 9, 64)  # the batches a projection's rows are checked in
+
+
+def batch_invariant(model, dtype: torch.dtype) -> None:
     """Make every projection's result for a row the same bits however many rows it runs with
-    (deterministic mode). oneDNN's GEMM over a packed weight is (tests/test_deterministic.py
-    checks every shape of the default model), except that a single row over a long reduction
-    (in > 1024) takes another kernel: a single row runs beside a copy of itself."""
+    (deterministic mode), or refuse. Each shape is checked once as the model loads: rows of
+    random values alone and in batches of `PROBE_ROWS`. oneDNN's GEMM over a packed weight
+    gives a row the same bits in any batch of 2 or more on the CPUs we know; a single row may
+    take a matrix-vector kernel (AVX-512 ones do over a reduction longer than 1024), and then
+    runs beside a copy of itself."""
+    rows_needed: dict[tuple, int] = {}
     for linear in model.linears():
-        linear.min_rows = 2
+        key = (linear.out_features, linear.in_features, linear.bias is not None)
+        if key not in rows_needed:
+            rows_needed[key] = _rows_needed(linear, dtype)
+        linear.min_rows = rows_needed[key]
+
+
+def _rows_needed(linear: Linear, dtype: torch.dtype) -> int:
+    """1 where a single row gets the bits it gets among others, 2 where only a single row
+    differs; ConfigError, naming the shape, where rows differ with the batch otherwise."""
+    x = torch.randn(PROBE_ROWS[-1], linear.in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
+    full = linear._run(x)
+    if not all(torch.equal(linear._run(x[:n]), full[:n]) for n in PROBE_ROWS[:-1]):
+        raise ConfigError(f"deterministic true: this CPU's GEMM gives the rows of a [{linear.out_features}, "
+                          f"{linear.in_features}] projection other bits in another batch")
+    return 1 if torch.equal(linear._run(x[:1]), full[:1]) else 2
 
 
 def pack_linears(model, backend: str) -> None:
