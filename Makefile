@@ -129,7 +129,8 @@ bench-overload: model
 bench-router: model
 	$(PY) -m benchmarks.bench_router --markdown docs/benchmarks/router.md
 
-# Deterministic mode on against off, offline: batch 1, 32 and a long prefill; writes docs/benchmarks/deterministic.md.
+# Deterministic mode on against off, offline (batch 1, 32, a long prefill) and served (a rate sweep, about
+# 5 minutes in all); writes docs/benchmarks/deterministic.md.
 bench-deterministic: model
 	$(PY) -m benchmarks.bench_deterministic --markdown docs/benchmarks/deterministic.md
 

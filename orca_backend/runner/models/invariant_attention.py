@@ -7,9 +7,11 @@ their number, and the CPU's GEMMs pick other kernels for one to three rows. Here
 - Rows go in groups: each request's rows (in pieces of at most `PIECE` tokens) with its
   query heads folded in, `heads per K/V head x tokens` rows against that K/V head's keys,
   padded to at least `MIN_ROWS` rows. Requests of the same padded size share one batched
-  product. A GEMM of at least `MIN_ROWS` rows gives a row the same bits whatever the other
-  rows, their number, the batch or the number of key columns (tests/test_deterministic.py
-  checks it for every head size the loaders know).
+  product per K/V head, reading that head's keys where they lie (a lone piece: one product
+  over its heads). A batched GEMM of at least `MIN_ROWS` rows gives a row the same bits
+  whatever the other rows, their number, the batch or the number of key columns; a single
+  matrix does not (some row counts take another kernel), so no product is of one matrix
+  (tests/test_deterministic.py checks it for every head layout the loaders know).
 - The softmax's maximum is exact in any order; its sum and the weighted sum of the values are
   taken per split of a fixed `SPLIT` keys (fixed-size reductions and products), then over the
   splits in order (`cumsum`, sequential). A key past a row's position weighs an exact zero,
@@ -37,7 +39,7 @@ class _Group:
     positions: torch.Tensor
     kept: torch.Tensor
     blocks: torch.Tensor
-    hidden: torch.Tensor  # [B, 1, n, 1, L]: the keys each row may not see (True)
+    hidden: torch.Tensor  # [1, B, n, 1, L]: the keys each row may not see (True)
 
 
 @dataclass(slots=True)
@@ -73,7 +75,8 @@ def _groups(layout: InvariantLayout, window: int | None, group: int) -> list[_Gr
             size = max(least, 1 << (n - 1).bit_length())
             end = start + begin + n  # keys the piece's last row sees
             lo = 0 if window is None else max(0, start + begin - window + 1) // split
-            key = (size, -(-end // split) if size >= PIECE // 2 else 0)  # long pieces: by their keys too
+            splits = -(-end // split)  # long pieces by their splits, the others by the next power of 2
+            key = (size, splits if size >= PIECE // 2 else 1 << (splits - 1).bit_length())
             by_size.setdefault(key, []).append((r, first + begin, start + begin, n, lo))
     groups = []
     for (size, _), pieces in by_size.items():
@@ -96,7 +99,7 @@ def _groups(layout: InvariantLayout, window: int | None, group: int) -> list[_Gr
             hidden |= key_at[None, None, :] <= positions[:, :, None] - window
         t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(layout.device)  # noqa: E731
         groups.append(_Group(t(rows), t(positions), t((rows < total_rows).reshape(-1)), t(blocks),
-                             t(hidden[:, None, :, None, :])))
+                             t(hidden[None, :, :, None, :])))
     return groups
 
 
@@ -111,42 +114,57 @@ def invariant_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     answer = q.new_empty(num_rows, num_heads, value_dim)
     for g in layout.pieces(window, group):
         pieces, size = g.rows.shape
-        queries = padded[g.rows].view(pieces, size, kv_heads, group, head_dim).transpose(1, 2)
-        queries = queries.reshape(pieces * kv_heads, size * group, head_dim)
-        keys = _gather(k_cache, g.blocks)  # [pieces * Hkv, L, D]
+        queries = padded[g.rows].view(pieces, size, kv_heads, group, head_dim).permute(2, 0, 1, 3, 4)
+        queries = queries.reshape(kv_heads, pieces, size * group, head_dim)  # K/V head by K/V head
+        keys = _gather(k_cache, g.blocks)  # [pieces, L, Hkv, D]
         values = keys[..., :value_dim] if v_cache is None else _gather(v_cache, g.blocks)
-        out = _attend(queries, keys, values, g.hidden, layout.split, softcap, sinks, kv_heads, group)
-        out = out.view(pieces, kv_heads, size, group, value_dim).transpose(1, 2).reshape(-1, num_heads, value_dim)
+        out = _attend(queries, keys, values, g.hidden, layout.split, softcap, sinks)
+        out = out.view(kv_heads, pieces, size, group, value_dim).permute(1, 2, 0, 3, 4).reshape(-1, num_heads, value_dim)
         answer[g.rows.reshape(-1)[g.kept]] = out[g.kept]
     return answer
 
 
-def _attend(q, keys, values, hidden, split, softcap, sinks, kv_heads, group):
-    """q [P * Hkv, M, D] against keys [P * Hkv, L, D]: [P * Hkv, M, Dv] (see the module's doc)."""
-    batch, num_q, _ = q.shape
-    num_keys = keys.shape[1]
-    scores = torch.bmm(q, keys.transpose(1, 2))  # [P * Hkv, M, L]
+def _attend(q, keys, values, hidden, split, softcap, sinks):
+    """q [Hkv, P, M, D] against keys [P, L, Hkv, D]: [Hkv * P, M, Dv] (see the module's doc).
+    One batched product per K/V head, reading its keys where they lie (strided, not copied)."""
+    kv_heads, pieces, num_q, _ = q.shape
+    if pieces == kv_heads == 1:  # a product of one matrix takes another kernel: the piece beside a copy
+        twice = (q.expand(1, 2, *q.shape[2:]), keys.expand(2, *keys.shape[1:]), values.expand(2, *values.shape[1:]),
+                 hidden.expand(1, 2, *hidden.shape[2:]))
+        return _attend(*twice, split, softcap, sinks)[:1]
+    num_keys, group = keys.shape[1], num_q // hidden.shape[2]
+    batch = kv_heads * pieces
+    scores = q.new_empty(kv_heads, pieces, num_q, num_keys)
+    if pieces == 1:  # one product over the heads
+        torch.bmm(q[:, 0], keys[0].permute(1, 2, 0), out=scores[:, 0])
+    for h in range(kv_heads if pieces > 1 else 0):
+        torch.bmm(q[h], keys[:, :, h].transpose(1, 2), out=scores[h])
+    scores = scores.view(batch, num_q, num_keys)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    per_head = scores.view(-1, kv_heads, num_q // group, group, num_keys)
+    per_head = scores.view(kv_heads, -1, num_q // group, group, num_keys)
     per_head.masked_fill_(hidden, float("-inf"))
     best = scores.amax(-1, keepdim=True)
     if sinks is not None:  # one more logit per head, whose share is dropped
-        sink = sinks.to(scores.dtype).view(1, kv_heads, 1, group, 1)
-        best = torch.maximum(best.view(-1, kv_heads, num_q // group, group, 1), sink).view(batch, num_q, 1)
+        sink = sinks.to(scores.dtype).view(kv_heads, 1, 1, group, 1)
+        best = torch.maximum(best.view(kv_heads, -1, num_q // group, group, 1), sink).view(batch, num_q, 1)
     weights = scores.sub_(best).exp_().view(batch, num_q, num_keys // split, split)
-    total = weights.sum(-1).cumsum(-1)[..., -1:]  # [P * Hkv, M, 1], split after split
-    parts = torch.matmul(weights.transpose(1, 2), values.view(batch, num_keys // split, split, -1))
-    out = parts.cumsum(1)[:, -1]  # [P * Hkv, M, Dv]
+    total = weights.sum(-1).cumsum(-1)[..., -1:]  # [Hkv * P, M, 1], split after split
+    by_split = weights.transpose(1, 2).reshape(kv_heads, pieces, num_keys // split, num_q, split)
+    values = values.unflatten(1, (num_keys // split, split))  # [P, splits, split, Hkv, Dv]
+    if pieces == 1:
+        parts = torch.matmul(by_split[:, 0], values[0].permute(2, 0, 1, 3))  # [Hkv, splits, M, Dv]
+    else:
+        parts = torch.stack([torch.matmul(by_split[h], values[:, :, :, h]) for h in range(kv_heads)])
+    out = parts.view(batch, num_keys // split, num_q, -1).cumsum(1)[:, -1]  # [Hkv * P, M, Dv]
     if sinks is not None:
-        extra = torch.exp(sink - best.view(-1, kv_heads, num_q // group, group, 1))
+        extra = torch.exp(sink - best.view(kv_heads, -1, num_q // group, group, 1))
         total = total + extra.view(batch, num_q, 1)
     return out / total
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """The blocks' keys (or values) per K/V head: [pieces * Hkv, L, D], one copy."""
+    """The blocks' keys (or values): [pieces, L, Hkv, D], one copy of the blocks' rows."""
     pieces, width = blocks.shape
     rows = cache.view(cache.shape[0], -1).index_select(0, blocks.reshape(-1))
-    per_head = rows.view(pieces, width * cache.shape[1], *cache.shape[2:]).transpose(1, 2)
-    return per_head.reshape(pieces * cache.shape[2], width * cache.shape[1], cache.shape[3])
+    return rows.view(pieces, width * cache.shape[1], *cache.shape[2:])
