@@ -33,11 +33,13 @@ PIECE = 128  # tokens of a long chunk per product: later pieces read more keys (
 class _Group:
     """Same-size pieces of requests, in one batched product: `rows` [B, n] of q (padding: the
     row past the last), their `positions` [B, n], the `blocks` [B, L / block_size] of their
-    keys from position `first_key` (a split's first), `kept`: which of the rows are real."""
+    keys from the group's first split on; the real rows: `kept` (of the group's output rows)
+    go to `dest` (of the iteration's)."""
 
     rows: torch.Tensor
     positions: torch.Tensor
     kept: torch.Tensor
+    dest: torch.Tensor
     blocks: torch.Tensor
     hidden: torch.Tensor  # [1, B, n, 1, L]: the keys each row may not see (True)
 
@@ -72,7 +74,7 @@ def _groups(layout: InvariantLayout, window: int | None, group: int) -> list[_Gr
                                                   host.first_row.tolist())):
         for begin in range(0, count, PIECE):
             n = min(PIECE, count - begin)
-            size = max(least, 1 << (n - 1).bit_length())
+            size = max(least, 1 << (n - 1).bit_length() if n <= 16 else -(-n // 16) * 16)  # fewer sizes, less padding
             end = start + begin + n  # keys the piece's last row sees
             lo = 0 if window is None else max(0, start + begin - window + 1) // split
             splits = -(-end // split)  # long pieces by their splits, the others by the next power of 2
@@ -98,7 +100,8 @@ def _groups(layout: InvariantLayout, window: int | None, group: int) -> list[_Gr
         if window is not None:
             hidden |= key_at[None, None, :] <= positions[:, :, None] - window
         t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(layout.device)  # noqa: E731
-        groups.append(_Group(t(rows), t(positions), t((rows < total_rows).reshape(-1)), t(blocks),
+        kept = np.flatnonzero(rows < total_rows)
+        groups.append(_Group(t(rows), t(positions), t(kept), t(rows.reshape(-1)[kept]), t(blocks),
                              t(hidden[None, :, :, None, :])))
     return groups
 
@@ -120,7 +123,7 @@ def invariant_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         values = keys[..., :value_dim] if v_cache is None else _gather(v_cache, g.blocks)
         out = _attend(queries, keys, values, g.hidden, layout.split, softcap, sinks)
         out = out.view(kv_heads, pieces, size, group, value_dim).permute(1, 2, 0, 3, 4).reshape(-1, num_heads, value_dim)
-        answer[g.rows.reshape(-1)[g.kept]] = out[g.kept]
+        answer[g.dest] = out[g.kept]
     return answer
 
 
