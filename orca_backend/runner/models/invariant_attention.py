@@ -14,8 +14,8 @@ their number, and the CPU's GEMMs pick other kernels for one to three rows. Here
   (tests/test_deterministic.py checks it for every head layout the loaders know).
 - The softmax's maximum is exact in any order; its sum and the weighted sum of the values are
   taken per split of a fixed `SPLIT` keys (fixed-size reductions and products), then over the
-  splits in order (`cumsum`, sequential). A key past a row's position weighs an exact zero,
-  so the keys a batch pads with change nothing.
+  splits one after another (`cumsum`, or adds in order). A key past a row's position weighs
+  an exact zero, so the keys a batch pads with change nothing.
 """
 from __future__ import annotations
 
@@ -122,7 +122,8 @@ def invariant_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         keys = _gather(k_cache, g.blocks)  # [pieces, L, Hkv, D]
         values = keys[..., :value_dim] if v_cache is None else _gather(v_cache, g.blocks)
         out = _attend(queries, keys, values, g.hidden, layout.split, softcap, sinks)
-        out = out.view(kv_heads, pieces, size, group, value_dim).permute(1, 2, 0, 3, 4).reshape(-1, num_heads, value_dim)
+        out = out.view(kv_heads, pieces, size, group, value_dim).permute(1, 2, 0, 3, 4)
+        out = out.reshape(-1, num_heads, value_dim)
         answer[g.dest] = out[g.kept]
     return answer
 
@@ -159,7 +160,10 @@ def _attend(q, keys, values, hidden, split, softcap, sinks):
         parts = torch.matmul(by_split[:, 0], values[0].permute(2, 0, 1, 3))  # [Hkv, splits, M, Dv]
     else:
         parts = torch.stack([torch.matmul(by_split[h], values[:, :, :, h]) for h in range(kv_heads)])
-    out = parts.view(batch, num_keys // split, num_q, -1).cumsum(1)[:, -1]  # [Hkv * P, M, Dv]
+    parts = parts.view(batch, num_keys // split, num_q, -1)
+    out = parts[:, 0]
+    for i in range(1, num_keys // split):  # split after split (a sum over the splits may pair them by their number)
+        out = out + parts[:, i]  # [Hkv * P, M, Dv]
     if sinks is not None:
         extra = torch.exp(sink - best.view(kv_heads, -1, num_q // group, group, 1))
         total = total + extra.view(batch, num_q, 1)
