@@ -12,7 +12,7 @@ from orca_backend import LLM, ConfigError, SamplingParams
 from orca_backend.runner.models.gguf_tensors import read_tensor
 from orca_backend.checkpoint.store import default_gguf
 from orca_backend.runner.models.quantized import (Int4Groups, Int8Groups, Int8Kernel, cat_rows, int8_per_channel,
-                                                  kernel_for)
+                                                  cpu_supports_bfloat16, kernel_for)
 from tests.gguf_files import quantized_bytes, write_gguf
 from tests.models import first_difference
 
@@ -193,7 +193,10 @@ def test_the_default_model_is_served_from_its_q4_1_file(default_model):
     with LLM(str(path)) as llm:
         held = _resident_weight_bytes(llm.engine.executor.runner.model)
         outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
-    assert abs(held - stored) < 0.1 * stored, f"weights hold {held} bytes; the file's tensors are {stored}"
+    # The int4 kernel's scales and minimums in its compute dtype: bfloat16 where the CPU has a
+    # bfloat16 GEMM (the file's size), float32 elsewhere (1/8 byte a weight more: 12% here).
+    bound = 0.1 if cpu_supports_bfloat16() else 0.15
+    assert abs(held - stored) < bound * stored, f"weights hold {held} bytes; the file's tensors are {stored}"
     model = tf.AutoModelForCausalLM.from_pretrained(default_model, dtype=torch.float32).eval()
     check_greedy(model, prompts, outs, 16, "the Q4_1 file")
 

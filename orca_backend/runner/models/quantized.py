@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from ...core.errors import ConfigError
 
 INT4_GROUPS = (32, 64, 128, 256)  # the group sizes torch's int4 kernel takes
-_BLOCK_N = 64  # output channels per block of the int4 kernel's layout (AVX512)
+_BLOCK_WIDTHS = (64, 32)  # output channels per block of the int4 kernel's layout: AVX512's, AVX2's
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,7 +261,8 @@ class Int4Kernel(_Kernel):
         self.group = weight.group
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.q.to(torch.int32), 1)
         self.scales_zeros = torch.stack([weight.scale.t(), weight.zero.t()], -1).to(self.compute).contiguous()
-        self._unpacks = n % _BLOCK_N == 0 and _layout_is_blocked()
+        self.block = _block_width()  # 0: a layout we do not read
+        self._unpacks = self.block > 0 and n % self.block == 0
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales_zeros)
@@ -273,20 +274,24 @@ class Int4Kernel(_Kernel):
         return super().__call__(x)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return self._dequantize(_unpack_blocked(self.packed.view(-1, self.shape[1], _BLOCK_N // 2)), dtype,
+        if not self._unpacks:  # a layout we do not read: the weight as the kernel multiplies by it
+            return self._matmul(torch.eye(self.shape[1], dtype=self.compute)).t().to(dtype)
+        return self._dequantize(_unpack_blocked(self.packed.view(-1, self.shape[1], self.block // 2)), dtype,
                                 slice(None))
 
     def as_table(self) -> Int4Kernel:
         """Itself, checked at load to answer row lookups (an embedding table)."""
         if not self._unpacks:
+            layout = f"in blocks of {self.block} rows on this CPU" if self.block else "unknown on this CPU"
             raise ConfigError(f"an int4 embedding table of {self.shape[0]} rows: its rows are read back from "
-                              f"torch's packed layout, which takes blocks of {_BLOCK_N} rows and this CPU's "
-                              "AVX512 kernels; use a checkpoint whose table is 8-bit or full precision")
+                              f"torch's packed layout, {layout}; use a checkpoint whose table is 8-bit or "
+                              "full precision")
         return self
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        blocks = self.packed.view(-1, self.shape[1], _BLOCK_N // 2)[ids // _BLOCK_N]  # [T, K, 32]
-        q = _unpack_blocked(blocks).view(ids.shape[0], _BLOCK_N, -1)[torch.arange(ids.shape[0]), ids % _BLOCK_N]
+        width = self.block
+        blocks = self.packed.view(-1, self.shape[1], width // 2)[ids // width]  # [T, K, width / 2]
+        q = _unpack_blocked(blocks).view(ids.shape[0], width, -1)[torch.arange(ids.shape[0]), ids % width]
         return self._dequantize(q, torch.float32, ids)
 
     def _dequantize(self, q: torch.Tensor, dtype: torch.dtype, rows) -> torch.Tensor:
@@ -302,24 +307,24 @@ class Int4Kernel(_Kernel):
 
 
 def _unpack_blocked(blocks: torch.Tensor) -> torch.Tensor:
-    """[B, K, 32] bytes of torch's AVX512 int4 layout -> [B * 64, K] values 0..15. Within a
-    block of 64 output channels, byte d (< 16) holds channels d (low nibble) and d + 32
-    (high), byte 16 + d channels d + 16 and d + 48."""
+    """[B, K, W / 2] bytes of torch's blocked int4 layout (W output channels a block: 64 with
+    its AVX512 kernels, 32 with its AVX2 ones) -> [B * W, K] values 0..15. Within a block, byte
+    d holds channel d in its low nibble and channel d + W / 2 in its high one."""
     low, high = blocks & 15, blocks >> 4
-    q = torch.cat([low, high], dim=-1)  # channels d, d + 16, d + 32, d + 48 in order
+    q = torch.cat([low, high], dim=-1)  # the block's channels in order
     return q.transpose(1, 2).reshape(-1, blocks.shape[1])
 
 
-_LAYOUT: list[bool] = []
+_WIDTH: list[int] = []
 
 
-def _layout_is_blocked() -> bool:
-    """Whether this process's torch packs int4 weights in the blocked layout `_unpack_blocked`
-    reads (its AVX512 kernels; AVX2 and others pack differently), checked once on a probe."""
-    if not _LAYOUT:
-        probe = torch.arange(2 * _BLOCK_N * 64, dtype=torch.int32).view(2 * _BLOCK_N, 64) * 7 % 16
+def _block_width() -> int:
+    """The block width of the layout this process's torch packs int4 weights in, that
+    `_unpack_blocked` reads (0: another layout), found once on a probe."""
+    if not _WIDTH:
+        probe = torch.arange(128 * 64, dtype=torch.int32).view(128, 64) * 7 % 16
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 1)
-        ok = packed.numel() == probe.numel() // 2 and torch.equal(
-            _unpack_blocked(packed.view(-1, 64, _BLOCK_N // 2)).int(), probe)
-        _LAYOUT.append(ok)
-    return _LAYOUT[0]
+        fits = [w for w in _BLOCK_WIDTHS if packed.numel() == probe.numel() // 2
+                and torch.equal(_unpack_blocked(packed.view(-1, 64, w // 2)).int(), probe)]
+        _WIDTH.append(fits[0] if fits else 0)
+    return _WIDTH[0]
