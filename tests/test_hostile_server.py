@@ -92,6 +92,11 @@ def hostile(tmp_path_factory, default_model):
 
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
+COUNTED = {"return_num_output_tokens": True}  # a response may carry several tokens (a sender behind merges them)
+
+
+def _tokens(result) -> int:
+    return sum(int(r["num_output_tokens"]) for r in result.responses)
 
 
 def _runner_pids(server: Server) -> list[int]:
@@ -127,9 +132,9 @@ def _runner_pids(server: Server) -> list[int]:
 def test_a_full_queue_refuses_at_once_and_harms_nothing_queued(hostile):
     model = "orca_small_queue"
     with StreamingClient(hostile.grpc_url, model=model) as c:
-        running = c.send("Tell me a long story", sampling={"max_tokens": 60, **GREEDY})
+        running = c.send("Tell me a long story", sampling={"max_tokens": 60, **GREEDY}, flags=COUNTED)
         wait_until(lambda: c._results[running].responses, 120, "the first request to run")
-        queued = [c.send(f"Queued {i}", sampling={"max_tokens": 3, **GREEDY}) for i in range(2)]
+        queued = [c.send(f"Queued {i}", sampling={"max_tokens": 3, **GREEDY}, flags=COUNTED) for i in range(2)]
         wait_until(lambda: hostile.metric("orca_requests_waiting", model) == 2, 30, "two waiting")
         # Flood: every one of these finds the queue full.
         with StreamingClient(hostile.grpc_url, model=model) as flood:
@@ -143,7 +148,7 @@ def test_a_full_queue_refuses_at_once_and_harms_nothing_queued(hostile):
     # answers every error a model sends with HTTP 400.
     assert status in (400, 503) and "the queue is full" in json.loads(text)["error"]
     assert [r.error for r in results] == [None] * 3
-    assert [len(r.responses) for r in results] == [60, 3, 3]
+    assert [_tokens(r) for r in results] == [60, 3, 3]
     wait_until(lambda: _rejected(hostile, model, "max_queue_size") >= 6, 10, "6 refusals counted")
     assert_no_leak(hostile, model)
 
@@ -155,19 +160,19 @@ def _rejected(server, model: str, reason: str) -> float:
 def test_the_token_cap_refuses_a_prompt_that_would_pass_it_and_serves_the_rest(hostile):
     model, long_prompt = "orca_small_queue", ("one two three four five six seven eight " * 5).strip()  # 40 tokens
     with StreamingClient(hostile.grpc_url, model=model) as c:
-        running = c.send("Tell me a long story", sampling={"max_tokens": 60, **GREEDY})
+        running = c.send("Tell me a long story", sampling={"max_tokens": 60, **GREEDY}, flags=COUNTED)
         wait_until(lambda: c._results[running].responses, 120, "the first request to run")
-        queued = c.send(long_prompt, sampling={"max_tokens": 3, **GREEDY})
+        queued = c.send(long_prompt, sampling={"max_tokens": 3, **GREEDY}, flags=COUNTED)
         wait_until(lambda: hostile.metric("orca_unprefilled_tokens", model) == 40, 30, "40 tokens waiting")
         with StreamingClient(hostile.grpc_url, model=model) as other:  # its error is blamed on its stream's oldest
             refused = other.generate(long_prompt, sampling={"max_tokens": 3}, timeout=60)
             # Dozens of iterations have run: the cost model is fitted, and no iteration takes a microsecond.
             infeasible = other.generate("Short", sampling={"max_tokens": 3, "slo_ttft_ms": 0.001}, timeout=60)
-        short = c.send("Short", sampling={"max_tokens": 3, **GREEDY})  # 1 token: within the cap
+        short = c.send("Short", sampling={"max_tokens": 3, **GREEDY}, flags=COUNTED)  # 1 token: within the cap
         results = [c.wait(i, timeout=120) for i in (running, queued, short)]
     assert refused.error == ("the queue is full: 40 prompt tokens are waiting to be prefilled, 40 more would "
                              "pass max_num_queued_tokens 64; retry later")
-    assert [(r.error, len(r.responses)) for r in results] == [(None, 60), (None, 3), (None, 3)]
+    assert [(r.error, _tokens(r)) for r in results] == [(None, 60), (None, 3), (None, 3)]
     assert infeasible.error.startswith("slo_ttft_ms 0.001 cannot be met: the first token would come after about ")
     wait_until(lambda: _rejected(hostile, model, "max_num_queued_tokens") == 1, 10, "the refusal counted")
     assert _rejected(hostile, model, "reject_infeasible") == 1
