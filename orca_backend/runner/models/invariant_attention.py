@@ -32,12 +32,11 @@ PIECE = 128  # tokens of a long chunk per product: later pieces read more keys (
 @dataclass(slots=True)
 class _Group:
     """Same-size pieces of requests, in one batched product: `rows` [B, n] of q (padding: the
-    row past the last), their `positions` [B, n], the `blocks` [B, L / block_size] of their
-    keys from the group's first split on; the real rows: `kept` (of the group's output rows)
-    go to `dest` (of the iteration's)."""
+    row past the last), the `blocks` [B, L / block_size] of their keys from the group's first
+    split on; the real rows: `kept` (of the group's output rows) go to `dest` (of the
+    iteration's)."""
 
     rows: torch.Tensor
-    positions: torch.Tensor
     kept: torch.Tensor
     dest: torch.Tensor
     blocks: torch.Tensor
@@ -101,7 +100,7 @@ def _groups(layout: InvariantLayout, window: int | None, group: int) -> list[_Gr
             hidden |= key_at[None, None, :] <= positions[:, :, None] - window
         t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(layout.device)  # noqa: E731
         kept = np.flatnonzero(rows < total_rows)
-        groups.append(_Group(t(rows), t(positions), t(kept), t(rows.reshape(-1)[kept]), t(blocks),
+        groups.append(_Group(t(rows), t(kept), t(rows.reshape(-1)[kept]), t(blocks),
                              t(hidden[None, :, :, None, :])))
     return groups
 
@@ -141,8 +140,9 @@ def _attend(q, keys, values, hidden, split, softcap, sinks):
     scores = q.new_empty(kv_heads, pieces, num_q, num_keys)
     if pieces == 1:  # one product over the heads
         torch.bmm(q[:, 0], keys[0].permute(1, 2, 0), out=scores[:, 0])
-    for h in range(kv_heads if pieces > 1 else 0):
-        torch.bmm(q[h], keys[:, :, h].transpose(1, 2), out=scores[h])
+    else:
+        for h in range(kv_heads):
+            torch.bmm(q[h], keys[:, :, h].transpose(1, 2), out=scores[h])
     scores = scores.view(batch, num_q, num_keys)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
