@@ -122,22 +122,29 @@ def test_tensor_parallel_and_two_server_models_give_the_single_rank_text(first, 
                stage_metric(first, "orca_stage_iterations_total", model, 0) > 0, 10, "both stages' iterations")
 
 
-def _rank_pids(parent_cmd: str) -> list[int]:
-    """Processes of tensor-parallel ranks (their command line names the module)."""
+def _stat(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after the command name: state, parent, group, session, ..."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
+def _rank_pids(server, module: str) -> list[int]:
+    """Processes of tensor-parallel ranks (their command line names the module) in the server's
+    session: the other tests, run meanwhile, start ranks of their own."""
     pids = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if parent_cmd.encode() in f.read():
+                    if module.encode() in f.read() and int(_stat(int(entry))[3]) == server.process.pid:
                         pids.append(int(entry))
-            except OSError:
+            except (OSError, ValueError, IndexError):
                 pass
     return pids
 
 
 def test_a_killed_rank_ends_its_requests_with_internal_and_the_model_serves_on(first, reference):
-    before = set(_rank_pids("orca_backend.runner.tp_rank"))
+    before = set(_rank_pids(first, "orca_backend.runner.tp_rank"))
     assert len(before) == 3  # tp2's rank 1, and rank 1 of each of ptp's stages
     with StreamingClient(first.grpc_url, "tp2") as c:
         victim = c.send(PROMPTS[2], sampling=greedy(400))
@@ -160,9 +167,7 @@ def test_a_killed_rank_ends_its_requests_with_internal_and_the_model_serves_on(f
 
 def _parent_serves(pid: int, model: str) -> bool:
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            parent = int(f.read().rsplit(")", 1)[1].split()[1])
-        with open(f"/proc/{parent}/cmdline", "rb") as f:
+        with open(f"/proc/{int(_stat(pid)[1])}/cmdline", "rb") as f:
             return f"/{model}/".encode() in f.read()
     except (OSError, ValueError):
         return False
