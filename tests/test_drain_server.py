@@ -53,8 +53,8 @@ def test_a_drain_on_unload_and_on_interrupt(tmp_path, default_model):
         # Triton's unload returns once the model has ended (each open stream has): on a thread.
         unload = threading.Thread(target=s.http, args=("/v2/repository/models/orca/unload", b"{}"))
         unload.start()
-        wait_until(lambda: s.http("/v2/models/orca/ready")[0] != 200, 10, "the model not ready")
-        wait_until(lambda: httpx.get(frontend.url + "/health/ready").status_code == 503, 10, "the API not ready")
+        wait_until(lambda: s.http("/v2/models/orca/ready")[0] != 200, 60, "the model not ready")
+        wait_until(lambda: httpx.get(frontend.url + "/health/ready").status_code == 503, 60, "the API not ready")
         with StreamingClient(s.grpc_url) as late:
             refused = late.generate("Too late", sampling=_greedy(4), timeout=60)
         new_openai = httpx.post(frontend.url + "/v1/completions", json={"model": "orca", "prompt": "Too late"},
@@ -80,9 +80,9 @@ def test_a_drain_on_unload_and_on_interrupt(tmp_path, default_model):
         endless = c.send("Endless tale", sampling=_greedy(2000))
         wait_until(lambda: c._results[endless].responses, 60, "the stream to start")
         s.terminate()
-        wait_until(lambda: not s.is_ready(), 10, "the server not ready")
+        wait_until(lambda: not s.is_ready(), 60, "the server not ready")
         seen = len(c._results[endless].responses)
-        wait_until(lambda: len(c._results[endless].responses) > seen + 3, 30, "the stream to go on")
+        wait_until(lambda: len(c._results[endless].responses) > seen + 3, 60, "the stream to go on")
         s.terminate()
         assert c.wait(endless, timeout=60).error == "the server is shutting down"
         c.close()

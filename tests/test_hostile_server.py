@@ -92,11 +92,6 @@ def hostile(tmp_path_factory, default_model):
 
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
-COUNTED = {"return_num_output_tokens": True}  # a response may carry several tokens (a sender behind merges them)
-
-
-def _tokens(result) -> int:
-    return sum(int(r["num_output_tokens"]) for r in result.responses)
 
 
 def _runner_pids(server: Server) -> list[int]:
@@ -135,7 +130,7 @@ def test_a_full_queue_refuses_at_once_and_harms_nothing_queued(hostile):
         running = c.send("Tell me a long story", sampling={"max_tokens": 60, **GREEDY}, flags=COUNTED)
         wait_until(lambda: c._results[running].responses, 120, "the first request to run")
         queued = [c.send(f"Queued {i}", sampling={"max_tokens": 3, **GREEDY}, flags=COUNTED) for i in range(2)]
-        wait_until(lambda: hostile.metric("orca_requests_waiting", model) == 2, 30, "two waiting")
+        wait_until(lambda: hostile.metric("orca_requests_waiting", model) == 2, 60, "two waiting")
         # Flood: every one of these finds the queue full.
         with StreamingClient(hostile.grpc_url, model=model) as flood:
             refused = [flood.generate("Flood", sampling={"max_tokens": 3}, timeout=60) for _ in range(5)]
@@ -148,8 +143,8 @@ def test_a_full_queue_refuses_at_once_and_harms_nothing_queued(hostile):
     # answers every error a model sends with HTTP 400.
     assert status in (400, 503) and "the queue is full" in json.loads(text)["error"]
     assert [r.error for r in results] == [None] * 3
-    assert [_tokens(r) for r in results] == [60, 3, 3]
-    wait_until(lambda: _rejected(hostile, model, "max_queue_size") >= 6, 10, "6 refusals counted")
+    assert [streamed_tokens(r) for r in results] == [60, 3, 3]
+    wait_until(lambda: _rejected(hostile, model, "max_queue_size") >= 6, 60, "6 refusals counted")
     assert_no_leak(hostile, model)
 
 
@@ -163,7 +158,7 @@ def test_the_token_cap_refuses_a_prompt_that_would_pass_it_and_serves_the_rest(h
         running = c.send("Tell me a long story", sampling={"max_tokens": 60, **GREEDY}, flags=COUNTED)
         wait_until(lambda: c._results[running].responses, 120, "the first request to run")
         queued = c.send(long_prompt, sampling={"max_tokens": 3, **GREEDY}, flags=COUNTED)
-        wait_until(lambda: hostile.metric("orca_unprefilled_tokens", model) == 40, 30, "40 tokens waiting")
+        wait_until(lambda: hostile.metric("orca_unprefilled_tokens", model) == 40, 60, "40 tokens waiting")
         with StreamingClient(hostile.grpc_url, model=model) as other:  # its error is blamed on its stream's oldest
             refused = other.generate(long_prompt, sampling={"max_tokens": 3}, timeout=60)
             # Dozens of iterations have run: the cost model is fitted, and no iteration takes a microsecond.
@@ -172,9 +167,9 @@ def test_the_token_cap_refuses_a_prompt_that_would_pass_it_and_serves_the_rest(h
         results = [c.wait(i, timeout=120) for i in (running, queued, short)]
     assert refused.error == ("the queue is full: 40 prompt tokens are waiting to be prefilled, 40 more would "
                              "pass max_num_queued_tokens 64; retry later")
-    assert [(r.error, _tokens(r)) for r in results] == [(None, 60), (None, 3), (None, 3)]
+    assert [(r.error, streamed_tokens(r)) for r in results] == [(None, 60), (None, 3), (None, 3)]
     assert infeasible.error.startswith("slo_ttft_ms 0.001 cannot be met: the first token would come after about ")
-    wait_until(lambda: _rejected(hostile, model, "max_num_queued_tokens") == 1, 10, "the refusal counted")
+    wait_until(lambda: _rejected(hostile, model, "max_num_queued_tokens") == 1, 60, "the refusal counted")
     assert _rejected(hostile, model, "reject_infeasible") == 1
     assert_no_leak(hostile, model)
 
@@ -199,7 +194,7 @@ def test_a_crashed_engine_thread_ends_every_open_request_and_the_model_serves_on
     assert len(outcomes) == 3
     for r in outcomes:  # streamed, then one final error
         assert r.responses and "engine restarted" in r.error
-    wait_until(lambda: hostile.metric("orca_engine_restarts_total", model) == 1, 10, "the restart counted")
+    wait_until(lambda: hostile.metric("orca_engine_restarts_total", model) == 1, 60, "the restart counted")
     assert_no_leak(hostile, model)
     assert hostile.is_ready()
     with StreamingClient(hostile.grpc_url, model=model) as again:
@@ -235,7 +230,7 @@ def test_a_killed_runner_process_fails_its_requests_and_a_new_runner_serves_on(h
     killed = runners[0]
     with _stream(hostile, model) as c:
         victim = c.send("Tell me a long story", sampling={"max_tokens": 400, **GREEDY})
-        wait_until(lambda: c._results[victim].responses, 30, "the long request to stream")
+        wait_until(lambda: c._results[victim].responses, 60, "the long request to stream")
         os.kill(killed, signal.SIGKILL)
         result = c.wait(victim, timeout=30)
     assert 0 < len(result.responses) < 400
@@ -246,7 +241,7 @@ def test_a_killed_runner_process_fails_its_requests_and_a_new_runner_serves_on(h
     with _stream(hostile, model) as again:
         after = again.generate(prompt, sampling=sampling, timeout=60)
     assert after.error is None and after.text == reference.text
-    wait_until(lambda: hostile.metric("orca_runner_restarts_total", model) == 1, 10, "the restart counted")
+    wait_until(lambda: hostile.metric("orca_runner_restarts_total", model) == 1, 60, "the restart counted")
     replacement = _runner_pids(hostile)
     assert len(replacement) == 1 and replacement != [killed], replacement
     assert_no_leak(hostile, model)
@@ -266,7 +261,7 @@ def test_the_kernel_in_the_tensorrt_graph_serves_the_sdpa_text_end_to_end(hostil
         assert all(r.error is None and streamed_tokens(r) == 2 for r in results), results
         texts[name] = [r.text for r in results]
     assert texts["orca_tensorrt_graph"] == texts["orca_small_queue"]
-    wait_until(lambda: hostile.metric("orca_iterations_total", "orca_tensorrt_graph") >= 2, 10, "iterations counted")
+    wait_until(lambda: hostile.metric("orca_iterations_total", "orca_tensorrt_graph") >= 2, 60, "iterations counted")
     assert_no_leak(hostile, "orca_tensorrt_graph")
 
 
@@ -290,7 +285,7 @@ def test_the_openai_api_answers_a_full_queue_with_429_and_an_engine_fault_with_5
             running = c.send("Tell me a long story", sampling={"max_tokens": 60, **GREEDY})
             wait_until(lambda: c._results[running].responses, 120, "the first request to run")
             queued = [c.send(f"Queued {i}", sampling={"max_tokens": 3, **GREEDY}) for i in range(2)]
-            wait_until(lambda: hostile.metric("orca_requests_waiting", model) == 2, 30, "two waiting")
+            wait_until(lambda: hostile.metric("orca_requests_waiting", model) == 2, 60, "two waiting")
             full = complete(model)
             results = [c.wait(i, timeout=120) for i in [running, *queued]]
         assert full[0] == 429 and full[2]["retry-after"] == "1" and full[1]["error"]["code"] == "queue_full"
@@ -329,5 +324,5 @@ def test_a_null_engine_streams_a_response_every_stream_interval_tokens_and_count
     tokenizer = Tokenizer.from_file(str(default_model / "tokenizer.json"))
     ids = tokenizer.encode(TEXT, add_special_tokens=False).ids
     assert result.text == tokenizer.decode(ids[:22])
-    wait_until(lambda: hostile.metric("orca_generation_tokens_total", model) == before + 22, 10, "22 tokens counted")
+    wait_until(lambda: hostile.metric("orca_generation_tokens_total", model) == before + 22, 60, "22 tokens counted")
     assert_no_leak(hostile, model)

@@ -265,7 +265,7 @@ def test_a_served_model_publishes_the_blocks_of_its_prompt(feature_server, serve
         return chain
     context = zmq.Context()
     try:
-        wait_until(lambda: sum(len(e.token_ids) for e in ours()) >= full, 30, "the prompt's blocks as events")
+        wait_until(lambda: sum(len(e.token_ids) for e in ours()) >= full, 60, "the prompt's blocks as events")
         events = ours()
         assert events[0].block_size == 4
         assert [t for e in events for t in e.token_ids][:full] == ids[:full]

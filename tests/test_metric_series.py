@@ -94,7 +94,7 @@ def test_the_recorder_flushes_while_items_flow_when_they_pause_and_when_it_stops
     recorder.start()
     for i in range(5):
         recorder.put(i)
-    wait_until(lambda: target.flushed, 10, "a flush once the items paused")
+    wait_until(lambda: target.flushed, 60, "a flush once the items paused")
     assert target.flushed[-1] == [0, 1, 2, 3, 4]
     recorder.put(5)
     recorder.stop(10)

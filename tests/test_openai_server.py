@@ -253,7 +253,7 @@ def test_a_client_that_goes_away_mid_stream_frees_its_kv(frontend, server):
             **CHAT, "max_tokens": 400, "stream": True, "ignore_eos": True}) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
-        wait_until(lambda: server.metric("orca_kv_blocks_used") > 0, 10, "the request to hold blocks")
+        wait_until(lambda: server.metric("orca_kv_blocks_used") > 0, 60, "the request to hold blocks")
     wait_until(lambda: server.metric("orca_kv_blocks_used") == 0, 60, "its blocks freed")
     assert server.metric("orca_requests_running") == 0
     abort = 'vllm:request_success_total{finished_reason="abort",model="orca",version="1"}'
@@ -336,7 +336,7 @@ VLLM = 'model="orca",version="1"'
 
 
 def test_vllm_metrics_count_a_known_workload(api, server):
-    wait_until(lambda: server.metric("orca_requests_running") == 0, 30, "an idle server")
+    wait_until(lambda: server.metric("orca_requests_running") == 0, 60, "an idle server")
     before = settled_metrics(server)
     lengths = [3, 5, 8]
     usages = [api.completions.create(model="orca", prompt=f"Story number {i}:", max_tokens=n, temperature=0,
@@ -351,7 +351,7 @@ def test_vllm_metrics_count_a_known_workload(api, server):
         after.update(metric_lines(server))
         return delta("vllm:e2e_request_latency_seconds_count") == 3 and delta("vllm:num_requests_running") == 0
 
-    wait_until(counted, 10, "the three requests counted")
+    wait_until(counted, 60, "the three requests counted")
     after.update(settled_metrics(server))  # the rest of that flush (series are set one after the other)
 
     prompt_tokens = sum(u.prompt_tokens for u in usages)

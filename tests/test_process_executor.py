@@ -131,7 +131,7 @@ def test_the_runner_exits_when_its_parent_dies(default_model):
                           stdout=subprocess.PIPE, text=True) as parent:
         child = int(parent.stdout.readline())
         assert parent.wait(120) == -signal.SIGKILL
-        wait_until(lambda: _gone(child), 15, "the orphaned runner to exit")
+        wait_until(lambda: _gone(child), 60, "the orphaned runner to exit")
 
 
 def test_a_runner_that_cannot_load_its_model_says_why(tmp_path, default_model):

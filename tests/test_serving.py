@@ -157,7 +157,7 @@ def test_cancelled_request_is_aborted_and_its_blocks_freed(loop):
     sink.cancelled = True
     assert sink.done.wait(10) and sink.error[0] == "cancelled"
     # freed when the iteration it was in returns (one may still be running)
-    wait_until(lambda: loop.engine.kv.num_used_blocks == 0, 30, "its blocks freed")
+    wait_until(lambda: loop.engine.kv.num_used_blocks == 0, 60, "its blocks freed")
 
 
 def test_shutdown_ends_open_requests_and_refuses_new_ones(engine):

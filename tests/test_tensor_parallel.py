@@ -166,16 +166,16 @@ def test_a_rank_killed_or_stopped_mid_iteration_fails_that_iteration_and_restart
     deltas, errors = [], {}
     stepper = threading.Thread(target=lambda: [deltas.extend(engine.step()) for _ in range(3)])
     stepper.start()
-    wait_until(marker.exists, 30, "rank 1 inside iteration 2")
+    wait_until(marker.exists, 60, "rank 1 inside iteration 2")
     pid = int(marker.read_text())
     os.kill(pid, sig)  # rank 0 is waiting for it in a collective
-    stepper.join(20)
+    stepper.join(120)
     assert not stepper.is_alive(), "rank 0 hung after its peer failed"
     errors = {d.request_id: d.error for d in deltas if d.error}
     assert set(errors) == {"victim"}
     assert f"tensor-parallel rank 1 (pid {pid}) {how}" in errors["victim"], errors
     assert "the runner was restarted" in errors["victim"]
-    wait_until(lambda: all(p.poll() is not None for p in old_ranks), 15, "the old ranks to exit")
+    wait_until(lambda: all(p.poll() is not None for p in old_ranks), 60, "the old ranks to exit")
 
     engine.add_request("later", list(range(5, 25)), _greedy(6))
     tokens, errors = _drain(engine)

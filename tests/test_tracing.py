@@ -97,7 +97,7 @@ def _ids() -> tuple[str, str]:
 
 
 def _spans(collector, trace_id: str, count: int) -> list:
-    wait_until(lambda: sum(s.name == "llm_request" for s in collector.trace(trace_id)) >= count, 30,
+    wait_until(lambda: sum(s.name == "llm_request" for s in collector.trace(trace_id)) >= count, 60,
                f"{count} llm_request span(s) of trace {trace_id}")
     return collector.trace(trace_id)
 
@@ -174,7 +174,7 @@ def test_through_the_openai_api_the_apis_span_sits_between_the_caller_and_the_mo
                    json={"model": "orca", "prompt": "The sea", "max_tokens": 3},
                    headers={"traceparent": f"00-{trace_id}-{caller}-01"})
     assert r.status_code == 200
-    wait_until(lambda: any(s.name.startswith("POST") for s in collector.trace(trace_id)), 30, "the API's span")
+    wait_until(lambda: any(s.name.startswith("POST") for s in collector.trace(trace_id)), 60, "the API's span")
     spans = _spans(collector, trace_id, 1)
     [api] = [s for s in spans if s.name == "POST /v1/completions"]
     [root] = [s for s in spans if s.name == "llm_request"]
