@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from orca_backend import LLM, ConfigError, SamplingParams
 from orca_backend.runner.models.gguf_tensors import read_tensor
 from orca_backend.checkpoint.store import default_gguf
+from orca_backend.runner.models import quantized
 from orca_backend.runner.models.quantized import (Int4Groups, Int8Groups, Int8Kernel, cat_rows, int8_per_channel,
                                                   cpu_supports_bfloat16, kernel_for)
 from tests.gguf_files import quantized_bytes, write_gguf
@@ -78,6 +79,21 @@ def test_kernels_multiply_by_the_dequantized_weight(rows):
         assert error < 5e-3, f"{weight.kind}, {rows} rows: relative error {error:.2e}"
         exact = F.linear(x, weight.dequantize(), bias)  # the scales as stored
         assert float((kernel(x) - exact).norm() / exact.norm()) < 1e-2
+
+
+def test_a_long_call_dequantizes_a_slice_of_its_weight_at_a_time(monkeypatch):
+    """Past the crossover, a call holds one slice of the weight in full precision (64 output
+    channels here), never the whole weight, and gives the whole weight's product."""
+    monkeypatch.setattr(quantized, "DENSE_SLICE_BYTES", 64 * 256 * 4)
+    bias = torch.randn(224)
+    for weight in (_int4(n=224), int8_per_channel(torch.randn(224, 256))):  # 224: the last slice is short
+        kernel = kernel_for(weight, bias, torch.float32)
+        x = torch.randn(300, 256)
+        whole = F.linear(x, kernel.dequantize(torch.float32), bias)
+        held, dequantize = [], kernel.dequantize
+        monkeypatch.setattr(kernel, "dequantize", lambda *a: held.append(dequantize(*a).shape[0]) or dequantize(*a))
+        assert torch.equal(kernel(x), whole), weight.kind
+        assert held == [64, 64, 64, 32], (weight.kind, held)
 
 
 def test_a_packed_table_gives_back_its_rows():

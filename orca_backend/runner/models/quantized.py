@@ -17,8 +17,9 @@ scalar loops, several times slower than float32's dense GEMM), so a float32 mode
 enter them as bfloat16 and come back as float32; the kernels accumulate in float32. Their
 scales are held in bfloat16, as the kernel wants them. From a kernel's `dense_rows` rows on
 (long prompts), where the kernels' time grows with the rows while a dense GEMM's barely
-does, the weight is dequantized for the call into the model's dtype and multiplied densely:
-the same weights, the activations unrounded (docs/quantization.md has the crossover).
+does, the weight is dequantized for the call into the model's dtype and multiplied densely,
+a slice of output channels at a time (32 MiB at most held dequantized): the same weights,
+the activations unrounded (docs/quantization.md has the crossover).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from ...core.errors import ConfigError
 
 INT4_GROUPS = (32, 64, 128, 256)  # the group sizes torch's int4 kernel takes
 _BLOCK_WIDTHS = (64, 32)  # output channels per block of the int4 kernel's layout: AVX512's, AVX2's
+DENSE_SLICE_BYTES = 32 << 20  # a dense call holds at most this much of its weight dequantized at once
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,9 +217,24 @@ class _Kernel:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] >= self.dense_rows:
-            return F.linear(x, self.dequantize(x.dtype), self.bias)
+            return self._dense(x)
         y = self._matmul(x.to(self.compute).contiguous()).to(x.dtype)  # the kernels read rows as dense
         return y if self.bias is None else y + self.bias
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T (+ b), W dequantized a slice of output channels at a time: beside the packed
+        weight, a call holds one slice in full precision, not the whole weight (a large
+        vocabulary's LM head under prompt logprobs would take gigabytes)."""
+        n, k = self.shape
+        step = max(1, DENSE_SLICE_BYTES // (k * x.element_size()) // 64) * 64  # whole int4 blocks
+        if step >= n:
+            return F.linear(x, self.dequantize(x.dtype), self.bias)
+        y = x.new_empty(x.shape[0], n)
+        for start in range(0, n, step):
+            stop = min(n, start + step)
+            y[:, start:stop] = F.linear(x, self.dequantize(x.dtype, start, stop),
+                                        None if self.bias is None else self.bias[start:stop])
+        return y
 
     def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the weight in the model's dtype (a tied embedding table's lookups)."""
@@ -236,8 +253,9 @@ class Int8Kernel(_Kernel):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
 
-    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return self.q.to(dtype) * self.scale.to(dtype)[:, None]
+    def dequantize(self, dtype: torch.dtype, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Output channels start..stop of the weight (all by default)."""
+        return self.q[start:stop].to(dtype).mul_(self.scale[start:stop].to(dtype)[:, None])
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return self.q[ids].float() * self.scale[ids].float()[:, None]
@@ -273,11 +291,13 @@ class Int4Kernel(_Kernel):
             return y if self.bias is None else y + self.bias
         return super().__call__(x)
 
-    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+    def dequantize(self, dtype: torch.dtype, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Output channels start..stop of the weight (all by default; whole blocks where read)."""
         if not self._unpacks:  # a layout we do not read: the weight as the kernel multiplies by it
-            return self._matmul(torch.eye(self.shape[1], dtype=self.compute)).t().to(dtype)
-        return self._dequantize(_unpack_blocked(self.packed.view(-1, self.shape[1], self.block // 2)), dtype,
-                                slice(None))
+            return self._matmul(torch.eye(self.shape[1], dtype=self.compute)).t()[start:stop].to(dtype)
+        blocks = self.packed.view(-1, self.shape[1], self.block // 2)
+        q = _unpack_blocked(blocks[start // self.block:None if stop is None else stop // self.block])
+        return self._dequantize(q, dtype, slice(start, stop))
 
     def as_table(self) -> Int4Kernel:
         """Itself, checked at load to answer row lookups (an embedding table)."""
@@ -298,8 +318,8 @@ class Int4Kernel(_Kernel):
         """(q - 8) * scale + zero for the rows `rows` of the weight, q [rows, K] uint8."""
         sz = self.scales_zeros[:, rows].to(dtype)  # [G, rows, 2]
         g = self.group
-        w = (q.view(q.shape[0], -1, g).to(dtype) - 8) * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None]
-        return w.view(q.shape)
+        w = q.view(q.shape[0], -1, g).to(dtype)  # one full-precision copy, then in place
+        return w.sub_(8).mul_(sz[..., 0].t()[..., None]).add_(sz[..., 1].t()[..., None]).view(q.shape)
 
     @property
     def nbytes(self) -> int:
