@@ -62,7 +62,7 @@ def _pack(kind: str, w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Te
         q, zp, scale, known = _int4(w, symmetric=False)
         return {"weight_packed": pack_to_int32(q, 4), "weight_scale": scale,
                 "weight_zero_point": pack_to_int32(zp, 4, packed_dim=0), "weight_shape": torch.tensor(w.shape)}, known
-    if kind in ("awq", "gptq"):
+    if kind in ("awq", "gptq", "gptq-asym"):
         q, zp, scale, known = _int4(w, symmetric=kind == "gptq")
         qu, zu = (q.int() + 8).t(), (zp.int() + 8).t()  # [in, out], [groups, out] unsigned
         if kind == "awq":
@@ -98,8 +98,8 @@ def _config(kind: str) -> dict:
                     "weights": {**weights, "dynamic": False, "actorder": None, "observer": "minmax"}}}}
     if kind == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"}
-    if kind == "gptq":
-        return {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "sym": True, "desc_act": False}
+    if kind.startswith("gptq"):
+        return {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "sym": kind == "gptq", "desc_act": False}
     return {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
 
@@ -130,7 +130,7 @@ def _reference(folder, **kwargs):
 
 
 @pytest.mark.numerics
-@pytest.mark.parametrize("kind", ["ct-int4", "ct-int8", "ct-fp8", "awq", "gptq", "fp8"])
+@pytest.mark.parametrize("kind", ["ct-int4", "ct-int8", "ct-fp8", "awq", "gptq", "gptq-asym", "fp8"])
 def test_quantized_checkpoints_agree_with_the_weights_they_stand_for(dense, tmp_path, kind):
     quantized, known = _checkpoints(dense, tmp_path, kind)
     if kind.startswith("ct-"):  # transformers reads it itself, decompressed by compressed-tensors
@@ -141,7 +141,7 @@ def test_quantized_checkpoints_agree_with_the_weights_they_stand_for(dense, tmp_
         model = _reference(known)
     with LLM(str(quantized)) as llm:
         kinds = {lin.backend for lin in llm.engine.executor.runner.model.linears()}
-        assert kinds == {"int4" if kind in ("ct-int4", "awq", "gptq") else "int8", "onednn"}  # the head dense
+        assert kinds == {"int4" if kind in ("ct-int4", "awq", "gptq", "gptq-asym") else "int8", "onednn"}  # the head dense
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, prompt_logprobs=0))
     for ids, out in zip(PROMPTS, outs):
         with torch.no_grad():
