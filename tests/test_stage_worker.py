@@ -9,6 +9,7 @@ import pytest
 from stage_faults import inject
 
 from orca_backend import ConfigError, EngineConfig, LLMEngine, SamplingParams
+from orca_backend.checkpoint.store import default_gguf
 from orca_backend.executors.stages import StageCall, StageTimes
 from orca_backend.serving.stages.repository import PipelineLayout, parse_layers, write_repository
 from orca_backend.serving.stages.worker import StageWorker
@@ -94,6 +95,16 @@ def test_the_start_commands_of_two_hosts_run_the_launcher_stage_servers_first(ti
     second = f"GRPC_PORT=9001 python -m orca_backend.serving.launch --model-repository {tmp_path / 'host1'} --no-openai"
     first = f"GRPC_PORT=8001 python -m orca_backend.serving.launch --model-repository {tmp_path / 'host0'}\n"
     assert second in text and first in text and text.index(second) < text.index(first)
+
+
+def test_a_gguf_model_is_named_by_its_file_on_every_host(tmp_path):
+    """Each host converts the file into its own cache: the repository names the file, not the
+    folder this machine made from it."""
+    gguf = default_gguf()
+    write_repository(PipelineLayout(2, model=str(gguf), hosts=["10.0.0.1:8001", "10.0.0.2:9001"]), tmp_path)
+    named = f'key: "model" value: {{ string_value: "{gguf.resolve()}" }}'
+    for config in ("host0/orca", "host0/orca_stage_0", "host1/orca_stage_1"):
+        assert named in (tmp_path / config / "config.pbtxt").read_text(), config
 
 
 def test_the_generator_writes_a_repository_of_chained_stages(tiny_models, tmp_path):

@@ -82,7 +82,8 @@ class PipelineLayout:
 def write_repository(layout: PipelineLayout, output: Path) -> Path:
     """Write the repository into `output` (created; its existing stage models are replaced).
     With `hosts`, one repository per server: `output/host<k>` (the serving model in host0)."""
-    model_path = model_folder(Path(layout.model).resolve() if layout.model else None)
+    given = Path(layout.model).resolve() if layout.model else None  # a GGUF file: each host makes its own folder
+    model_path = model_folder(given)
     config = ModelConfig.from_folder(model_path)
     layers = layout.layers or split_layers(config.num_layers, layout.num_stages)
     if len(layers) != layout.num_stages:
@@ -95,7 +96,7 @@ def write_repository(layout: PipelineLayout, output: Path) -> Path:
     on_gpu = layout.kind == "gpu"
     tp = layout.tensor_parallel_size
     config.check_tensor_parallel(tp)
-    orca = {"model": str(model_path) if layout.model else "", "executor": "stages",
+    orca = {"model": str(given or ""), "executor": "stages",
             "pipeline_stages": str(layout.num_stages), "dtype": layout.dtype,
             "device": "cuda" if on_gpu else "cpu", "tensor_parallel_size": str(tp)}
     folder = lambda stage: output / f"host{layout.host_of(stage)}" if layout.hosts else output  # noqa: E731
