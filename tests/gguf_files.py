@@ -42,9 +42,10 @@ def quantized_bytes(w: np.ndarray, kind: str, rng: np.random.Generator) -> np.nd
 
 
 def write_gguf(path: Path, arch: str = "llama", kind: str = "Q4_0", embed_kind: str = "Q8_0",
-               tied: bool = False, seed: int = 0) -> Path:
-    """A 2-layer `arch` model (llama, qwen2 or qwen3) whose projections are `kind` and whose
-    embedding table is `embed_kind`."""
+               tied: bool = False, seed: int = 0, kinds: dict[str, str] | None = None) -> Path:
+    """A 2-layer `arch` model (llama, qwen2 or qwen3) whose projections are `kind` (those
+    named in `kinds`, e.g. attn_v, of the type given there) and whose embedding table is
+    `embed_kind`."""
     import gguf
 
     fields, tok_reader = _tokenizer_fields()
@@ -85,7 +86,7 @@ def write_gguf(path: Path, arch: str = "llama", kind: str = "Q4_0", embed_kind: 
                             ("attn_v", (s["kv_heads"] * d, h)), ("attn_output", (h, s["heads"] * d)),
                             ("ffn_gate", (s["inter"], h)), ("ffn_up", (s["inter"], h)),
                             ("ffn_down", (h, s["inter"]))):
-            add(p + name + ".weight", shape, kind)
+            add(p + name + ".weight", shape, (kinds or {}).get(name, kind))
         add(p + "attn_norm.weight", (h,), "F32")
         add(p + "ffn_norm.weight", (h,), "F32")
         if arch == "qwen2":

@@ -172,15 +172,20 @@ PROMPTS = [[1, 500, 600, 700, 42, 9000, 123, 4567], [1, 20, 30000, 17, 8, 3999]]
 
 
 @pytest.mark.numerics
-@pytest.mark.parametrize("arch, kind, embed, tied", [("qwen3", "Q4_K", "Q4_0", True)])
-def test_tiny_gguf_files_agree_with_transformers(tmp_path, arch, kind, embed, tied):
-    """Qwen3 (q/k norms; Llama, with llama.cpp's interleaved q/k rows, is the default model's
-    file below), Q4_K projections, a tied Q4_0 table packed once, for the LM head and the
-    lookups."""
-    path = write_gguf(tmp_path / f"{arch}-{kind}.gguf", arch, kind, embed, tied=tied)
+@pytest.mark.parametrize("arch, kind, embed, tied, kinds", [
+    ("qwen3", "Q4_K", "Q4_0", True, {}),
+    ("llama", "Q4_K", "Q8_0", False, {"attn_v": "Q6_K", "ffn_down": "Q6_K"})])
+def test_tiny_gguf_files_agree_with_transformers(tmp_path, arch, kind, embed, tied, kinds):
+    """Qwen3 (q/k norms; Llama, with llama.cpp's interleaved q/k rows, is also the default
+    model's file below), Q4_K projections, a tied Q4_0 table packed once, for the LM head and
+    the lookups. Llama mixed as llama.cpp's Q4_K_M mixes: v and down in Q6_K, so q|k|v join
+    int4 groups and a requantized int8 part into one int8 projection."""
+    path = write_gguf(tmp_path / f"{arch}-{kind}.gguf", arch, kind, embed, tied=tied, kinds=kinds)
     with LLM(str(path)) as llm:
         model = llm.engine.executor.runner.model
         assert (model.embed is model.lm_head.weight) == tied
+        backends = [lin.backend for lin in model.linears()][:4]  # layer 0: q|k|v, o, gate|up, down
+        assert backends == (["int8", "int4", "int4", "int8"] if kinds else ["int4"] * 4), backends
         _check_against_transformers(llm, path, PROMPTS)
 
 
