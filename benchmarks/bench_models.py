@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from benchmarks.common import Report, decode_forward_ms, log, num_params, options, work_dir
+from benchmarks.common import Report, decode_forward_ms, log, num_params, off_main_thread, options, work_dir
 from benchmarks.headline import record
 from orca_backend.checkpoint.config import ModelConfig
 from orca_backend.checkpoint.store import prepare_default_model
@@ -36,7 +36,7 @@ def decode_ms(llm: LLM, batch: int, steps: int) -> list[float]:
 
 def family_costs(args, r: Report, tokenizer) -> None:
     with work_dir() as tmp:
-        folders = {kind: save_family(kind, tmp / kind, tokenizer) for kind in FAMILIES}
+        folders = {kind: off_main_thread(save_family, kind, tmp / kind, tokenizer) for kind in FAMILIES}
         times = {(k, b): [] for k in folders for b in BATCHES}
         for n in range(args.rounds):
             for kind, folder in folders.items():
@@ -69,8 +69,8 @@ def window_blocks(args, r: Report, tokenizer) -> dict[str, tuple[int, int]]:
     held = {}
     with work_dir() as tmp:
         for name, window in (("no window", None), (f"window {WINDOW}", WINDOW)):
-            folder = save_family("mistral", tmp / name.replace(" ", "-"), tokenizer, sliding_window=window,
-                                 max_position_embeddings=2 * LONG)
+            folder = off_main_thread(save_family, "mistral", tmp / name.replace(" ", "-"), tokenizer,
+                                     sliding_window=window, max_position_embeddings=2 * LONG)
             with LLM(str(folder), kv_cache_tokens=2 * LONG, block_size=BLOCK, max_num_batched_tokens=512) as llm:
                 engine = llm.engine
                 engine.add_request("long", [3 + i % 500 for i in range(LONG - 64)],

@@ -12,7 +12,6 @@ work of size runs off the main thread (`off_main_thread`), until the last sectio
 """
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import json
 import statistics
@@ -25,7 +24,7 @@ import torch.nn.functional as F
 import transformers
 
 from benchmarks.bench_models import decode_ms
-from benchmarks.common import Report, best_seconds, log, num_params, options, table, work_dir
+from benchmarks.common import Report, best_seconds, log, num_params, off_main_thread, options, table, work_dir
 from benchmarks.headline import record
 from orca_backend.checkpoint.config import ModelConfig
 from orca_backend.checkpoint.store import prepare_default_model
@@ -63,15 +62,6 @@ def active_params(folder, config: ModelConfig) -> tuple[int, int]:
         return total, total
     idle = sum(config.is_sparse(i) for i in range(config.num_layers)) * (spec.num_experts - spec.top_k)
     return total, total - idle * 3 * config.hidden_size * spec.intermediate_size
-
-
-def off_main_thread(fn, *args, **kwargs):
-    """`fn(*args, **kwargs)` on a thread of its own, which ends with it. Torch's CPU ops keep an
-    OpenMP team per calling thread: one started on this thread (which steps the engines) would
-    stay beside the runner thread's, and every small GEMM on the runner then costs several times
-    as much on 2 cores (`second_team` measures it). So this thread runs no torch op of size."""
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(fn, *args, **kwargs).result()
 
 
 def decode_medians(folders: dict, rounds: int, steps: int, last=None) -> tuple[dict, dict, dict]:

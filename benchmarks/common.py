@@ -7,6 +7,7 @@ stderr, results to stdout and to the report a script writes.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import csv
 import datetime
@@ -361,3 +362,12 @@ def num_params(folder: Path) -> int:
         with safe_open(str(file), framework="pt") as f:
             total += sum(math.prod(f.get_slice(key).get_shape()) for key in f.keys())
     return total
+
+
+def off_main_thread(fn, *args, **kwargs):
+    """`fn(*args, **kwargs)` on a thread of its own, which ends with it. Torch's CPU ops keep an
+    OpenMP team per calling thread: one started on this thread (which steps the engines) would
+    stay beside the runner thread's, and every small GEMM on the runner then costs several times
+    as much on 2 cores (bench_moe's `second_team` measures it). So that thread runs no torch op of size."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(fn, *args, **kwargs).result()
