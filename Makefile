@@ -94,21 +94,23 @@ bench-host: model
 bench-structured: model
 	$(PY) -m benchmarks.bench_structured --markdown docs/benchmarks/structured.md
 
-# Multi-LoRA: a decode iteration at batch 32 with 0, 1, 4 and 8 adapters mixed; writes docs/benchmarks/lora.md
 # Each model family's decode iteration at batch 1 and 32, and the K/V blocks a sliding window
 # saves a 4k-token request; writes docs/benchmarks/models.md
 bench-models: model
 	$(PY) -m benchmarks.bench_models --markdown docs/benchmarks/models.md
 
+# Multi-LoRA: a decode iteration at batch 32 with 0, 1, 4 and 8 adapters mixed; writes docs/benchmarks/lora.md
 bench-lora: model
 	$(PY) -m benchmarks.bench_lora --markdown docs/benchmarks/lora.md
+
+# Quantized weights on the CPU: float32, bfloat16, int8 and the default model's Q4_1 GGUF offline,
+# then served against llama.cpp's server on the same files; writes docs/benchmarks/quantized.md
+bench-quantized: model
+	$(PY) -m benchmarks.bench_quantized --markdown docs/benchmarks/quantized.md
 
 # Mixtures of experts: a Qwen3-MoE-shaped model's decode iteration at batch 1, 32 and 256 beside a
 # dense Qwen3 of the same active parameters, tokens per expert, 2 expert-parallel ranks against 1,
 # and MLA's K/V bytes per token against plain heads; writes docs/benchmarks/moe.md (about 2 minutes).
-bench-quantized: model
-	$(PY) -m benchmarks.bench_quantized --markdown docs/benchmarks/quantized.md
-
 bench-moe: model
 	$(PY) -m benchmarks.bench_moe --markdown docs/benchmarks/moe.md
 
