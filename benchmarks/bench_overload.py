@@ -347,8 +347,9 @@ def main() -> int:
     if not args.no_served:
         report.section("Served on this machine", *served_lines(overload_served.run(args.seed)))
     report.setup().write(args.markdown)
-    at2 = {name: step_rows(runs[name][0].requests, STEPS, slo)[3]["goodput"] for name in ("all", "fcfs, no cap")}
-    fcfs = step_rows(runs["fcfs, no cap"][0].requests, STEPS, slo)
+    steps = {name: step_rows(runs[name][0].requests, STEPS, slo) for name in ("all", "fcfs, no cap")}
+    at2 = {name: rows[3]["goodput"] for name, rows in steps.items()}
+    fcfs = steps["fcfs, no cap"]
     collapse = next((f"; FCFS under a tenth of its 0.5x goodput from {load}x" for (load, _), row in zip(STEPS, fcfs)
                      if row["goodput"] < fcfs[0]["goodput"] / 10), "")
     record(args.markdown, "bench-overload", {"overload": (

@@ -91,7 +91,12 @@ def test_a_long_call_dequantizes_a_slice_of_its_weight_at_a_time(monkeypatch):
         x = torch.randn(300, 256)
         whole = F.linear(x, kernel.dequantize(torch.float32), bias)
         held, dequantize = [], kernel.dequantize
-        monkeypatch.setattr(kernel, "dequantize", lambda *a: held.append(dequantize(*a).shape[0]) or dequantize(*a))
+
+        def recorded(*args):
+            w = dequantize(*args)
+            held.append(w.shape[0])
+            return w
+        monkeypatch.setattr(kernel, "dequantize", recorded)
         assert torch.equal(kernel(x), whole), weight.kind
         assert held == [64, 64, 64, 32], (weight.kind, held)
 
