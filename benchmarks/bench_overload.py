@@ -327,11 +327,11 @@ def main() -> int:
     steps = [(load * peak, seconds) for load, seconds in STEPS]
     requests = trace(steps, args.seed + 1, slo)
     end = sum(s for _, s in STEPS)
-    rows, series, runs = [], {}, {}
+    rows, series, runs, by_name = [], {}, {}, {}
     for name, m in CONFIGS.items():
         result, sim, first, admitted = simulate(cost, requests, m, token_cap)
         runs[name] = (result, sim, first, admitted)
-        per_step = step_rows(result.requests, STEPS, slo)
+        per_step = by_name[name] = step_rows(result.requests, STEPS, slo)
         series[name] = windows(result.requests, end, slo)
         rows.append([name] + [f"{r['goodput']:.1f}" for r in per_step]
                     + [f"{per_step[3]['p99_ttft'] * 1000:.0f}", f"{per_step[3]['rejected']:.0%}"])
@@ -347,9 +347,8 @@ def main() -> int:
     if not args.no_served:
         report.section("Served on this machine", *served_lines(overload_served.run(args.seed)))
     report.setup().write(args.markdown)
-    steps = {name: step_rows(runs[name][0].requests, STEPS, slo) for name in ("all", "fcfs, no cap")}
-    at2 = {name: rows[3]["goodput"] for name, rows in steps.items()}
-    fcfs = steps["fcfs, no cap"]
+    at2 = {name: by_name[name][3]["goodput"] for name in ("all", "fcfs, no cap")}
+    fcfs = by_name["fcfs, no cap"]
     collapse = next((f"; FCFS under a tenth of its 0.5x goodput from {load}x" for (load, _), row in zip(STEPS, fcfs)
                      if row["goodput"] < fcfs[0]["goodput"] / 10), "")
     record(args.markdown, "bench-overload", {"overload": (
