@@ -37,11 +37,11 @@ def test_concurrent_requests_are_batched_by_triton(server):
     # The first request runs for a while, so the others queue and go in one batch at the latest
     # when it is done. Those that arrive within the queue delay go in its batch instead: one
     # batch of 9, or two whose sizes add up to 9, however the requests fell either side.
-    requests = [(PROMPTS[0], {"sampling": {"max_tokens": 48, "ignore_eos": True}, "stream": False})]
+    requests = [(PROMPTS[0], {"sampling": {"max_tokens": 96, "ignore_eos": True}, "stream": False})]
     requests += [(p, {"sampling": {"max_tokens": 2, "ignore_eos": True}, "stream": False}) for p in PROMPTS * 2]
     results = _send_all(server, MODEL, requests)
     assert [r.error for r in results] == [None] * 9
-    assert [r.responses[-1]["num_output_tokens"] for r in results] == [48] + [2] * 8
+    assert [r.responses[-1]["num_output_tokens"] for r in results] == [96] + [2] * 8
     # Triton counts a request, then its batch, once the execution has returned, which can be
     # after the client has the response.
     def counted(stats) -> tuple[int, int]:

@@ -213,25 +213,22 @@ def test_a_request_cancelled_in_flight_gets_one_final_response_and_no_more_token
         wait_until(lambda: a.num_output_tokens == 1, 60, "a's first token")
         a.cancelled = True
 
-        def cancel_seen() -> bool:  # b's iterations keep returning meanwhile, a's stays out
-            with executor.lock:
-                others = [i for i in executor.held if i != in_flight_a]
-            for i in others:
-                executor.release(i)
-            return a.error is not None
+        def releasing(done, keep=None):
+            """`done`, once every held iteration but `keep` has been let return."""
+            def check() -> bool:
+                with executor.lock:
+                    others = [i for i in executor.held if i != keep]
+                for i in others:
+                    executor.release(i)
+                return done()
+            return check
 
-        wait_until(cancel_seen, 60, "the cancel")
+        # b's iterations keep returning meanwhile, a's stays out
+        wait_until(releasing(lambda: a.error is not None, keep=in_flight_a), 60, "the cancel")
         assert a.error[0] == "cancelled"
         executor.release(in_flight_a)  # a's late token must be dropped
-        for _ in range(200):  # let b finish
-            with executor.lock:
-                ids = list(executor.held)
-            for i in ids:
-                executor.release(i)
-            if b.done.is_set():
-                break
-            time.sleep(0.01)
-        assert b.done.wait(30) and b.error is None and b.num_output_tokens == 20
+        wait_until(releasing(b.done.is_set), 60, "b to finish")
+        assert b.error is None and b.num_output_tokens == 20
         wait_until(lambda: not engine.has_unfinished_requests(), 60, "the engine to drain")
         assert a.num_finals == 1 and a.num_output_tokens == 1, "a got output after its cancel"
         assert engine.kv.num_used_blocks == 0

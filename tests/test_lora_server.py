@@ -136,15 +136,15 @@ def test_the_metrics_say_which_adapters_run_and_count_requests_per_adapter(featu
     before = settled_metrics(feature_server)
     with StreamingClient(feature_server.grpc_url, "lora") as c:
         # Long enough for the metrics thread (it sends within 0.2 s) to see `a` running.
-        long = c.send(PROMPT, sampling={**GREEDY, "max_tokens": 48, "lora_name": "a"}, stream=True)
+        long = c.send(PROMPT, sampling={**GREEDY, "max_tokens": 96, "lora_name": "a"}, stream=True)
         wait_until(lambda: len(c._results[long].responses) > 2, what="a's request running")
         # a running, b waits for nothing (two slots): both show as running
         c.wait(c.send(PROMPT, sampling={**GREEDY, "lora_name": "b"}))
         c.wait(long)
-    after = settled_metrics(feature_server)
     count = 'orca_lora_requests_total{adapter="%s",model="lora"}'
-    for name in ("a", "b"):
-        assert after[count % name] == before.get(count % name, 0) + 1
+    wait_until(lambda: all(feature_server.metrics().get(count % name, 0) == before.get(count % name, 0) + 1
+                           for name in ("a", "b")), 60, "a request counted for each adapter")
+    after = settled_metrics(feature_server)
     info = {k: v for k, v in after.items() if k.startswith("vllm:lora_requests_info{") and 'model="lora"' in k}
     assert any('running_lora_adapters="a"' in k and 'max_lora="2"' in k for k in info), info
     newest = max(info, key=info.get)

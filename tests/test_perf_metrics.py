@@ -79,10 +79,10 @@ def test_streamed_perf_outputs_are_ordered_and_follow_the_stream(server):
     with StreamingClient(server.grpc_url) as c:
         plain = c.generate("Hello", sampling={"max_tokens": 2})
         first = c.generate(PREFIX + "Who keeps the cards?", stream=True,
-                           sampling={"max_tokens": 6, "temperature": 0, "ignore_eos": True},
+                           sampling={"max_tokens": 16, "temperature": 0, "ignore_eos": True},
                            flags={"return_perf_metrics": True})
         second = c.generate(PREFIX + "When does it open?", stream=True,
-                            sampling={"max_tokens": 6, "temperature": 0, "ignore_eos": True},
+                            sampling={"max_tokens": 16, "temperature": 0, "ignore_eos": True},
                             flags={"return_perf_metrics": True, "return_num_cached_tokens": True})
     assert plain.error is None and not any(name in plain.responses[-1] for name in PERF_OUTPUTS)
     assert first.error is None and second.error is None

@@ -22,7 +22,7 @@ from benchmarks.servers import Server
 from client.triton_client import StreamingClient
 from orca_backend.serving.stages.repository import TEMPLATE, PipelineLayout, set_parameters, write_repository
 
-from helpers import assert_no_leak, serving, wait_until
+from helpers import COUNTED, assert_no_leak, serving, streamed_tokens, wait_until
 
 pytestmark = pytest.mark.server  # slow group: a real tritonserver
 
@@ -168,11 +168,11 @@ def test_a_stage_that_fails_an_iteration_fails_its_requests_alone(server, refere
         wait_until(lambda: stage_metric(server, "orca_stage_iterations_total", "pf", 1) == done_before + 3,
                    what="iteration 2 through both stages")
         assert_stages_hold_nothing(server, "pf")
-        failed = c.generate(PROMPTS[0], sampling=greedy(MAX_TOKENS[0]))  # iterations 3, 4, 5, ...
+        failed = c.generate(PROMPTS[0], sampling=greedy(MAX_TOKENS[0]), flags=COUNTED)  # iterations 3, 4, 5, ...
         assert failed.error is not None
         assert "pipeline stage 1 (model pf_stage_1, layers [15, 30)) failed" in failed.error
         assert f"injected at iteration {FAIL_AT[1]}" in failed.error
-        assert len(failed.responses) == 2  # the tokens of iterations 3 and 4 came out
+        assert streamed_tokens(failed) == 2  # the tokens of iterations 3 and 4 came out
         later = [c.send(p, sampling=greedy(n)) for p, n in zip(PROMPTS, MAX_TOKENS)]
         assert [c.wait(i).text for i in later] == reference["greedy"]  # later requests succeed
     assert_stages_hold_nothing(server, "pf")

@@ -118,8 +118,9 @@ def test_priority_is_an_integer_in_range():
 
 
 # -- served: the `prio` model runs one request at a time, 20 ms a token (engine null) ----------
-# The first low request runs 4 s, time for the later ones to queue behind it; those run 1 s each.
-LOWS = [{"max_tokens": n, "ignore_eos": True, "priority": 1} for n in (200, 50, 50)]
+# The first low request runs 10 s, time for the later ones to queue behind it on a machine that
+# stalls for seconds; those run 1 s each.
+LOWS = [{"max_tokens": n, "ignore_eos": True, "priority": 1} for n in (500, 50, 50)]
 HIGH = {"max_tokens": 5, "ignore_eos": True, "priority": 0}
 COUNTED = {"return_num_output_tokens": True}
 
