@@ -21,6 +21,7 @@ first group reports as it goes; the second's report follows it. Arguments go to 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -48,7 +49,11 @@ def main(args: list[str]) -> int:
             raise
         rest_log.seek(0)
         print("\nthe other tests:", rest_log.read(), sep="\n", flush=True)
-    codes = [code for code in (first, rest.returncode) if code != NO_TESTS]
+    for name, code in (("the tritonserver and child-process tests", first), ("the other tests", rest.returncode)):
+        if code < 0:  # killed: pytest wrote no summary, and the exit status must not read as a pass
+            hint = " (out of memory?)" if code == -signal.SIGKILL else ""
+            print(f"{name} were killed by {signal.Signals(-code).name}{hint}", flush=True)
+    codes = [1 if code < 0 else code for code in (first, rest.returncode) if code != NO_TESTS]
     return max(codes, default=NO_TESTS)
 
 

@@ -1,6 +1,9 @@
 """Offline API in the style of vLLM: `LLM(model).generate(prompts, params)`."""
 from __future__ import annotations
 
+import ctypes
+import gc
+
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,13 +43,26 @@ class RequestOutput:
             self.embedding = delta.embedding
 
 
+def give_back_memory() -> None:
+    """Return freed memory to the operating system. glibc keeps the pages of freed weights and
+    K/V blocks (gigabytes) for later allocations, in each thread's arena, unless trimmed: a
+    process that makes one LLM after another would grow by each one's size."""
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim this way
+        pass
+
+
 class LLM:
     def __init__(self, model: str | None = None, **engine_options) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
 
     def shutdown(self) -> None:
-        """Stop the model runner (a child process with executor="process")."""
+        """Stop the model runner (a child process with executor="process") and give what it
+        held back to the operating system."""
         self.engine.shutdown()
+        give_back_memory()
 
     def __enter__(self) -> LLM:
         return self
