@@ -346,7 +346,7 @@ def _construct(folder) -> str:
 
 def test_a_closed_llm_gives_its_memory_back(default_model):
     """An LLM made after another one has closed takes the memory the first gave back: the
-    process does not grow by a model and its K/V pool (about 1.3 GB here) each time."""
+    process does not grow by a model and its K/V pool (about 1.8 GB here) each time."""
     def resident() -> int:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import ctypes
 import gc
-
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,7 +42,7 @@ class RequestOutput:
             self.embedding = delta.embedding
 
 
-def give_back_memory() -> None:
+def _give_back_memory() -> None:
     """Return freed memory to the operating system. glibc keeps the pages of freed weights and
     K/V blocks (gigabytes) for later allocations, in each thread's arena, unless trimmed: a
     process that makes one LLM after another would grow by each one's size."""
@@ -62,7 +61,7 @@ class LLM:
         """Stop the model runner (a child process with executor="process") and give what it
         held back to the operating system."""
         self.engine.shutdown()
-        give_back_memory()
+        _give_back_memory()
 
     def __enter__(self) -> LLM:
         return self
