@@ -38,12 +38,14 @@ def _params(max_tokens: int) -> SamplingParams:
 
 class _Releaser(threading.Thread):
     """Completes a random held iteration whenever `full` are held, or when what is held has
-    not changed for a moment (the engine has nothing more to submit and waits)."""
+    not changed for a moment (the engine has nothing more to submit and waits). The first time
+    several are held it completes the newest, so that some iteration returns out of order
+    however the threads are timed."""
 
     def __init__(self, executor: HeldExecutor, seed: int, full: int) -> None:
         super().__init__(daemon=True)
         self.executor, self.rng, self.full = executor, random.Random(seed), full
-        self.stop, self.errors = threading.Event(), []
+        self.stop, self.errors, self.reordered = threading.Event(), [], False
 
     def run(self) -> None:
         seen, since = (), time.monotonic()
@@ -54,8 +56,10 @@ class _Releaser(threading.Thread):
             if ids != seen:
                 seen, since = ids, time.monotonic()
             if ids and (len(ids) >= self.full or time.monotonic() - since > 0.02):
+                victim = self.rng.choice(ids) if self.reordered or len(ids) == 1 else max(ids)
+                self.reordered |= victim != min(ids)
                 try:
-                    self.executor.release(self.rng.choice(ids))
+                    self.executor.release(victim)
                 except AssertionError as e:
                     self.errors.append(e)
                 seen = ()

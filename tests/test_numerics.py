@@ -91,12 +91,12 @@ ENGINE_VARIANTS = {
     # Our kernel (trt_plugins) under the Triton interpreter, preempting, one launch per layer.
     # (Decode iterations through the padded buffers of the CUDA-graph path, the default:
     # test_kernel_backend_matches_sdpa_backend, against the SDPA backend at 1e-4.)
-    "kernel-preempt": dict(attention="triton", cuda_graphs=False, kv_cache_tokens=96,
+    "kernel-preempt": dict(attention="triton", cuda_graphs=False, kv_cache_tokens=80,
                            max_num_batched_tokens=24),
     # The GPU engine path: the kernel compiled, decode iterations replayed from CUDA graphs.
     "cuda": dict(device="cuda", attention="triton"),
     # engine: tensorrt's graph evaluated with torch (our plugin entry interpreted), preempting.
-    "tensorrt-graph": dict(engine="tensorrt", tensorrt_runtime="torch", kv_cache_tokens=96,
+    "tensorrt-graph": dict(engine="tensorrt", tensorrt_runtime="torch", kv_cache_tokens=80,
                            max_num_batched_tokens=24),
     # Tensor parallelism (gloo): 2 ranks behind the process executor, with chunked prefill,
     # preempting, 2 iterations in flight; 4 ranks inline (Llama's 2 K/V heads replicated);
@@ -115,7 +115,7 @@ KINDS = {"kernel-preempt": ["llama"], "tensorrt-graph": ["llama"], "pipeline-tp2
          "torch-linear": ["qwen2"]}  # F.linear with a bias; the default path covers all three
 # ... and on 3 of SHAPES, a sixth of the iterations: (1, 9), (64, 4), (9, 1). Still a 1-token
 # prompt and a 1-token answer, and the 64-token prompt in chunks over its cached blocks beside
-# decodes; under kv_cache_tokens=96 it is preempted, resumed from its cached blocks, and
+# decodes; under kv_cache_tokens=80 it is preempted, resumed from its cached blocks, and
 # decodes into a new block at position 64. (Every shape, kernel alone: test_kernel.py.)
 FEW_SHAPES = (3, 4, 6)
 ON_FEW_SHAPES = ("kernel-preempt", "tensorrt-graph", "tp4", "pipeline-tp2")

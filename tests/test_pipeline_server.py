@@ -29,7 +29,7 @@ pytestmark = pytest.mark.server  # slow group: a real tritonserver
 # `pf`: stage 1 sleeps through iteration 1 once, past the deadline (which restarts the
 # engine's iteration count); then stage 0 fails iteration 2, which only tells the stages that
 # a request has ended, and stage 1 fails iteration 5, the third of a request's iterations.
-DEADLINE_SECONDS, STALL_SECONDS = 4, 7
+DEADLINE_SECONDS, STALL_SECONDS = 8, 12  # an iteration that a loaded machine stalls stays well under 8 s
 FAIL_AT = {0: 2, 1: 5}
 PROMPTS = [  # mixed lengths, sent staggered
     "Once upon a time",
@@ -54,7 +54,7 @@ def server(tmp_path_factory, default_model):
     (repo / "single" / "1" / "model.py").write_text("from orca_backend.serving.triton_model import TritonPythonModel  # noqa\n")
     pipelines = {
         "p2": {"max_inflight": "2", "max_batch_size": "4"},
-        "pe": {"stage_transport": "ensemble", "max_inflight": "2", "kv_cache_tokens": "128"},
+        "pe": {"stage_transport": "ensemble", "max_inflight": "2", "kv_cache_tokens": "96"},
         "pf": {"iteration_timeout_seconds": str(DEADLINE_SECONDS), "kv_cache_tokens": "4096"},
     }
     for name, parameters in pipelines.items():
