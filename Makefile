@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install model serve test test-fast bench bench-full bench-prefix bench-engine bench-cpu bench-executors bench-pipeline bench-tp bench-startup bench-host bench-structured bench-tools bench-models bench-lora bench-moe bench-quantized bench-spec bench-overload bench-router bench-deterministic bench-sampler eval-harness perf simulate clean
+.PHONY: install model serve test test-fast test-stalled bench bench-full bench-prefix bench-engine bench-cpu bench-executors bench-pipeline bench-tp bench-startup bench-host bench-structured bench-tools bench-models bench-lora bench-moe bench-quantized bench-spec bench-overload bench-router bench-deterministic bench-sampler eval-harness perf simulate clean
 
 install: $(STAMP)
 
@@ -37,6 +37,11 @@ test: model
 # Everything but the slow groups (pytest markers server, numerics, subprocess, engine): under 90 s.
 test-fast: model
 	$(PY) -m pytest -q -m "not server and not numerics and not subprocess and not engine"
+
+# Every group but the servers' with each engine step collecting all its iterations in flight,
+# as after a stall: what a loaded machine can do to a test that counts iterations per step.
+test-stalled: model
+	$(PY) -m pytest -q -m "not server" --stalled-steps
 
 # orca vs hf_dynamic_batching (Triton's dynamic batcher + transformers generate) vs
 # orca_request_level under Poisson load, lengths scaled by 0.25; writes docs/benchmarks/serving.*

@@ -30,6 +30,33 @@ def _give_memory_back():
         pass
 
 
+def pytest_addoption(parser) -> None:
+    parser.addoption("--stalled-steps", action="store_true",
+                     help="every engine step in this process waits until all its iterations in flight have "
+                          "returned, as a step after a stall does: a test that decides by how many a step "
+                          "collects fails under it (make test-stalled)")
+
+
+def pytest_configure(config) -> None:
+    if config.getoption("--stalled-steps"):
+        _stall_every_step()
+
+
+def _stall_every_step() -> None:
+    from concurrent.futures import ALL_COMPLETED, wait
+
+    from orca_backend.engine.llm_engine import LLMEngine
+
+    returned = LLMEngine._returned
+
+    def stalled(self):
+        wait([future for _, future in self._in_flight.values()], self.config.parallel.iteration_timeout_seconds,
+             ALL_COMPLETED)
+        return returned(self)
+
+    LLMEngine._returned = stalled
+
+
 def pytest_collection_modifyitems(items) -> None:
     for item in items:
         if SERVER_FIXTURES & set(item.fixturenames):

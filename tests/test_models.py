@@ -312,25 +312,28 @@ def test_expert_parallelism_of_a_dense_model_is_refused_by_name(family):
 
 @pytest.mark.numerics
 def test_a_request_four_windows_long_holds_the_window_s_blocks(family):
-    """Mistral with an 8-token window over blocks of 4: while decoding, a request of 40+
-    tokens holds at most window / block_size + 1 blocks; the tokens stay transformers'.
-
-    Blocks leave the window when the next iteration is scheduled, so the bound is read after
-    steps that returned one iteration: a step that returned two (the loop stalled while both
-    ran) shows a request before its next schedule releases what the second one computed."""
+    """Mistral with an 8-token window over blocks of 4: once a request of 40+ tokens decodes,
+    each schedule leaves it at most window / block_size + 1 blocks; the tokens stay
+    transformers'. (Read where blocks leave the window, at the schedule, not after a step: a
+    step that collected two iterations shows a request before its next schedule.)"""
     folder, ref = family("mistral")
     with LLM(str(folder), kv_cache_tokens=1024, block_size=4, max_num_batched_tokens=16) as llm:
-        engine = llm.engine
+        engine, held = llm.engine, []
         assert engine.kv.window == 8
+
+        def schedule(_schedule=engine.scheduler.schedule):
+            message = _schedule()
+            held.extend(len(engine.kv.held_blocks(r.request_id)) for r in engine.scheduler.running
+                        if r.num_computed_tokens > r.num_prompt_tokens)
+            return message
+
+        engine.scheduler.schedule = schedule
         for i, ids in enumerate(prompts()):
             engine.add_request(str(i), ids, GREEDY[i])
-        tokens, held = {str(i): [] for i in range(len(SHAPES))}, []
+        tokens = {str(i): [] for i in range(len(SHAPES))}
         while engine.has_unfinished_requests():
-            out = engine.step()
-            for delta in out:
+            for delta in engine.step():
                 tokens[delta.request_id] += delta.token_ids
-            if len(out.iterations) == 1:
-                held += [len(engine.kv.held_blocks(r)) for r in engine.kv.block_tables if len(tokens[r]) > 1]
             engine.kv.check_integrity()
         assert engine.kv.num_used_blocks == 0
     check_tokens([tokens[str(i)] for i in range(len(SHAPES))], ref, "mistral")

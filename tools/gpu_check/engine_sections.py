@@ -32,8 +32,7 @@ def run_staggered(engine, prompts: list[list[int]], max_tokens: list[int],
             tokens[int(delta.request_id)] += delta.token_ids
             if logits is not None and delta.logits is not None:
                 logits.setdefault(int(delta.request_id), []).append(delta.logits)
-        shape = step.iterations[-1] if step.iterations else None
-        num_mixed += bool(shape and shape.num_prefill_requests and shape.num_decode_requests)
+        num_mixed += sum(bool(it.num_prefill_requests and it.num_decode_requests) for it in step.iterations)
     if engine.kv.num_used_blocks:
         raise RuntimeError(f"{engine.kv.num_used_blocks} K/V blocks still in use after all requests ended")
     return tokens, num_mixed
