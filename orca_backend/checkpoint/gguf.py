@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 from ..core.errors import ConfigError
+from .cache_folder import made_once
 
 LINK = "model.gguf"
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -36,24 +35,12 @@ def gguf_folder(path: Path, cache: Path) -> Path:
     path = _the_file(Path(path).resolve())
     stat = path.stat()
     key = hashlib.sha256(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = cache / f"{path.stem}-{key}"
-    if (target / "config.json").exists():
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".gguf-", dir=cache))
-    try:
-        (staging / LINK).symlink_to(path)
-        _write_folder(path, staging)
-        staging.chmod(0o755)  # mkdtemp makes it private; a server may run as another user
-        staging.rename(target)  # atomic: a half-written folder is never seen as ready
-    except OSError:  # another process made it first (a rename onto a full folder), or a real failure
-        shutil.rmtree(staging, ignore_errors=True)
-        if not (target / "config.json").exists():
-            raise
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return target
+    return made_once(cache / f"{path.stem}-{key}", lambda staging: _made_folder(path, staging))
+
+
+def _made_folder(path: Path, staging: Path) -> None:
+    (staging / LINK).symlink_to(path)
+    _write_folder(path, staging)
 
 
 def _the_file(path: Path) -> Path:

