@@ -87,7 +87,36 @@ class Server(_Child):
             if self.is_ready():
                 return
             time.sleep(0.5)
-        raise TimeoutError(f"tritonserver not ready in {timeout} s")
+        self.dump_stacks()
+        raise TimeoutError(f"tritonserver not ready in {timeout} s; its models' stubs' stacks are at the end of "
+                           f"its log:\n{self.log_path.read_text(errors='replace')[-20000:]}")
+
+    def session_pids(self, command_part: str = "") -> list[int]:
+        """The processes of the server's session (it, its models' stubs, their children) whose
+        command line holds `command_part`."""
+        pids = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:  # the session is the 4th field after the name
+                        session = int(f.read().rsplit(")", 1)[1].split()[3])
+                    with open(f"/proc/{entry}/cmdline", "rb") as f:
+                        command = f.read()
+                except (OSError, ValueError, IndexError):  # gone meanwhile
+                    continue
+                if session == self.process.pid and command_part.encode() in command:
+                    pids.append(int(entry))
+        return pids
+
+    def dump_stacks(self, settle_seconds: float = 2.0) -> None:
+        """Every model stub writes every thread's stack into the log (SIGUSR1, which the
+        serving model's stub handles with faulthandler)."""
+        for pid in self.session_pids("triton_python_backend_stub"):
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+        time.sleep(settle_seconds)
 
     def metrics(self) -> dict[str, float]:
         """Every sample on /metrics, by its name and labels as written there

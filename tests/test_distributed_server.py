@@ -131,16 +131,7 @@ def _stat(pid: int) -> list[str]:
 def _rank_pids(server, module: str) -> list[int]:
     """Processes of tensor-parallel ranks (their command line names the module) in the server's
     session: the other tests, run meanwhile, start ranks of their own."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if module.encode() in f.read() and int(_stat(int(entry))[3]) == server.process.pid:
-                        pids.append(int(entry))
-            except (OSError, ValueError, IndexError):
-                pass
-    return pids
+    return server.session_pids(module)
 
 
 def test_a_killed_rank_ends_its_requests_with_internal_and_the_model_serves_on(first, reference):

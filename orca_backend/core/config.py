@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field, fields
 
 from .errors import ConfigError
+from .load_watch import LOAD_TIMEOUT_SECONDS
 from .option_checks import need as _need, need_counts as _need_counts
 from .option_checks import need_flags as _need_flags, need_one_of as _need_one_of
 from .speculative import SpeculativeConfig
@@ -202,6 +203,9 @@ class RunnerConfig:
     null_step_seconds: float = 0.0  # engine "null": each iteration's stand-in for a forward
     # A request's structured_outputs grammar not compiled by then fails (it never holds up others).
     grammar_compile_timeout_seconds: float = 10.0
+    # A stage of the model's load (folder, weights, K/V pool, runner processes, ranks) still running
+    # after this fails the load, naming the stage, with every thread's stack (core/load_watch.py).
+    load_timeout_seconds: float = LOAD_TIMEOUT_SECONDS
     linear: str = "auto"  # the projections' GEMM: one of LINEARS
     quantization: str = "none"  # "int8": weights quantized per output channel at load (CPU)
     moe_kernel: str = "auto"  # a mixture of experts' grouped GEMM: one of MOE_KERNELS
@@ -249,6 +253,9 @@ class RunnerConfig:
         _need(isinstance(self.grammar_compile_timeout_seconds, (int, float)) and not isinstance(
             self.grammar_compile_timeout_seconds, bool) and 0 < self.grammar_compile_timeout_seconds <= 3600,
             "grammar_compile_timeout_seconds", self.grammar_compile_timeout_seconds, "in (0, 3600]")
+        _need(isinstance(self.load_timeout_seconds, (int, float)) and not isinstance(self.load_timeout_seconds, bool)
+              and 0 < self.load_timeout_seconds < float("inf"), "load_timeout_seconds", self.load_timeout_seconds,
+              "a number of seconds > 0")
         _need_one_of(self, "tensorrt_runtime", TENSORRT_RUNTIMES)
         if self.engine == "tensorrt":
             _need(self.tensorrt_runtime == "torch" or self.device != "cpu", "device", self.device,

@@ -9,6 +9,7 @@ from ..core.config import DTYPE_SIZES, EngineConfig
 from ..core.errors import InvalidRequestError
 from ..core.kv_events import AllBlocksCleared
 from ..core.kv_manager import BlockManager
+from ..core.load_watch import stage as load_stage
 from ..core.messages import RunnerOutput, SchedulerOutput
 from ..core.request import Request, RequestStatus
 from ..core.sampling_params import SamplingParams
@@ -37,14 +38,18 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None,
                  executor_factory: ExecutorFactory | None = None) -> None:
         self.config = config = config or EngineConfig()
+        load_stage("preparing the model folder and tokenizer")
         self.rules = RequestRules(config.runner)
+        load_stage("checking the model's configuration")
         self.setup = setup = ModelSetup.check(config, self.rules)
         self.runner_spec = RunnerSpec.from_config(
             config, model_path=self.rules.model_path, max_model_len=self.rules.max_model_len,
             num_blocks=config.cache.num_kv_blocks(setup.kv_elements_per_token * DTYPE_SIZES[config.runner.dtype]),
             engine_cache_dir=setup.engine_cache_dir)
         self.executor_factory = executor_factory or executor_factory_for(config.parallel)
+        load_stage(f"starting the runner ({config.parallel.executor} executor)")
         self.executor: Executor = self.executor_factory(self.runner_spec)
+        load_stage("loading the grammar compiler's tokenizer")
         model = self.rules.model_config
         self.grammars = compiler_for(self.rules.model_path, model.vocab_size, model.eos_token_ids)
         self.loras = LoRARegistry(model, config.scheduler.enable_lora, config.runner.max_lora_rank,

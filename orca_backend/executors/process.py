@@ -23,7 +23,6 @@ from ..runner.spec import RunnerSpec
 from .base import Executor, IterationFailedError, RunnerDiedError
 
 log = logging.getLogger(__name__)
-START_TIMEOUT_SECONDS = 600  # loading weights in the child
 STOP_TIMEOUT_SECONDS = 10
 
 
@@ -33,7 +32,8 @@ class ProcessExecutor(Executor):
     a child that stops reading never blocks the engine thread; a reader thread answers the
     futures in submission order (the child runs iterations in that order)."""
 
-    def __init__(self, spec: RunnerSpec, start_timeout: float = START_TIMEOUT_SECONDS) -> None:
+    def __init__(self, spec: RunnerSpec, start_timeout: float | None = None) -> None:
+        """`start_timeout`: how long the child may take to load (None: the spec's)."""
         self.process, self._to_child, self._from_child = spawn("orca_backend.executors.process_child")
         self._lock = threading.Lock()
         self._pending: deque[tuple[int, Future]] = deque()
@@ -43,7 +43,7 @@ class ProcessExecutor(Executor):
         self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()  # None: stop writing
         try:
             self._to_child.send_bytes(frame(Frame.SPEC, spec.to_values()))
-            self._wait_ready(start_timeout)
+            self._wait_ready(start_timeout or spec.child_start_timeout_seconds)
         except BaseException:
             self._stop_process()
             self._to_child.close()

@@ -13,6 +13,7 @@ import sys
 from multiprocessing.connection import Connection
 
 from ..core.errors import RunnerDiedError
+from ..core.load_watch import watched
 from ..core.messages import SchedulerOutput
 from ..runner.build import build_runner
 from ..runner.spawn import Frame, child_connections, frame, read_frame
@@ -24,7 +25,8 @@ log = logging.getLogger("orca_backend.executors.process_child")
 def main(inbox: Connection, outbox: Connection) -> None:
     try:
         _, spec = read_frame(inbox)  # the first frame is the SPEC
-        runner = build_runner(RunnerSpec(**spec))
+        spec = RunnerSpec(**spec)
+        runner = watched("the runner process", lambda: build_runner(spec), spec.runner.load_timeout_seconds)
     except EOFError:
         return
     except Exception as e:

@@ -10,6 +10,7 @@ import torch
 from ..checkpoint.config import ModelConfig
 from ..checkpoint.store import model_folder
 from ..core.errors import ConfigError
+from ..core.load_watch import stage as load_stage
 from ..core.speculative import SpeculativeConfig
 from ..grammar import GrammarCompiler, compiler_for
 from ..lora import LoRASlots
@@ -26,7 +27,6 @@ from .models.moe import prepare_experts
 from .models.parallel import Shard
 from .spec import RunnerSpec
 
-START_TIMEOUT_SECONDS = 600  # every rank loading its shard
 
 
 def build_runner(spec: RunnerSpec, model=None, rank: int = 0) -> ModelRunner | NullRunner:
@@ -53,9 +53,12 @@ def build_runner(spec: RunnerSpec, model=None, rank: int = 0) -> ModelRunner | N
     backend = linear_backend(device, dtype, spec.runner.quantization, spec.runner.linear)  # refused before loading
     if model is None:
         layers = range(*spec.layer_range) if spec.layer_range else None
+        load_stage("loading the weights")
         model = load_model(Path(spec.model_path), dtype, device, layers)
+    load_stage("preparing the projections' kernels")
     _prepare(model, spec, backend)  # a stage's model, loaded before, keeps the backend it has
     attention = _attention(spec, device, model)
+    load_stage("allocating the K/V pool and the runner's parts")
     runner = ModelRunner(model, spec.num_blocks, spec.cache.block_size, device, dtype, spec.runner.seed,
                          spec.runner.keep_logits, attention, grammars=grammar_compiler(spec),
                          loras=_lora_slots(spec, model, dtype, device),
@@ -147,6 +150,7 @@ def _build_rank(spec: RunnerSpec, rank: int) -> ModelRunner:
     shard = Shard(rank, size, replicated=parallel.tensor_parallel_size == 1,
                   experts=parallel.expert_parallel_size > 1)
     device = _rank_device(spec.runner.device, rank, size)
+    load_stage(f"starting {size - 1} more ranks" if rank == 0 else f"rank {rank} starting")
     group = TensorParallelGroup(spec) if rank == 0 else None
     if device.type == "cuda":
         make_current(device)
@@ -160,10 +164,13 @@ def _build_rank(spec: RunnerSpec, rank: int) -> ModelRunner:
     try:
         backend = linear_backend(device, getattr(torch, spec.runner.dtype), spec.runner.quantization, spec.runner.linear)
         layers = range(*spec.layer_range) if spec.layer_range else None
+        load_stage(f"rank {rank} loading its shard of the weights")
         model = load_model(Path(spec.model_path), getattr(torch, spec.runner.dtype), device, layers,
                            shard, collectives)
+        load_stage(f"rank {rank} preparing the projections' kernels")
         _prepare(model, spec, backend)
         attention = _attention(spec, device, model)
+        load_stage(f"rank {rank} allocating its K/V pool and the runner's parts")
         runner = ModelRunner(model, spec.num_blocks, spec.cache.block_size, device, getattr(torch, spec.runner.dtype),
                              spec.runner.seed, spec.runner.keep_logits, attention, group,
                              grammars=grammar_compiler(spec) if rank == 0 else None,
@@ -171,7 +178,8 @@ def _build_rank(spec: RunnerSpec, rank: int) -> ModelRunner:
                              proposer=_proposer(spec, model, attention, backend, device) if rank == 0 else None,
                              pooling_type=spec.runner.pooling_type)
         if group is not None:
-            group.connect(collectives, START_TIMEOUT_SECONDS)
+            load_stage("waiting for every rank to load, then forming the group")
+            group.connect(collectives, spec.child_start_timeout_seconds)
     except BaseException:
         if group is not None:
             group.shutdown()

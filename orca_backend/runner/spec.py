@@ -10,6 +10,7 @@ from pathlib import Path
 from ..core.config import CacheConfig, EngineConfig, ParallelConfig, RunnerConfig, SchedulerConfig
 
 _PARTS = {"runner": RunnerConfig, "scheduler": SchedulerConfig, "cache": CacheConfig, "parallel": ParallelConfig}
+START_MARGIN_SECONDS = 60  # a child's own watch names its stage before its parent gives up on it
 
 
 @dataclass(slots=True)
@@ -45,6 +46,12 @@ class RunnerSpec:
     def on(self, device: str, layer_range: tuple[int, int] | None) -> RunnerSpec:
         """The same runner on another device, or as a pipeline stage."""
         return replace(self, runner=replace(self.runner, device=device), layer_range=layer_range)
+
+    @property
+    def child_start_timeout_seconds(self) -> float:
+        """How long a parent waits for a child (a runner process, a rank) to load: past the
+        child's own load_timeout_seconds, so that the child reports the stage it hung in."""
+        return self.runner.load_timeout_seconds + START_MARGIN_SECONDS
 
     @property
     def collective_timeout_seconds(self) -> float:

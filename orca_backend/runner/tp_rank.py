@@ -14,6 +14,7 @@ import os
 import sys
 from multiprocessing.connection import Connection
 
+from ..core.load_watch import watched
 from ..core.messages import SchedulerOutput
 from .build import build_runner
 from .requests import Fills
@@ -30,7 +31,7 @@ def main(inbox: Connection, outbox: Connection) -> None:
         return
     spec = RunnerSpec(**spec)
     try:
-        runner = build_runner(spec, rank=rank)
+        runner = watched(f"rank {rank}", lambda: build_runner(spec, rank=rank), spec.runner.load_timeout_seconds)
     except Exception as e:
         log.exception("rank %d could not load its shard", rank)
         outbox.send_bytes(frame(Frame.FATAL, f"{type(e).__name__}: {e}"))

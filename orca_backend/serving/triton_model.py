@@ -6,6 +6,7 @@ thread through each request's decoupled response sender.
 """
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
@@ -17,6 +18,7 @@ import triton_python_backend_utils as pb_utils
 
 from ..core.threads import NamedThread
 from ..core.errors import OrcaError
+from ..core.load_watch import stage as load_stage, watched
 from ..core.sampling_params import SamplingParams
 from ..engine.llm_engine import LLMEngine
 from ..executors.factory import executor_factory_for
@@ -42,6 +44,7 @@ _COMMAND_OUTPUTS = GenerateRequest("", SamplingParams())  # a LoRA command's ans
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
+        _log_stages_to_stderr()
         version_folder = Path(args["model_repository"]) / args.get("model_version", "1")
         parameters = model_parameters(args)
         # model.json fills what config.pbtxt leaves empty ("auto" included) or does not name
@@ -50,15 +53,27 @@ class TritonPythonModel:
         options = serving_options(parameters)  # takes its own parameters out
         engine_config = engine_config_from_parameters(parameters, instance_device(args))
         name = args["model_name"]
+        # Every stage from here on is logged, and one that hangs fails the load naming itself.
+        watched(f"model {name!r}", lambda: self._load(args, version_folder, options, engine_config),
+                engine_config.runner.load_timeout_seconds)
+        _drain_on_interrupt(self.loop, options.drain_timeout_seconds)  # signals: the main thread's
+        # From the first request on (Triton is asked nothing while the model loads).
+        self._watch_unload = lambda: _drain_on_unload(self.loop, name, args.get("model_version", "1"),
+                                                      options.drain_timeout_seconds)
+
+    def _load(self, args: dict, version_folder: Path, options, engine_config) -> None:
+        name = args["model_name"]
         # The stages executor calls the Triton models <name>_stage_<i>, so it is made here.
         parallel = engine_config.parallel
         factory = (TritonStagesFactory(parallel, name) if parallel.executor == "stages"
                    else executor_factory_for(parallel))
         self.engine = LLMEngine(engine_config, factory)
+        load_stage("starting the K/V events, tracing and LoRA adapters")
         self._kv_events = None if options.kv_events is None else publish_kv_events(self.engine, options.kv_events)
         self._tracer = None if options.tracing is None else RequestTracer(options.tracing, name)
         for lora_name, lora_path in lora_modules(version_folder).items():
             self.engine.add_lora(lora_name, lora_path)
+        load_stage("starting the serving loop")
         stage_stats = factory.stage_stats if isinstance(factory, StagedFactory) else None
         metrics = MetricsRecorder(TritonMetrics(name, args.get("model_version", "1"),
                                                 self.engine.rules.max_model_len if options.vllm_metrics else None))
@@ -66,10 +81,6 @@ class TritonPythonModel:
                                options.admission, stage_stats, options.stream_interval,
                                options.runtime_lora_updating)
         self.loop.start()
-        _drain_on_interrupt(self.loop, options.drain_timeout_seconds)
-        # From the first request on (Triton is asked nothing while the model loads).
-        self._watch_unload = lambda: _drain_on_unload(self.loop, name, args.get("model_version", "1"),
-                                                      options.drain_timeout_seconds)
 
     def execute(self, requests) -> None:
         if self._watch_unload is not None:
@@ -142,6 +153,19 @@ def _drain_on_unload(loop: EngineLoop, name: str, version: str, timeout_seconds:
             time.sleep(UNLOAD_POLL_SECONDS)
 
     NamedThread(target=watch, name="orca-unload-watch", daemon=True).start()
+
+
+def _log_stages_to_stderr() -> None:
+    """Our INFO logs (a load's stages, above all) go to the stub's stderr, which is
+    tritonserver's log; and SIGUSR1 writes every thread's stack there, for a stub that hangs
+    where no stage is watched."""
+    logger = logging.getLogger("orca_backend")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("orca %(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 class _TritonSink:

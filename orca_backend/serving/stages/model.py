@@ -23,6 +23,7 @@ import triton_python_backend_utils as pb_utils
 
 from ...core.config import auto_dtype
 from ...core.errors import ConfigError
+from ...core.load_watch import LOAD_TIMEOUT_SECONDS, watched
 from ..parameters import instance_device, model_parameters
 from ..triton_io import string_tensor, tensor_text
 from .worker import StageWorker
@@ -47,8 +48,10 @@ class TritonPythonModel:
         except (KeyError, ValueError) as e:
             raise ConfigError(f"model {args['model_name']} needs integer parameters stage, "
                               f"layer_start and layer_end: {e}") from None
-        self.worker = StageWorker(index, layers, parameters.get("model") or None, dtype, device,
-                                  args["model_name"], int(parameters.get("tensor_parallel_size") or 1))
+        timeout = float(parameters.get("load_timeout_seconds") or LOAD_TIMEOUT_SECONDS)
+        self.worker = watched(f"model {args['model_name']!r}", lambda: StageWorker(
+            index, layers, parameters.get("model") or None, dtype, device, args["model_name"],
+            int(parameters.get("tensor_parallel_size") or 1)), timeout)
 
     def execute(self, requests) -> list:
         responses = []
