@@ -83,7 +83,7 @@ class Server(_Child):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"tritonserver exited; log:\n{self.log_path.read_text(errors='replace')[-3000:]}")
+                raise RuntimeError(f"tritonserver exited; log:\n{self.log_path.read_text(errors='replace')[-20000:]}")
             if self.is_ready():
                 return
             time.sleep(0.5)

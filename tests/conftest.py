@@ -9,6 +9,7 @@ import pytest
 
 from orca_backend.checkpoint.store import prepare_default_model
 
+TEST_LOAD_TIMEOUT_SECONDS = 240  # under `serving`'s 600 s wait
 TINY_VOCAB = 512  # token ids below this decode with the default model's tokenizer
 SERVER_FIXTURES = {"server", "hostile", "feature_server"}  # a test that takes one is in the slow group `server`
 # A test that takes one of these (a checkpoint to run) is in the slow group `engine`, unless in `server`.
@@ -237,6 +238,8 @@ def write_model(repo: Path, name: str, parameters: dict, files: dict[str, str] |
     version folder; returns the version folder."""
     from orca_backend.serving.stages.repository import TEMPLATE, set_parameters
 
+    # A stage of a load that hangs is named, with its stacks, before `serving` gives up waiting.
+    parameters = {"load_timeout_seconds": str(TEST_LOAD_TIMEOUT_SECONDS), **parameters}
     config = set_parameters(TEMPLATE.read_text(), parameters).replace('name: "orca"', f'name: "{name}"', 1)
     version = repo / name / "1"
     version.mkdir(parents=True)
