@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from budgets import record_test_time
 from orca_backend.checkpoint.store import prepare_default_model
 
 TEST_LOAD_TIMEOUT_SECONDS = 240  # under `serving`'s 600 s wait
@@ -58,6 +59,10 @@ def _stall_every_step() -> None:
         return returned(self)
 
     LLMEngine._returned = stalled
+
+
+def pytest_runtest_logreport(report) -> None:
+    record_test_time(report.nodeid, report.duration)  # for make test's slowest tests (tests/budgets.py)
 
 
 def pytest_collection_modifyitems(items) -> None:

@@ -16,6 +16,10 @@ ports are never taken twice. (pytest-xdist's `loadgroup` would do this, but unde
 groups nothing: xdist 3.8 renames a test's `_nodeid`, which pytest 9 no longer reads.) The
 first group reports as it goes; the second's report follows it. Arguments go to both.
 
+At the end it prints the run's minutes, the memory it used at its peak with the largest
+processes then, and the slowest tests; a run past its budget (tests/budgets.py: 15 minutes
+from `make test`'s start, 12 GB) by more than 20% fails, naming the budget.
+
     python tests/two_groups.py [pytest options]
 """
 from __future__ import annotations
@@ -25,6 +29,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
+from pathlib import Path
+
+import budgets
 
 NO_TESTS = 5  # pytest's exit status when its selection is empty
 FIRST = "server or (subprocess and not engine)"
@@ -36,25 +44,40 @@ def pytest(marker: str, args: list[str], env_defaults: dict[str, str], **kwargs)
 
 
 def main(args: list[str]) -> int:
+    started = budgets.started_at()
+    with tempfile.TemporaryDirectory() as times, budgets.MemorySampler() as memory:
+        first, rest = _run_groups(args, Path(times))
+        slowest = budgets.slowest_tests(list(Path(times).iterdir()))
+    elapsed = time.time() - started
+    print("", budgets.report(elapsed, memory, slowest), sep="\n", flush=True)
+    over = budgets.over_budget(elapsed, memory)
+    for line in over:
+        print(line, flush=True)
+    for name, code in (("the tritonserver and child-process tests", first), ("the other tests", rest)):
+        if code < 0:  # killed: pytest wrote no summary, and the exit status must not read as a pass
+            hint = " (out of memory?)" if code == -signal.SIGKILL else ""
+            print(f"{name} were killed by {signal.Signals(-code).name}{hint}", flush=True)
+    codes = [1 if code < 0 else code for code in (first, rest) if code != NO_TESTS]
+    return max([*codes, *([1] if over else [])], default=NO_TESTS)
+
+
+def _run_groups(args: list[str], times: Path) -> tuple[int, int]:
+    """Both groups' exit statuses; each writes its tests' times into `times`."""
     with tempfile.TemporaryFile("w+") as rest_log:
-        rest = pytest(f"not ({FIRST})", args, {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"},
+        rest = pytest(f"not ({FIRST})", args, {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE",
+                                               "ORCA_TEST_TIMES": str(times / "rest.tsv")},
                       stdout=rest_log, stderr=subprocess.STDOUT)
         try:
             print("tests of a real tritonserver and of child processes (the others run meanwhile; their "
                   "report follows):", flush=True)
-            first = pytest(FIRST, args, {"OMP_NUM_THREADS": "1"}).wait()
+            first = pytest(FIRST, args, {"OMP_NUM_THREADS": "1", "ORCA_TEST_TIMES": str(times / "first.tsv")}).wait()
             rest.wait()
         except BaseException:  # interrupted (Ctrl+C): the other group with it
             rest.kill()
             raise
         rest_log.seek(0)
         print("\nthe other tests:", rest_log.read(), sep="\n", flush=True)
-    for name, code in (("the tritonserver and child-process tests", first), ("the other tests", rest.returncode)):
-        if code < 0:  # killed: pytest wrote no summary, and the exit status must not read as a pass
-            hint = " (out of memory?)" if code == -signal.SIGKILL else ""
-            print(f"{name} were killed by {signal.Signals(-code).name}{hint}", flush=True)
-    codes = [1 if code < 0 else code for code in (first, rest.returncode) if code != NO_TESTS]
-    return max(codes, default=NO_TESTS)
+    return first, rest.returncode
 
 
 if __name__ == "__main__":
