@@ -82,11 +82,12 @@ def test_kernels_multiply_by_the_dequantized_weight(rows):
 
 
 def test_a_long_call_dequantizes_a_slice_of_its_weight_at_a_time(monkeypatch):
-    """Past the crossover, a call holds one slice of the weight in full precision (64 output
+    """Past the crossover, a call holds one slice of the weight in full precision (128 output
     channels here), never the whole weight, and gives the whole weight's product."""
-    monkeypatch.setattr(quantized, "DENSE_SLICE_BYTES", 64 * 256 * 4)
-    bias = torch.randn(224)
-    for weight in (_int4(n=224), int8_per_channel(torch.randn(224, 256))):  # 224: the last slice is short
+    monkeypatch.setattr(quantized, "DENSE_SLICE_BYTES", 128 * 256 * 4)
+    bias = torch.randn(448)
+    # 448: the last slice is short, in whole int4 blocks of 32 (AVX2) or 64 (AVX-512) channels
+    for weight in (_int4(n=448), int8_per_channel(torch.randn(448, 256))):
         kernel = kernel_for(weight, bias, torch.float32)
         x = torch.randn(300, 256)
         whole = F.linear(x, kernel.dequantize(torch.float32), bias)
@@ -98,7 +99,7 @@ def test_a_long_call_dequantizes_a_slice_of_its_weight_at_a_time(monkeypatch):
             return w
         monkeypatch.setattr(kernel, "dequantize", recorded)
         assert torch.equal(kernel(x), whole), weight.kind
-        assert held == [64, 64, 64, 32], (weight.kind, held)
+        assert held == [128, 128, 128, 64], (weight.kind, held)
 
 
 def test_a_packed_table_gives_back_its_rows():
