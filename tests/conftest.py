@@ -71,6 +71,43 @@ def pytest_collection_modifyitems(items) -> None:
             item.add_marker(pytest.mark.server)
         elif ENGINE_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.engine)
+    # The tests of one session server run together: it is stopped after its last one (below),
+    # so that the two are never up at once but for the tests that take both.
+    items.sort(key=lambda item: _SERVER_ORDER[tuple(name in item.fixturenames for name in SESSION_SERVERS)])
+
+
+SESSION_SERVERS = ("server", "feature_server")
+_SERVER_ORDER = {(True, False): 0, (True, True): 1, (False, True): 2, (False, False): 3}
+_last_users: dict[str, list[str]] = {}  # a test's nodeid -> the session servers it is the last to take
+_running: dict[str, object] = {}  # a session server's fixture name -> its Server, while it runs
+
+
+def pytest_collection_finish(session) -> None:
+    last = {name: item.nodeid for item in session.items for name in SESSION_SERVERS if name in item.fixturenames}
+    for name, nodeid in last.items():
+        _last_users.setdefault(nodeid, []).append(name)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the last test that takes a session server (and its module's fixtures, which may
+    talk to it), the server stops: its stubs give their memory back for the rest of the run."""
+    yield
+    for name in _last_users.get(item.nodeid, []):
+        if name in _running:
+            _running.pop(name).stop()
+
+
+def _session_server(name: str, server):
+    """`server` once ready, for the fixture `name`; stopped after its last test, or at the end."""
+    from helpers import serving
+
+    with serving(server):
+        _running[name] = server
+        try:
+            yield server
+        finally:
+            _running.pop(name, None)
 
 
 @pytest.fixture(scope="session")
@@ -109,12 +146,7 @@ def server(tmp_path_factory, default_model):
     """A real tritonserver on free ports with model_repository/ (every model)."""
     from benchmarks.servers import Server
 
-    s = Server(tmp_path_factory.mktemp("triton"))
-    try:
-        s.wait_ready()
-        yield s
-    finally:
-        s.stop()
+    yield from _session_server("server", Server(tmp_path_factory.mktemp("triton")))
 
 
 @pytest.fixture(scope="module")
@@ -314,7 +346,7 @@ def feature_server(tmp_path_factory, default_model, lora_adapters, served_family
     model in deterministic mode."""
     import json
 
-    from helpers import free_port, serving
+    from helpers import free_port
     from benchmarks.servers import Server
 
     repo = tmp_path_factory.mktemp("feature_repo")
@@ -348,6 +380,6 @@ def feature_server(tmp_path_factory, default_model, lora_adapters, served_family
     write_model(repo, "gguf", {"model": str(default_gguf()), "kv_cache_tokens": "2048"})
     write_model(repo, "compressed", {"model": str(served_compressed), "kv_cache_tokens": "1024"})
     write_model(repo, "det", {"deterministic": "true", "kv_cache_tokens": "8192"})
-    with serving(Server(tmp_path_factory.mktemp("feature_triton"), repo, ["--exit-timeout-secs=20"])) as server:
-        server.kv_events_port, server.kv_replay_port = kv_events_port, kv_replay_port
-        yield server
+    server = Server(tmp_path_factory.mktemp("feature_triton"), repo, ["--exit-timeout-secs=20"])
+    server.kv_events_port, server.kv_replay_port = kv_events_port, kv_replay_port
+    yield from _session_server("feature_server", server)
