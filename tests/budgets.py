@@ -6,6 +6,7 @@ over a budget by more than TOLERANCE fails, naming the budget, like a failing te
 from __future__ import annotations
 
 import os
+import resource
 import threading
 import time
 from collections import defaultdict
@@ -92,16 +93,33 @@ class MemorySampler:
         self.sample()
 
 
+def _phases(files: list[Path]):
+    """(file, nodeid, seconds, the group process's peak RSS in bytes so far) per test phase."""
+    for path in files:
+        if path.exists():
+            for line in path.read_text().splitlines():
+                nodeid, duration, peak = line.rsplit("\t", 2)
+                yield path, nodeid, float(duration), int(peak)
+
+
 def slowest_tests(files: list[Path], n: int = NUM_SLOWEST) -> list[tuple[float, str]]:
     """Each test's seconds (setup, call and teardown added: a session server's start counts
     in the first test that asks for it), the slowest first."""
     seconds: dict[str, float] = defaultdict(float)
-    for path in files:
-        if path.exists():
-            for line in path.read_text().splitlines():
-                nodeid, _, duration = line.rpartition("\t")
-                seconds[nodeid] += float(duration)
+    for _, nodeid, duration, _ in _phases(files):
+        seconds[nodeid] += duration
     return sorted(((s, nodeid) for nodeid, s in seconds.items()), reverse=True)[:n]
+
+
+def peak_raisers(files: list[Path], n: int = NUM_LARGEST) -> list[tuple[int, str]]:
+    """The tests that raised their pytest process's peak memory the most (bytes), largest first:
+    where a group's own memory goes (the servers' is in the processes' list)."""
+    raised: dict[str, int] = defaultdict(int)
+    before: dict[Path, int] = defaultdict(int)
+    for path, nodeid, _, peak in _phases(files):
+        raised[nodeid] += max(0, peak - before[path])
+        before[path] = max(before[path], peak)
+    return sorted(((b, nodeid) for nodeid, b in raised.items() if b), reverse=True)[:n]
 
 
 def over_budget(elapsed_seconds: float, memory: MemorySampler, time_budget: float = TIME_BUDGET_SECONDS,
@@ -118,23 +136,28 @@ def over_budget(elapsed_seconds: float, memory: MemorySampler, time_budget: floa
     return over
 
 
-def report(elapsed_seconds: float, memory: MemorySampler, slowest: list[tuple[float, str]]) -> str:
+def report(elapsed_seconds: float, memory: MemorySampler, slowest: list[tuple[float, str]],
+           raisers: list[tuple[int, str]] = ()) -> str:
     lines = [f"make test: {elapsed_seconds / 60:.1f} minutes (budget {TIME_BUDGET_SECONDS / 60:.0f}), "
              f"memory used at the peak {memory.peak_rise_bytes / GB:.1f} GB over the {memory.start_bytes / GB:.1f} "
              f"GB in use before (budget {MEMORY_BUDGET_BYTES / GB:.0f})",
              "largest processes at the peak:"]
     lines += [f"  {p.rss_bytes / GB:5.2f} GB  {p.pid:>7}  {p.command[:150]}" for p in memory.largest]
+    lines.append("tests that raised their pytest process's peak memory the most:")
+    lines += [f"  {raised / GB:5.2f} GB  {nodeid}" for raised, nodeid in raisers]
     lines.append(f"slowest {len(slowest)} tests (setup, call and teardown):")
     lines += [f"  {seconds:7.1f} s  {nodeid}" for seconds, nodeid in slowest]
     return "\n".join(lines)
 
 
 def record_test_time(nodeid: str, duration: float) -> None:
-    """A group's conftest: one test phase's seconds, to the file ORCA_TEST_TIMES names (if any)."""
+    """A group's conftest: one test phase's seconds and the process's peak memory so far, to
+    the file ORCA_TEST_TIMES names (if any)."""
     path = os.environ.get("ORCA_TEST_TIMES")
     if path:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
         with open(path, "a") as f:
-            f.write(f"{nodeid}\t{duration:.3f}\n")
+            f.write(f"{nodeid}\t{duration:.3f}\t{peak}\n")
 
 
 def started_at() -> float:

@@ -37,8 +37,9 @@ def test_the_run_fails_when_a_group_fails_or_is_killed_and_says_which(monkeypatc
 def _groups_writing_times(monkeypatch) -> None:
     """Fake groups that pass, each recording one test's seconds where the runner asks."""
     def fake(marker, args, env_defaults, **kwargs):
-        seconds = 12.5 if marker == two_groups.FIRST else 3.0
-        code = (f"import os; open(os.environ['ORCA_TEST_TIMES'], 'a').write('tests/x.py::t_{int(seconds)}\\t{seconds}\\n')")
+        seconds, peak = (12.5, 2 * budgets.GB) if marker == two_groups.FIRST else (3.0, budgets.GB)
+        code = ("import os; open(os.environ['ORCA_TEST_TIMES'], 'a').write("
+                f"'tests/x.py::t_{int(seconds)}\\t{seconds}\\t{peak}\\n')")
         return subprocess.Popen([sys.executable, "-c", code], env={**os.environ, **env_defaults}, **kwargs)
 
     monkeypatch.setattr(two_groups, "pytest", fake)
@@ -72,10 +73,12 @@ def test_a_run_past_its_memory_budget_fails_naming_it_with_the_largest_processes
     assert re.match(r"\s+\d+\.\d\d GB\s+\d+\s+\S", largest), largest  # GB, pid, command
 
 
-def test_the_report_lists_the_slowest_tests_of_both_groups(monkeypatch, capsys):
+def test_the_report_lists_the_slowest_tests_and_those_that_raised_a_group_s_memory(monkeypatch, capsys):
     _groups_writing_times(monkeypatch)
     assert two_groups.main([]) == 0
     out = capsys.readouterr().out
     slowest = out[out.index("slowest 2 tests"):].splitlines()
     assert slowest[1].split() == ["12.5", "s", "tests/x.py::t_12"]
     assert slowest[2].split() == ["3.0", "s", "tests/x.py::t_3"]
+    raisers = out[out.index("raised their pytest process's peak memory"):].splitlines()
+    assert raisers[1].split() == ["2.00", "GB", "tests/x.py::t_12"] and raisers[2].split() == ["1.00", "GB", "tests/x.py::t_3"]

@@ -47,9 +47,10 @@ def main(args: list[str]) -> int:
     started = budgets.started_at()
     with tempfile.TemporaryDirectory() as times, budgets.MemorySampler() as memory:
         first, rest = _run_groups(args, Path(times))
-        slowest = budgets.slowest_tests(list(Path(times).iterdir()))
+        files = list(Path(times).iterdir())
+        slowest, raisers = budgets.slowest_tests(files), budgets.peak_raisers(files)
     elapsed = time.time() - started
-    print("", budgets.report(elapsed, memory, slowest), sep="\n", flush=True)
+    print("", budgets.report(elapsed, memory, slowest, raisers), sep="\n", flush=True)
     over = budgets.over_budget(elapsed, memory)
     for line in over:
         print(line, flush=True)
