@@ -118,8 +118,10 @@ def invariant_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         pieces, size = g.rows.shape
         queries = padded[g.rows].view(pieces, size, kv_heads, group, head_dim).permute(2, 0, 1, 3, 4)
         queries = queries.reshape(kv_heads, pieces, size * group, head_dim)  # K/V head by K/V head
-        keys = _gather(k_cache, g.blocks)  # [pieces, L, Hkv, D]
-        values = keys[..., :value_dim] if v_cache is None else _gather(v_cache, g.blocks)
+        rows = _gather(k_cache, g.blocks)  # [pieces, L, Hkv, D]
+        keys = rows.permute(2, 0, 3, 1).contiguous()  # [Hkv, pieces, D, L]: each K/V head's keys^T, row-major
+        values = rows[..., :value_dim] if v_cache is None else _gather(v_cache, g.blocks)
+        values = values.permute(2, 0, 1, 3).contiguous()  # [Hkv, pieces, L, Dv]
         out = _attend(queries, keys, values, g.hidden, layout.split, softcap, sinks)
         out = out.view(kv_heads, pieces, size, group, value_dim).permute(1, 2, 0, 3, 4)
         out = out.reshape(-1, num_heads, value_dim)
@@ -128,22 +130,18 @@ def invariant_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def _attend(q, keys, values, hidden, split, softcap, sinks):
-    """q [Hkv, P, M, D] against keys [P, L, Hkv, D]: [Hkv * P, M, Dv] (see the module's doc).
-    One batched product per K/V head, reading its keys where they lie (strided, not copied)."""
-    kv_heads, pieces, num_q, _ = q.shape
+    """q [Hkv, P, M, D] against keys [Hkv, P, D, L] and values [Hkv, P, L, Dv], each matrix
+    contiguous: [Hkv * P, M, Dv] (see the module's doc). One batched product over every K/V
+    head and piece, of contiguous row-major operands on both sides (keys read as rows, a
+    transposed operand, take another kernel for a few rows on AVX-512 CPUs)."""
+    kv_heads, pieces, num_q, head_dim = q.shape
     if pieces == kv_heads == 1:  # a product of one matrix takes another kernel: the piece beside a copy
-        twice = (q.expand(1, 2, *q.shape[2:]), keys.expand(2, *keys.shape[1:]), values.expand(2, *values.shape[1:]),
-                 hidden.expand(1, 2, *hidden.shape[2:]))
+        twice = (q.expand(1, 2, *q.shape[2:]), keys.expand(1, 2, *keys.shape[2:]),
+                 values.expand(1, 2, *values.shape[2:]), hidden.expand(1, 2, *hidden.shape[2:]))
         return _attend(*twice, split, softcap, sinks)[:1]
-    num_keys, group = keys.shape[1], num_q // hidden.shape[2]
-    batch = kv_heads * pieces
-    scores = q.new_empty(kv_heads, pieces, num_q, num_keys)
-    if pieces == 1:  # one product over the heads
-        torch.bmm(q[:, 0], keys[0].permute(1, 2, 0), out=scores[:, 0])
-    else:
-        for h in range(kv_heads):
-            torch.bmm(q[h], keys[:, :, h].transpose(1, 2), out=scores[h])
-    scores = scores.view(batch, num_q, num_keys)
+    num_keys, group = keys.shape[-1], num_q // hidden.shape[2]
+    batch, splits = kv_heads * pieces, num_keys // split
+    scores = torch.bmm(q.reshape(batch, num_q, head_dim), keys.reshape(batch, head_dim, num_keys))
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     per_head = scores.view(kv_heads, -1, num_q // group, group, num_keys)
@@ -152,17 +150,12 @@ def _attend(q, keys, values, hidden, split, softcap, sinks):
     if sinks is not None:  # one more logit per head, whose share is dropped
         sink = sinks.to(scores.dtype).view(kv_heads, 1, 1, group, 1)
         best = torch.maximum(best.view(kv_heads, -1, num_q // group, group, 1), sink).view(batch, num_q, 1)
-    weights = scores.sub_(best).exp_().view(batch, num_q, num_keys // split, split)
+    weights = scores.sub_(best).exp_().view(batch, num_q, splits, split)
     total = weights.sum(-1).cumsum(-1)[..., -1:]  # [Hkv * P, M, 1], split after split
-    by_split = weights.transpose(1, 2).reshape(kv_heads, pieces, num_keys // split, num_q, split)
-    values = values.unflatten(1, (num_keys // split, split))  # [P, splits, split, Hkv, Dv]
-    if pieces == 1:
-        parts = torch.matmul(by_split[:, 0], values[0].permute(2, 0, 1, 3))  # [Hkv, splits, M, Dv]
-    else:
-        parts = torch.stack([torch.matmul(by_split[h], values[:, :, :, h]) for h in range(kv_heads)])
-    parts = parts.view(batch, num_keys // split, num_q, -1)
+    by_split = weights.transpose(1, 2).reshape(batch * splits, num_q, split)
+    parts = torch.bmm(by_split, values.reshape(batch * splits, split, -1)).view(batch, splits, num_q, -1)
     out = parts[:, 0]
-    for i in range(1, num_keys // split):  # split after split (a sum over the splits may pair them by their number)
+    for i in range(1, splits):  # split after split (a sum over the splits may pair them by their number)
         out = out + parts[:, i]  # [Hkv * P, M, Dv]
     if sinks is not None:
         extra = torch.exp(sink - best.view(kv_heads, -1, num_q // group, group, 1))
