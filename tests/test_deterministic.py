@@ -245,6 +245,22 @@ def test_attention_gives_a_row_the_same_bits_in_any_batch_or_chunking(heads, kv_
     assert torch.equal(run((0, length), others), whole)
 
 
+def test_the_attention_products_give_a_query_row_the_same_bits_with_any_number_of_rows():
+    """The two products the attention rests on, as it runs them: keys [L, D] (read where they
+    lie, among other K/V heads) x q^T [D, M], and weights [M, 64] x values [64, Dv] (where they
+    lie); a query row's bits the same with 4 to 1024 rows in batches of 2 to 9. The natural
+    order, q x keys^T with the keys read transposed, fails this on AVX-512 CPUs for head sizes
+    of 96 and more (a decode's 4 rows take another MKL kernel)."""
+    torch.manual_seed(0)
+    for d in (16, 64, 96, 128, 256):
+        keys, values = torch.randn(9, 320, 2, d)[:, :, 1], torch.randn(9, 64, 2, d)[:, :, 1]
+        q, weights = torch.randn(9, d, 1024), torch.randn(9, 1024, 64)
+        scores, out = torch.bmm(keys[:2], q[:2, :, :4].contiguous())[0], torch.bmm(weights[:2, :4], values[:2])[0]
+        for batch, rows in ((2, 5), (2, 8), (3, 12), (9, 64), (4, 1024)):
+            assert torch.equal(torch.bmm(keys[:batch], q[:batch, :, :rows].contiguous())[0, :, :4], scores), (d, rows)
+            assert torch.equal(torch.bmm(weights[:batch, :rows], values[:batch])[0, :4], out), (d, rows)
+
+
 @pytest.mark.server
 def test_streamed_and_unstreamed_logprobs_are_the_same_bits_through_the_openai_api(feature_server, tmp_path):
     """Triton's own OpenAI client test: one request unstreamed, then streamed (a prefix-cache

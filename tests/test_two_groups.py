@@ -19,11 +19,17 @@ EXITS = {"pass": "raise SystemExit(0)", "fail": "raise SystemExit(1)", "empty": 
 SAID = {"killed": "were killed by SIGKILL (out of memory?)\n", "terminated": "were killed by SIGTERM\n"}
 
 
+@pytest.fixture(autouse=True)
+def _a_run_of_its_own(monkeypatch):
+    """These runs start now, whatever run of make test they are tested in."""
+    monkeypatch.delenv("ORCA_MAKE_STARTED", raising=False)
+
+
 @pytest.mark.parametrize("first, rest, code", [
     ("pass", "pass", 0), ("pass", "fail", 1), ("pass", "empty", 0), ("empty", "empty", 5),
     ("pass", "killed", 1), ("killed", "pass", 1), ("pass", "terminated", 1)])
 def test_the_run_fails_when_a_group_fails_or_is_killed_and_says_which(monkeypatch, capsys, first, rest, code):
-    def fake(marker, args, env_defaults, **kwargs):
+    def fake(marker, args, env_defaults, times, **kwargs):
         return subprocess.Popen([sys.executable, "-c", EXITS[first if marker == two_groups.FIRST else rest]],
                                 **kwargs)
 
@@ -36,11 +42,11 @@ def test_the_run_fails_when_a_group_fails_or_is_killed_and_says_which(monkeypatc
 
 def _groups_writing_times(monkeypatch) -> None:
     """Fake groups that pass, each recording one test's seconds where the runner asks."""
-    def fake(marker, args, env_defaults, **kwargs):
+    def fake(marker, args, env_defaults, times, **kwargs):
         seconds, peak = (12.5, 2 * budgets.GB) if marker == two_groups.FIRST else (3.0, budgets.GB)
-        code = ("import os; open(os.environ['ORCA_TEST_TIMES'], 'a').write("
+        code = (f"open({str(times)!r}, 'a').write("
                 f"'tests/x.py::t_{int(seconds)}\\t{seconds}\\t{peak}\\n')")
-        return subprocess.Popen([sys.executable, "-c", code], env={**os.environ, **env_defaults}, **kwargs)
+        return subprocess.Popen([sys.executable, "-c", code], **kwargs)
 
     monkeypatch.setattr(two_groups, "pytest", fake)
 

@@ -38,8 +38,9 @@ NO_TESTS = 5  # pytest's exit status when its selection is empty
 FIRST = "server or (subprocess and not engine)"
 
 
-def pytest(marker: str, args: list[str], env_defaults: dict[str, str], **kwargs) -> subprocess.Popen:
-    env = {**env_defaults, **os.environ}
+def pytest(marker: str, args: list[str], env_defaults: dict[str, str], times: Path, **kwargs) -> subprocess.Popen:
+    """A group's pytest; it records its tests' times in the file `times`."""
+    env = {**env_defaults, **os.environ, "ORCA_TEST_TIMES": str(times)}
     return subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-m", marker, *args], env=env, **kwargs)
 
 
@@ -65,13 +66,12 @@ def main(args: list[str]) -> int:
 def _run_groups(args: list[str], times: Path) -> tuple[int, int]:
     """Both groups' exit statuses; each writes its tests' times into `times`."""
     with tempfile.TemporaryFile("w+") as rest_log:
-        rest = pytest(f"not ({FIRST})", args, {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE",
-                                               "ORCA_TEST_TIMES": str(times / "rest.tsv")},
-                      stdout=rest_log, stderr=subprocess.STDOUT)
+        rest = pytest(f"not ({FIRST})", args, {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"},
+                      times / "rest.tsv", stdout=rest_log, stderr=subprocess.STDOUT)
         try:
             print("tests of a real tritonserver and of child processes (the others run meanwhile; their "
                   "report follows):", flush=True)
-            first = pytest(FIRST, args, {"OMP_NUM_THREADS": "1", "ORCA_TEST_TIMES": str(times / "first.tsv")}).wait()
+            first = pytest(FIRST, args, {"OMP_NUM_THREADS": "1"}, times / "first.tsv").wait()
             rest.wait()
         except BaseException:  # interrupted (Ctrl+C): the other group with it
             rest.kill()

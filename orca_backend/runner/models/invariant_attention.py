@@ -7,11 +7,16 @@ their number, and the CPU's GEMMs pick other kernels for one to three rows. Here
 - Rows go in groups: each request's rows (in pieces of at most `PIECE` tokens) with its
   query heads folded in, `heads per K/V head x tokens` rows against that K/V head's keys,
   padded to at least `MIN_ROWS` rows. Requests of the same padded size share one batched
-  product per K/V head, reading that head's keys where they lie (a lone piece: one product
-  over its heads). A batched GEMM of at least `MIN_ROWS` rows gives a row the same bits
-  whatever the other rows, their number, the batch or the number of key columns; a single
-  matrix does not (some row counts take another kernel), so no product is of one matrix
-  (tests/test_deterministic.py checks it for every head layout the loaders know).
+  product per K/V head, reading that head's keys and values where they lie (a lone piece:
+  one product over its heads). A batched GEMM of at least `MIN_ROWS` rows gives a row the
+  same bits whatever the other rows, their number, the batch or the number of key columns;
+  a single matrix does not (some row counts take another kernel), so no product is of one
+  matrix (tests/test_deterministic.py checks it for every head layout the loaders know).
+- No product reads an operand transposed: the scores come as keys [L, D] x q^T [D, M] (q^T
+  copied, the keys as rows), [L, M], then weights [M, split] x values [split, Dv]. MKL's
+  product of q [M, D] by the keys read transposed (q x keys^T, the natural order) takes
+  another kernel for fewer than 5 to 11 rows on AVX-512 CPUs once D is 96 or more: a decode
+  got other bits than the same row in its prompt.
 - The softmax's maximum is exact in any order; its sum and the weighted sum of the values are
   taken per split of a fixed `SPLIT` keys (fixed-size reductions and products), then over the
   splits one after another (`cumsum`, or adds in order). A key past a row's position weighs
@@ -40,7 +45,7 @@ class _Group:
     kept: torch.Tensor
     dest: torch.Tensor
     blocks: torch.Tensor
-    hidden: torch.Tensor  # [1, B, n, 1, L]: the keys each row may not see (True)
+    hidden: torch.Tensor  # [1, B, L, n, 1]: the keys each row may not see (True), keys first as the scores
 
 
 @dataclass(slots=True)
@@ -101,7 +106,7 @@ def _groups(layout: InvariantLayout, window: int | None, group: int) -> list[_Gr
         t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(layout.device)  # noqa: E731
         kept = np.flatnonzero(rows < total_rows)
         groups.append(_Group(t(rows), t(kept), t(rows.reshape(-1)[kept]), t(blocks),
-                             t(hidden[None, :, :, None, :])))
+                             t(hidden.transpose(0, 2, 1)[None, :, :, :, None])))
     return groups
 
 
@@ -116,12 +121,10 @@ def invariant_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     answer = q.new_empty(num_rows, num_heads, value_dim)
     for g in layout.pieces(window, group):
         pieces, size = g.rows.shape
-        queries = padded[g.rows].view(pieces, size, kv_heads, group, head_dim).permute(2, 0, 1, 3, 4)
-        queries = queries.reshape(kv_heads, pieces, size * group, head_dim)  # K/V head by K/V head
-        rows = _gather(k_cache, g.blocks)  # [pieces, L, Hkv, D]
-        keys = rows.permute(2, 0, 3, 1).contiguous()  # [Hkv, pieces, D, L]: each K/V head's keys^T, row-major
-        values = rows[..., :value_dim] if v_cache is None else _gather(v_cache, g.blocks)
-        values = values.permute(2, 0, 1, 3).contiguous()  # [Hkv, pieces, L, Dv]
+        queries = padded[g.rows].view(pieces, size, kv_heads, group, head_dim).permute(2, 0, 4, 1, 3)
+        queries = queries.reshape(kv_heads, pieces, head_dim, size * group)  # K/V head by K/V head, transposed
+        keys = _gather(k_cache, g.blocks)  # [pieces, L, Hkv, D]
+        values = keys[..., :value_dim] if v_cache is None else _gather(v_cache, g.blocks)
         out = _attend(queries, keys, values, g.hidden, layout.split, softcap, sinks)
         out = out.view(kv_heads, pieces, size, group, value_dim).permute(1, 2, 0, 3, 4)
         out = out.reshape(-1, num_heads, value_dim)
@@ -130,37 +133,51 @@ def invariant_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def _attend(q, keys, values, hidden, split, softcap, sinks):
-    """q [Hkv, P, M, D] against keys [Hkv, P, D, L] and values [Hkv, P, L, Dv], each matrix
-    contiguous: [Hkv * P, M, Dv] (see the module's doc). One batched product over every K/V
-    head and piece, of contiguous row-major operands on both sides (keys read as rows, a
-    transposed operand, take another kernel for a few rows on AVX-512 CPUs)."""
-    kv_heads, pieces, num_q, head_dim = q.shape
-    if pieces == kv_heads == 1:  # a product of one matrix takes another kernel: the piece beside a copy
-        twice = (q.expand(1, 2, *q.shape[2:]), keys.expand(1, 2, *keys.shape[2:]),
-                 values.expand(1, 2, *values.shape[2:]), hidden.expand(1, 2, *hidden.shape[2:]))
-        return _attend(*twice, split, softcap, sinks)[:1]
-    num_keys, group = keys.shape[-1], num_q // hidden.shape[2]
+    """q^T [Hkv, P, D, M] against keys [P, L, Hkv, D] and values [P, L, Hkv, Dv], both read where
+    they lie: [Hkv * P, M, Dv] (see the module's doc). The scores come transposed, [L, M] =
+    keys x q^T, and the softmax runs over their keys' dimension; the copy that lays each
+    split's weights out by row for the values' product turns them back."""
+    kv_heads, pieces, _, num_q = q.shape
+    num_keys, group = keys.shape[1], num_q // hidden.shape[3]
     batch, splits = kv_heads * pieces, num_keys // split
-    scores = torch.bmm(q.reshape(batch, num_q, head_dim), keys.reshape(batch, head_dim, num_keys))
+    scores = q.new_empty(kv_heads, pieces, num_keys, num_q)
+    if pieces == 1:  # one product over the heads
+        _bmm(keys[0].transpose(0, 1), q[:, 0], scores[:, 0])
+    else:
+        for h in range(kv_heads):
+            torch.bmm(keys[:, :, h], q[h], out=scores[h])
+    scores = scores.view(batch, num_keys, num_q)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    per_head = scores.view(kv_heads, -1, num_q // group, group, num_keys)
-    per_head.masked_fill_(hidden, float("-inf"))
-    best = scores.amax(-1, keepdim=True)
+    scores.view(kv_heads, pieces, num_keys, num_q // group, group).masked_fill_(hidden, float("-inf"))
+    best = scores.amax(1, keepdim=True)  # [Hkv * P, 1, M]
     if sinks is not None:  # one more logit per head, whose share is dropped
-        sink = sinks.to(scores.dtype).view(kv_heads, 1, 1, group, 1)
-        best = torch.maximum(best.view(kv_heads, -1, num_q // group, group, 1), sink).view(batch, num_q, 1)
-    weights = scores.sub_(best).exp_().view(batch, num_q, splits, split)
-    total = weights.sum(-1).cumsum(-1)[..., -1:]  # [Hkv * P, M, 1], split after split
-    by_split = weights.transpose(1, 2).reshape(batch * splits, num_q, split)
-    parts = torch.bmm(by_split, values.reshape(batch * splits, split, -1)).view(batch, splits, num_q, -1)
+        sink = sinks.to(scores.dtype).view(kv_heads, 1, 1, 1, group)
+        best = torch.maximum(best.view(kv_heads, pieces, 1, num_q // group, group), sink).view(batch, 1, num_q)
+    weights = scores.sub_(best).exp_().view(kv_heads, pieces, splits, split, num_q)
+    by_split = weights.transpose(3, 4).contiguous()  # [Hkv, P, splits, M, split]: each row's weights of a split
+    total = by_split.sum(-1).view(batch, splits, num_q).cumsum(1)[:, -1:].transpose(1, 2)  # [Hkv * P, M, 1]
+    parts = q.new_empty(kv_heads, pieces * splits, num_q, values.shape[-1])
+    for h in range(kv_heads):  # each split's values, where they lie
+        _bmm(by_split[h].view(pieces * splits, num_q, split), values[:, :, h].flatten(0, 1).unflatten(0, (-1, split)),
+             parts[h])
+    parts = parts.view(batch, splits, num_q, -1)
     out = parts[:, 0]
     for i in range(1, splits):  # split after split (a sum over the splits may pair them by their number)
         out = out + parts[:, i]  # [Hkv * P, M, Dv]
     if sinks is not None:
-        extra = torch.exp(sink - best.view(kv_heads, -1, num_q // group, group, 1))
+        extra = torch.exp(sink - best.view(kv_heads, pieces, 1, num_q // group, group))
         total = total + extra.view(batch, num_q, 1)
     return out / total
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """A batched product into `out`; a single matrix runs beside a copy of itself (a product of
+    one matrix takes another kernel for some row counts)."""
+    if a.shape[0] > 1:
+        torch.bmm(a, b, out=out)
+    else:
+        out.copy_(torch.bmm(a.expand(2, *a.shape[1:]), b.expand(2, *b.shape[1:]))[:1])
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
