@@ -12,11 +12,12 @@ their number, and the CPU's GEMMs pick other kernels for one to three rows. Here
   same bits whatever the other rows, their number, the batch or the number of key columns;
   a single matrix does not (some row counts take another kernel), so no product is of one
   matrix (tests/test_deterministic.py checks it for every head layout the loaders know).
-- No product reads an operand transposed: the scores come as keys [L, D] x q^T [D, M] (q^T
-  copied, the keys as rows), [L, M], then weights [M, split] x values [split, Dv]. MKL's
-  product of q [M, D] by the keys read transposed (q x keys^T, the natural order) takes
-  another kernel for fewer than 5 to 11 rows on AVX-512 CPUs once D is 96 or more: a decode
-  got other bits than the same row in its prompt.
+- No product reads an operand transposed: the scores come as keys [L, D] (read as rows) x
+  q^T [D, M] (copied), an [L, M] matrix whose softmax runs down its columns, then weights
+  [M, split] x values [split, Dv]. The natural order, q x keys^T, reads the keys transposed,
+  and MKL's kernel for it gives fewer than 5 to 11 rows (by head size) other bits on AVX-512
+  CPUs once heads have 96 dims or more: a decode's rows differed from the same rows in their
+  prompt.
 - The softmax's maximum is exact in any order; its sum and the weighted sum of the values are
   taken per split of a fixed `SPLIT` keys (fixed-size reductions and products), then over the
   splits one after another (`cumsum`, or adds in order). A key past a row's position weighs
@@ -45,7 +46,7 @@ class _Group:
     kept: torch.Tensor
     dest: torch.Tensor
     blocks: torch.Tensor
-    hidden: torch.Tensor  # [1, B, L, n, 1]: the keys each row may not see (True), keys first as the scores
+    hidden: torch.Tensor  # [1, B, L, 1, n]: the keys each row may not see (True), keys first as the scores
 
 
 @dataclass(slots=True)
@@ -106,7 +107,7 @@ def _groups(layout: InvariantLayout, window: int | None, group: int) -> list[_Gr
         t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(layout.device)  # noqa: E731
         kept = np.flatnonzero(rows < total_rows)
         groups.append(_Group(t(rows), t(kept), t(rows.reshape(-1)[kept]), t(blocks),
-                             t(hidden.transpose(0, 2, 1)[None, :, :, :, None])))
+                             t(hidden.transpose(0, 2, 1)[None, :, :, None, :])))
     return groups
 
 
@@ -121,12 +122,12 @@ def invariant_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     answer = q.new_empty(num_rows, num_heads, value_dim)
     for g in layout.pieces(window, group):
         pieces, size = g.rows.shape
-        queries = padded[g.rows].view(pieces, size, kv_heads, group, head_dim).permute(2, 0, 4, 1, 3)
-        queries = queries.reshape(kv_heads, pieces, head_dim, size * group)  # K/V head by K/V head, transposed
+        queries = padded[g.rows].view(pieces, size, kv_heads, group, head_dim).permute(2, 0, 4, 3, 1)
+        queries = queries.reshape(kv_heads, pieces, head_dim, group * size)  # per K/V head, q^T: by head, then token
         keys = _gather(k_cache, g.blocks)  # [pieces, L, Hkv, D]
         values = keys[..., :value_dim] if v_cache is None else _gather(v_cache, g.blocks)
         out = _attend(queries, keys, values, g.hidden, layout.split, softcap, sinks)
-        out = out.view(kv_heads, pieces, size, group, value_dim).permute(1, 2, 0, 3, 4)
+        out = out.view(kv_heads, pieces, group, size, value_dim).permute(1, 3, 0, 2, 4)
         out = out.reshape(-1, num_heads, value_dim)
         answer[g.dest] = out[g.kept]
     return answer
@@ -138,7 +139,7 @@ def _attend(q, keys, values, hidden, split, softcap, sinks):
     keys x q^T, and the softmax runs over their keys' dimension; the copy that lays each
     split's weights out by row for the values' product turns them back."""
     kv_heads, pieces, _, num_q = q.shape
-    num_keys, group = keys.shape[1], num_q // hidden.shape[3]
+    num_keys, size = keys.shape[1], hidden.shape[-1]
     batch, splits = kv_heads * pieces, num_keys // split
     scores = q.new_empty(kv_heads, pieces, num_keys, num_q)
     if pieces == 1:  # one product over the heads
@@ -149,14 +150,14 @@ def _attend(q, keys, values, hidden, split, softcap, sinks):
     scores = scores.view(batch, num_keys, num_q)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    scores.view(kv_heads, pieces, num_keys, num_q // group, group).masked_fill_(hidden, float("-inf"))
+    scores.view(kv_heads, pieces, num_keys, -1, size).masked_fill_(hidden, float("-inf"))
     best = scores.amax(1, keepdim=True)  # [Hkv * P, 1, M]
     if sinks is not None:  # one more logit per head, whose share is dropped
-        sink = sinks.to(scores.dtype).view(kv_heads, 1, 1, 1, group)
-        best = torch.maximum(best.view(kv_heads, pieces, 1, num_q // group, group), sink).view(batch, 1, num_q)
+        sink = sinks.to(scores.dtype).view(kv_heads, 1, 1, -1, 1)
+        best = torch.maximum(best.view(kv_heads, pieces, 1, -1, size), sink).view(batch, 1, num_q)
     weights = scores.sub_(best).exp_().view(kv_heads, pieces, splits, split, num_q)
     by_split = weights.transpose(3, 4).contiguous()  # [Hkv, P, splits, M, split]: each row's weights of a split
-    total = by_split.sum(-1).view(batch, splits, num_q).cumsum(1)[:, -1:].transpose(1, 2)  # [Hkv * P, M, 1]
+    total = by_split.sum(-1).view(batch, splits, num_q).cumsum(1)[:, -1].unsqueeze(-1)  # [Hkv * P, M, 1]
     parts = q.new_empty(kv_heads, pieces * splits, num_q, values.shape[-1])
     for h in range(kv_heads):  # each split's values, where they lie
         _bmm(by_split[h].view(pieces * splits, num_q, split), values[:, :, h].flatten(0, 1).unflatten(0, (-1, split)),
@@ -166,7 +167,7 @@ def _attend(q, keys, values, hidden, split, softcap, sinks):
     for i in range(1, splits):  # split after split (a sum over the splits may pair them by their number)
         out = out + parts[:, i]  # [Hkv * P, M, Dv]
     if sinks is not None:
-        extra = torch.exp(sink - best.view(kv_heads, pieces, 1, num_q // group, group))
+        extra = torch.exp(sink - best.view(kv_heads, pieces, 1, -1, size))
         total = total + extra.view(batch, num_q, 1)
     return out / total
 
