@@ -1,28 +1,40 @@
 """Speculative decoding with n-gram proposals and with a draft model: the proposers and their
 configuration; the rejection sampler's output distribution against the target's; and through
-the engine on the default model, greedy output token for token the output without speculation,
-with every stop, EOS and max_tokens alignment inside accepted runs, preemption, prefix caching,
-seeded sampling, the process and pipeline executors and two tensor-parallel ranks. The default
-model drafting for itself accepts every proposal."""
+the engine, greedy output token for token the output without speculation, with every stop, EOS
+and max_tokens alignment inside accepted runs, preemption, prefix caching, seeded sampling, the
+process and pipeline executors and two tensor-parallel ranks. A model drafting for itself
+accepts every proposal, whatever the model: those tests run tiny random Llamas of the default
+model's vocabulary (`looping_llama`; `tiny_vocab_llama` over two ranks), and so do the n-gram
+tests that need some proposals accepted somewhere in 40 tokens (the looping Llama's greedy text
+falls into loops that n-grams catch). Two tests run the default model, as they need text that
+repeats the prompt from the first tokens on, which a random model does not write: the ends at
+each of the first 8 tokens under n-grams (inside accepted runs), and sampling with n-grams
+(sampled text that repeats the prompt). The refusals of unfit draft models name the default
+model's configuration without loading its weights."""
 from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import LORA_MAX_TOKENS, LORA_PROMPTS
+from conftest import ALL_PROJECTIONS, LORA_MAX_TOKENS, LORA_PROMPTS, make_lora_adapters
 from orca_backend.core.errors import ConfigError
 from orca_backend.core.sampling_params import SamplingParams
 from orca_backend.core.speculative import SpeculativeConfig
 from orca_backend.runner.proposers import NgramProposer, ProposalAsk
 from orca_backend.engine.llm import LLM
 
-# Prompts whose continuations repeat what they hold (proposals get accepted) and one that does not.
+# Prompts whose continuations repeat what they hold (the default model's: proposals get accepted)
+# and one that does not.
 PROMPTS = ["Repeat this list exactly: apple, banana, cherry, date, elderberry, fig, grape. "
            "Repeat: apple, banana,",
            "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n",
            "The capital of France is"]
 SPEC = {"num_speculative_tokens": 4, "max_batch_size": 64}
-# 24 blocks of 4 tokens, fewer than PROMPTS hold by their 24th output token (32): some are preempted.
+# 24 blocks of 4 tokens, fewer than PROMPTS hold by their 40th output token (44): some are preempted.
 PREEMPTING = dict(kv_cache_tokens=96, block_size=4, max_num_batched_tokens=64)
 
 
@@ -92,26 +104,49 @@ def test_rejection_sampling_keeps_the_target_distribution(min_p):
 
 
 @pytest.fixture(scope="module")
-def reference(default_model):
-    with LLM(str(default_model), kv_cache_tokens=4096) as llm:
-        yield llm
+def looping_llama(tmp_path_factory, default_model) -> Path:
+    """A tiny random Llama with the default model's vocabulary and tokenizer, its weights drawn
+    small (initializer range 0.05, where `tiny_vocab_llama`'s are 0.2): its greedy text falls into
+    loops that n-grams catch (for PROMPTS' first two, some proposals accepted by their 40th token,
+    some rejected). Its EOS is also the token it writes last for the third prompt, of the 32 it
+    writes there greedily, that it has not written before: a request of that prompt ends by EOS."""
+    import transformers as tf
+
+    folder = tmp_path_factory.mktemp("looping_llama")
+    config = tf.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                            initializer_range=0.05, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(config).save_pretrained(folder)
+    shutil.copy(default_model / "tokenizer.json", folder / "tokenizer.json")
+    with LLM(str(folder), kv_cache_tokens=512) as llm:
+        out, = llm.generate(PROMPTS[2], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+    tokens = out.token_ids
+    last_new = max(i for i, t in enumerate(tokens) if t not in tokens[:i])
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, tokens[last_new]]}))
+    return folder
 
 
-@pytest.fixture(scope="module")
-def plain(reference):
-    """`reference.generate` for greedy requests, each prompt's output with given parameters
-    computed once in the module (it does not change): several tests compare the same requests
-    with their output without speculation."""
+def outputs_of(llm: LLM):
+    """`llm.generate` for greedy requests, each prompt's output with given parameters computed
+    once in the module (it does not change): several tests compare the same requests with their
+    output without speculation."""
     outputs = {}
 
     def generate(prompts: str | list[str], params: SamplingParams) -> list:
         prompts = [prompts] if isinstance(prompts, str) else prompts
         assert params.greedy
         new = list(dict.fromkeys(p for p in prompts if (p, repr(params)) not in outputs))
-        for prompt, out in zip(new, reference.generate(new, params) if new else []):
+        for prompt, out in zip(new, llm.generate(new, params) if new else []):
             outputs[(prompt, repr(params))] = out
         return [outputs[(p, repr(params))] for p in prompts]
     return generate
+
+
+@pytest.fixture(scope="module")
+def reference(default_model):
+    with LLM(str(default_model), kv_cache_tokens=4096) as llm:
+        yield llm
 
 
 @pytest.fixture(scope="module")
@@ -120,14 +155,33 @@ def speculating(default_model):
         yield llm
 
 
+@pytest.fixture(scope="module")
+def looping_reference(looping_llama):
+    with LLM(str(looping_llama), kv_cache_tokens=4096) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def plain(looping_reference):
+    """`outputs_of(looping_reference)`: the looping Llama's greedy outputs without speculation."""
+    return outputs_of(looping_reference)
+
+
+@pytest.fixture(scope="module")
+def looping(looping_llama):
+    """The looping Llama with n-gram proposals."""
+    with LLM(str(looping_llama), kv_cache_tokens=4096, speculative_config=SPEC) as llm:
+        yield llm
+
+
 def self_draft(model) -> dict:
     return {"method": "draft_model", "model": str(model), **SPEC}
 
 
 @pytest.fixture(scope="module")
-def drafting(default_model):
-    """The default model proposing for itself: every proposal is its own greedy choice."""
-    with LLM(str(default_model), kv_cache_tokens=4096, speculative_config=self_draft(default_model)) as llm:
+def drafting(looping_llama):
+    """The looping Llama proposing for itself: every proposal is its own greedy choice."""
+    with LLM(str(looping_llama), kv_cache_tokens=4096, speculative_config=self_draft(looping_llama)) as llm:
         yield llm
 
 
@@ -136,15 +190,12 @@ def same(a, b) -> None:
         assert (x.token_ids, x.text, x.finish_reason, x.error) == (y.token_ids, y.text, y.finish_reason, y.error)
 
 
-@pytest.fixture(scope="module")
-def every_end(reference):
+def ends(reference: LLM):
     """Each prompt ending by max_tokens, a stop token and a stop string at each of its first 8
-    tokens (3 x 25 requests), and by EOS (the third prompt's, its 30th token; the others end at
-    32 by length): the requests and the engine's outputs without speculation. With 4 proposals
-    a step, 8 tokens are the prefill's, one whole accepted run and the start of the next: every
-    place in a run an end can fall. The stops may run to 12 tokens, so proposals are not cut to
-    the room left: the first prompt's third step, under n-grams, has 2 of 4 accepted and ends
-    inside them."""
+    tokens (3 x 25 requests), and by EOS or at 32 tokens: the requests and `reference`'s outputs
+    (without speculation). With 4 proposals a step, 8 tokens are the prefill's, one whole accepted
+    run and the start of the next: every place in a run an end can fall. The stops may run to 12
+    tokens, so proposals are not cut to the room left."""
     base = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     full = [o.token_ids for o in reference.generate(PROMPTS, base)]
     text = reference.engine.rules.tokenizer.decode
@@ -163,14 +214,31 @@ def every_end(reference):
     return prompts, params, outputs
 
 
-@pytest.mark.parametrize("proposer", ["speculating", "drafting"], ids=["ngram", "draft_model"])
-def test_greedy_output_is_the_output_without_speculation_at_every_end(every_end, request, proposer):
-    """Every request of `every_end` in one generate call, speculating (the prompts' full
-    blocks in the prefix cache first, as they are in the reference's): every output, text and
-    finish reason equal to the engine's without speculation; proposals were accepted (every
-    one, when the model drafts for itself; under n-grams some were rejected)."""
+@pytest.fixture(scope="module")
+def every_end(reference):
+    """`ends` of the default model: its EOS is the third prompt's 30th token, the others end at
+    32 by length. Under n-grams, the first prompt's third step has 2 of 4 accepted and ends
+    inside them."""
+    return ends(reference)
+
+
+@pytest.fixture(scope="module")
+def looping_ends(looping_reference):
+    """`ends` of the looping Llama (its EOS: in the third prompt's output, by construction)."""
+    return ends(looping_reference)
+
+
+@pytest.mark.parametrize("proposer, requests", [("speculating", "every_end"), ("drafting", "looping_ends")],
+                         ids=["ngram", "draft_model"])
+def test_greedy_output_is_the_output_without_speculation_at_every_end(request, proposer, requests):
+    """Every request of `ends` in one generate call, speculating (the prompts' full blocks in
+    the prefix cache first, as they are in the reference's): every output, text and finish
+    reason equal to the engine's without speculation; proposals were accepted (every one, when
+    the model drafts for itself; under n-grams some were rejected). N-grams on the default
+    model: its text repeats the first prompt's from the first tokens on, so that the ends fall
+    in accepted runs; the looping Llama drafts for itself."""
     speculating = request.getfixturevalue(proposer)
-    prompts, params, expected = every_end
+    prompts, params, expected = request.getfixturevalue(requests)
     speculating.generate(PROMPTS, SamplingParams(max_tokens=1, temperature=0))  # hits for the 78 prompts below
     before = speculating.engine.stats.speculation.copy()
     same(expected, speculating.generate(prompts, params))
@@ -185,33 +253,42 @@ def test_greedy_output_is_the_output_without_speculation_at_every_end(every_end,
     assert speculating.engine.kv.num_used_blocks == 0
 
 
+# 40 greedy tokens of PROMPTS: the looping Llama's text has looped (n-gram proposals accepted)
+# in the first two by then.
+LONG = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+
 @pytest.mark.parametrize("options", [dict(executor="process"), dict(executor="pipeline", pipeline_stages=2),
                                      PREEMPTING], ids=["process", "pipeline", "preempting"])
-def test_greedy_output_is_the_same_through_other_executors_and_preemption(default_model, plain, options):
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+def test_greedy_output_is_the_same_through_other_executors_and_preemption(looping_llama, plain, options):
     prompts = PROMPTS if options is PREEMPTING else PROMPTS * 2
-    with LLM(str(default_model), speculative_config=SPEC, **{"kv_cache_tokens": 4096, **options}) as llm:
-        outs = llm.generate(prompts, params)
+    with LLM(str(looping_llama), speculative_config=SPEC, **{"kv_cache_tokens": 4096, **options}) as llm:
+        outs = llm.generate(prompts, LONG)
         stats = llm.engine.stats.speculation
         preemptions = llm.engine.scheduler.num_preemptions
-    same(plain(prompts, params), outs)
+    same(plain(prompts, LONG), outs)
     assert stats.num_accepted_tokens > 0
     if options is PREEMPTING:
         assert preemptions > 0
 
 
-@pytest.mark.parametrize("proposer", ["speculating", "drafting"], ids=["ngram", "draft_model"])
+@pytest.mark.parametrize("proposer", ["looping", "drafting"], ids=["ngram", "draft_model"])
 def test_prefix_caching_names_only_accepted_tokens(request, proposer, plain):
     """A request whose prompt is an earlier request's prompt and output hits the cache, and
     its output is right: the cached blocks hold accepted tokens' K/V only (a draft model
-    computes its own K/V of the cached tokens, and still proposes right)."""
+    computes its own K/V of the cached tokens, and still proposes right). The earlier request
+    had proposals accepted (and under n-grams, rejected)."""
     speculating = request.getfixturevalue(proposer)
-    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
-    first, = speculating.generate(PROMPTS[0], params)
+    before = speculating.engine.stats.speculation.copy()
+    first, = speculating.generate(PROMPTS[0], LONG)
+    stats = speculating.engine.stats.speculation
+    assert 0 < stats.num_accepted_tokens - before.num_accepted_tokens
+    if proposer == "looping":
+        assert stats.num_accepted_tokens - before.num_accepted_tokens < stats.num_draft_tokens - before.num_draft_tokens
     follow = PROMPTS[0] + first.text + " Again:"
-    again, = speculating.generate(follow, params)
+    again, = speculating.generate(follow, LONG)
     assert again.num_cached_tokens >= 32
-    same(plain(follow, params), [again])
+    same(plain(follow, LONG), [again])
 
 
 class _Watching:
@@ -326,42 +403,52 @@ def test_speculation_over_two_tensor_parallel_ranks(tiny_vocab_llama, one_rank):
 
 
 @pytest.mark.parametrize("options", [dict(executor="process"), PREEMPTING], ids=["process", "preempting"])
-def test_a_draft_model_in_a_child_process_and_under_preemption(default_model, plain, options):
+def test_a_draft_model_in_a_child_process_and_under_preemption(looping_llama, plain, options):
     """The model drafting for itself in the process executor's child, and with a pool so small
     that requests are preempted (the draft's K/V is recomputed on resume): output equal to the
     engine's without speculation, every proposal accepted."""
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     prompts = PROMPTS if options is PREEMPTING else PROMPTS * 2
-    with LLM(str(default_model), speculative_config=self_draft(default_model),
+    with LLM(str(looping_llama), speculative_config=self_draft(looping_llama),
              **{"kv_cache_tokens": 4096, **options}) as llm:
-        outs = llm.generate(prompts, params)
+        outs = llm.generate(prompts, LONG)
         stats = llm.engine.stats.speculation
         preemptions = llm.engine.scheduler.num_preemptions
-    same(plain(prompts, params), outs)
+    same(plain(prompts, LONG), outs)
     assert 0 < stats.num_accepted_tokens == stats.num_draft_tokens
     if options is PREEMPTING:
         assert preemptions > 0
 
 
-def test_a_draft_model_for_an_adapter_is_checked_row_by_row(default_model, lora_adapters):
+@pytest.fixture(scope="module")
+def looping_adapters(looping_llama, tmp_path_factory):
+    """LoRA adapters of the looping Llama, as `lora_adapters`' b and c: "b" rank 16 on every
+    projection, "c" rank 8 on o, gate and down with rsLoRA (see make_lora_adapters); scaled down
+    (alpha 1 and 0.5, where `lora_adapters`' are 16 and 8) so that they move the model's choices
+    without overturning them all: the base model's proposals for them are accepted in part."""
+    return make_lora_adapters(looping_llama, tmp_path_factory.mktemp("looping_lora"), {
+        "b": dict(r=16, lora_alpha=1, target_modules=ALL_PROJECTIONS),
+        "c": dict(r=8, lora_alpha=0.5, use_rslora=True, target_modules=["o_proj", "gate_proj", "down_proj"])})
+
+
+def test_a_draft_model_for_an_adapter_is_checked_row_by_row(looping_llama, looping_adapters):
     """The base model drafting for LoRA adapters (b on every projection, c on o, gate and
     down), in one batch with base-model requests: the adapters' requests accept some proposals
     and reject others (so the draft's K/V is kept for accepted ones and written over after),
     the base model's accept all; greedy tokens equal to PEFT's merged model's
-    (`lora_adapters.greedy`, what the engine without speculation writes: test_lora_engine.py),
+    (`looping_adapters.greedy`, what the engine without speculation writes: test_lora_engine.py),
     text and finish reason those of the tokens."""
     from orca_backend.lora import LoRARequest
 
     params = SamplingParams(max_tokens=LORA_MAX_TOKENS, temperature=0, ignore_eos=True)
     names = ["b", "b", "c", "c", None, None]
     prompts = list(LORA_PROMPTS) * 3
-    loras = [None if n is None else LoRARequest(n, 0, str(lora_adapters.paths[n])) for n in names]
-    with LLM(str(default_model), speculative_config=self_draft(default_model), kv_cache_tokens=4096,
+    loras = [None if n is None else LoRARequest(n, 0, str(looping_adapters.paths[n])) for n in names]
+    with LLM(str(looping_llama), speculative_config=self_draft(looping_llama), kv_cache_tokens=4096,
              enable_lora=True, max_loras=2) as llm:
         got = llm.generate(prompts, params, lora_request=loras)
         stats = llm.engine.stats.speculation
         decode = llm.engine.rules.tokenizer.decode
-    assert [o.token_ids for o in got] == [lora_adapters.greedy[(n, p)] for n, p in zip(names, prompts)]
+    assert [o.token_ids for o in got] == [looping_adapters.greedy[(n, p)] for n, p in zip(names, prompts)]
     assert [(o.text, o.finish_reason, o.error) for o in got] == [(decode(o.token_ids), "length", None) for o in got]
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
@@ -379,12 +466,11 @@ def test_a_failing_draft_model_costs_its_proposals_only(drafting, plain):
         return propose(items)
 
     drafter.propose = flaky
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)  # `plain` has its output
     try:
-        got = drafting.generate(PROMPTS, params)
+        got = drafting.generate(PROMPTS, LONG)  # `plain` has its output
     finally:
         del drafter.propose
-    same(plain(PROMPTS, params), got)
+    same(plain(PROMPTS, LONG), got)
     assert len(calls) >= 4 and drafting.engine.kv.num_used_blocks == 0
 
 
