@@ -158,7 +158,7 @@ def test_the_openai_api_reads_the_embedding_output_or_the_vllm_backends_json(our
 
 
 # -- served ------------------------------------------------------------------------------------
-def test_embedding_request_input_through_tritonclient(feature_server, server, reference):
+def test_embedding_request_input_through_tritonclient(feature_server, reference):
     with StreamingClient(feature_server.grpc_url, "embed") as c:
         flags = {"return_num_input_tokens": True, "return_num_output_tokens": True, "return_finish_reason": True}
         for body, text, dimensions in (({"input": PROMPTS[0]}, PROMPTS[0], None),
@@ -179,12 +179,12 @@ def test_embedding_request_input_through_tritonclient(feature_server, server, re
                               ({"input": "x", "frobnicate": 1}, "embedding_request: unknown field 'frobnicate'"),
                               ({"input": "x", "dimensions": 100_000}, "dimensions 100000 is more than")):
             assert message in c.generate("", sampling=None, stream=False, embedding=body).error
-    with StreamingClient(server.grpc_url, "orca") as c:
+    with StreamingClient(feature_server.grpc_url, "family") as c:  # a model without pooling_type
         assert "does not serve embeddings" in c.generate("", sampling=None, embedding={"input": "x"}).error
     assert_no_leak(feature_server, "embed")
 
 
-def test_openai_embeddings(feature_server, server, reference, tmp_path):
+def test_openai_embeddings(feature_server, reference, tmp_path):
     import openai
 
     frontend = Frontend(tmp_path, feature_server.grpc_url, args=["--model", "embed"])
@@ -216,7 +216,7 @@ def test_openai_embeddings(feature_server, server, reference, tmp_path):
         with pytest.raises(openai.BadRequestError, match="dimensions 100000 is more than"):
             api.embeddings.create(model="embed", input="x", dimensions=100_000)
     assert_no_leak(feature_server, "embed")
-    with serving(Frontend(tmp_path, server.grpc_url, args=["--model", "orca"])) as orca:
-        api = openai.OpenAI(base_url=orca.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    with serving(Frontend(tmp_path, feature_server.grpc_url, args=["--model", "family"])) as family:
+        api = openai.OpenAI(base_url=family.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         with pytest.raises(openai.BadRequestError, match="does not serve embeddings"):
-            api.embeddings.create(model="orca", input="x")
+            api.embeddings.create(model="family", input="x")

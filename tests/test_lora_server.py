@@ -44,7 +44,7 @@ def test_tritonclient_streams_each_adapter_mixed_in_one_batch(feature_server, te
     assert_no_leak(feature_server, "lora")
 
 
-def test_unknown_adapters_and_lora_off_are_invalid_arg_beside_a_healthy_stream(feature_server, server, text):
+def test_unknown_adapters_and_lora_off_are_invalid_arg_beside_a_healthy_stream(feature_server, text):
     with StreamingClient(feature_server.grpc_url, "lora") as c:
         healthy = c.send(PROMPT, sampling={**GREEDY, "lora_name": "a"}, stream=True)
         wait_until(lambda: c._results[healthy].responses, what="the healthy stream's first token")
@@ -52,14 +52,13 @@ def test_unknown_adapters_and_lora_off_are_invalid_arg_beside_a_healthy_stream(f
         assert bad.error.startswith("LoRA nope is not supported, we currently support ['a', 'b'")
         assert c.wait(healthy).error is None and c.wait(healthy).text == text("a")
     for model, name, message in (("lora", "nope", "LoRA nope is not supported"),
-                                 ("orca", "a", "LoRA feature is not enabled."),
+                                 ("family", "a", "LoRA feature is not enabled."),
                                  ("lora", 7, "sampling parameter 'lora_name' must be a string")):
-        http = server if model == "orca" else feature_server
-        status, body = http.http(f"/v2/models/{model}/generate", json.dumps(
+        status, body = feature_server.http(f"/v2/models/{model}/generate", json.dumps(
             {"text_input": PROMPT, "parameters": {**GREEDY, "lora_name": name}}).encode())
         assert status == 400 and message in json.loads(body)["error"], body  # INVALID_ARG
     assert_no_leak(feature_server, "lora")
-    assert_no_leak(server, "orca")
+    assert_no_leak(feature_server, "family")
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Speculative decoding served by a real tritonserver: models with `speculative_config` in their
 config.pbtxt (`spec` and `draft` of the `feature_server` fixture) stream the same text as the
-model without it, responses carrying several tokens when proposals were accepted, the token
+model without it (the engine offline, one prompt at a time as they are sent), responses carrying several tokens when proposals were accepted, the token
 counts exact; vLLM's spec_decode metrics count it."""
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 
 from client.triton_client import StreamingClient
 from helpers import assert_no_leak, settled_metrics
+from orca_backend import LLM, SamplingParams
 
 PROMPTS = ["Repeat this list exactly: apple, banana, cherry, date, elderberry, fig, grape. Repeat: apple, banana,",
            "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n",
@@ -24,8 +25,10 @@ def run(server, model: str) -> list:
 
 
 @pytest.fixture(scope="module")
-def reference(server) -> list:
-    return run(server, "orca")
+def reference(default_model) -> list[str]:
+    """The default model's greedy text without speculation, each prompt alone."""
+    with LLM(str(default_model), kv_cache_tokens=4096) as llm:
+        return [llm.generate(p, SamplingParams(**GREEDY))[0].text for p in PROMPTS]
 
 
 @pytest.mark.parametrize("model", ["spec", "draft"])
@@ -34,7 +37,7 @@ def test_served_speculation_streams_the_same_text_with_exact_counts(feature_serv
     before = settled_metrics(feature_server)
     speculating = run(feature_server, model)
     for ref, spec in zip(reference, speculating):
-        assert spec.error is None and spec.text == ref.text
+        assert spec.error is None and spec.text == ref
         counts = [int(r["num_output_tokens"]) for r in spec.responses]
         assert sum(counts) == GREEDY["max_tokens"]  # every token counted once, none past max_tokens
         assert spec.responses[-1]["finish_reason"] == "length"
