@@ -181,13 +181,18 @@ def tiny_models(tmp_path_factory, default_model) -> dict[str, Path]:
 def tiny_vocab_llama(tmp_path_factory, default_model):
     """A tiny random Llama with the default model's vocabulary (49152, which 2 ranks split),
     so that any text prompt is in range; its greedy text is nonsense, but reproducible."""
+    return save_tiny_vocab_llama(tmp_path_factory.mktemp("tiny_vocab_llama"), default_model, 0.2)
+
+
+def save_tiny_vocab_llama(folder: Path, default_model: Path, initializer_range: float) -> Path:
+    """A tiny random Llama (seed 0) with the default model's vocabulary and tokenizer, saved in
+    `folder`; the smaller `initializer_range`, the likelier its greedy text loops."""
     import torch
     import transformers as tf
 
-    folder = tmp_path_factory.mktemp("tiny_vocab_llama")
     config = tf.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                            initializer_range=0.2, bos_token_id=1, eos_token_id=2)
+                            initializer_range=initializer_range, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     tf.LlamaForCausalLM(config).save_pretrained(folder)
     shutil.copy(default_model / "tokenizer.json", folder / "tokenizer.json")

@@ -14,13 +14,12 @@ model's configuration without loading its weights."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import ALL_PROJECTIONS, LORA_MAX_TOKENS, LORA_PROMPTS, make_lora_adapters
+from conftest import ALL_PROJECTIONS, LORA_MAX_TOKENS, LORA_PROMPTS, make_lora_adapters, save_tiny_vocab_llama
 from orca_backend.core.errors import ConfigError
 from orca_backend.core.sampling_params import SamplingParams
 from orca_backend.core.speculative import SpeculativeConfig
@@ -110,15 +109,7 @@ def looping_llama(tmp_path_factory, default_model) -> Path:
     loops that n-grams catch (for PROMPTS' first two, some proposals accepted by their 40th token,
     some rejected). Its EOS is also the token it writes last for the third prompt, of the 32 it
     writes there greedily, that it has not written before: a request of that prompt ends by EOS."""
-    import transformers as tf
-
-    folder = tmp_path_factory.mktemp("looping_llama")
-    config = tf.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                            initializer_range=0.05, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    tf.LlamaForCausalLM(config).save_pretrained(folder)
-    shutil.copy(default_model / "tokenizer.json", folder / "tokenizer.json")
+    folder = save_tiny_vocab_llama(tmp_path_factory.mktemp("looping_llama"), default_model, 0.05)
     with LLM(str(folder), kv_cache_tokens=512) as llm:
         out, = llm.generate(PROMPTS[2], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
     tokens = out.token_ids
