@@ -74,14 +74,14 @@ def watched(what: str, load: Callable[[], T], timeout_seconds: float) -> T:
             done.set()
 
     started = time.monotonic()
-    NamedThread(target=contextvars.copy_context().run, args=(run,), name="orca-load", daemon=True).start()
+    NamedThread(target=run, name="orca-load", daemon=True).start()  # a new thread: a context of its own
     while not done.is_set():
         name, began = progress.current
-        overdue = began + timeout_seconds - time.monotonic()
-        if overdue < 0:
+        left = began + timeout_seconds - time.monotonic()
+        if left < 0:
             raise LoadTimeoutError(f"{what}: the load's stage '{name}' did not finish in {timeout_seconds:g} s "
                                    f"(load_timeout_seconds); every thread's stack:\n{thread_stacks()}")
-        done.wait(min(overdue, 1.0) + 0.01)
+        done.wait(min(left, 1.0) + 0.01)
     if "error" in outcome:
         raise outcome["error"]
     name, began = progress.current

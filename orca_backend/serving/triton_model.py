@@ -54,15 +54,14 @@ class TritonPythonModel:
         engine_config = engine_config_from_parameters(parameters, instance_device(args))
         name = args["model_name"]
         # Every stage from here on is logged, and one that hangs fails the load naming itself.
-        watched(f"model {name!r}", lambda: self._load(args, version_folder, options, engine_config),
+        watched(f"model {name!r}", lambda: self._load(args, name, version_folder, options, engine_config),
                 engine_config.runner.load_timeout_seconds)
         _drain_on_interrupt(self.loop, options.drain_timeout_seconds)  # signals: the main thread's
         # From the first request on (Triton is asked nothing while the model loads).
         self._watch_unload = lambda: _drain_on_unload(self.loop, name, args.get("model_version", "1"),
                                                       options.drain_timeout_seconds)
 
-    def _load(self, args: dict, version_folder: Path, options, engine_config) -> None:
-        name = args["model_name"]
+    def _load(self, args: dict, name: str, version_folder: Path, options, engine_config) -> None:
         # The stages executor calls the Triton models <name>_stage_<i>, so it is made here.
         parallel = engine_config.parallel
         factory = (TritonStagesFactory(parallel, name) if parallel.executor == "stages"
